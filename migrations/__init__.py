@@ -1,0 +1,1 @@
+"""Alembic migrations: every table, index, trigger, view, role and SQL function of Turnstile."""

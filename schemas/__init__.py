@@ -1,0 +1,123 @@
+"""The Turnstile contract: pydantic models of events and wire messages. No I/O lives here."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final
+
+from pydantic import BaseModel, Field, TypeAdapter
+
+from schemas.base import TOLERANT, Contract
+from schemas.common import (
+    ChatMessage,
+    FinishReason,
+    FunctionCall,
+    FunctionSpec,
+    SamplingParams,
+    Timings,
+    ToolCall,
+    ToolSpec,
+)
+from schemas.episode import (
+    EpisodeEvent,
+    EpisodeFinished,
+    EpisodeStarted,
+    RewardAssigned,
+    Termination,
+    TurnCompleted,
+    TurnReply,
+    TurnRequest,
+)
+from schemas.policy import PolicyEvent, PolicyVersionPublished
+from schemas.wire import LLMError, LLMReply, LLMRequest, LLMResponse, TokenPrefix, WireMessage
+
+Event = Annotated[
+    EpisodeStarted | TurnCompleted | RewardAssigned | EpisodeFinished | PolicyVersionPublished,
+    Field(discriminator="type"),
+]
+
+EVENT_TYPES: Final[dict[str, type[BaseModel]]] = {
+    model.model_fields["type"].default: model
+    for model in (EpisodeStarted, TurnCompleted, RewardAssigned, EpisodeFinished, PolicyVersionPublished)
+}
+"""Event type name -> model."""
+
+CATEGORY_OF: Final[dict[str, str]] = {
+    "EpisodeStarted": "episode",
+    "TurnCompleted": "episode",
+    "RewardAssigned": "episode",
+    "EpisodeFinished": "episode",
+    "PolicyVersionPublished": "policy",
+}
+"""Event type name -> the stream category its events belong to."""
+
+WIRE_TYPES: Final[dict[str, type[BaseModel]]] = {
+    model.model_fields["type"].default: model for model in (LLMRequest, LLMResponse, LLMError)
+}
+
+event_adapter: Final[TypeAdapter[Event]] = TypeAdapter(Event)
+wire_adapter: Final[TypeAdapter[WireMessage]] = TypeAdapter(WireMessage)
+
+
+def parse_event(data: dict[str, Any] | str | bytes, *, tolerant: bool = False) -> Event:
+    """Validate any event from a dict or JSON; ``tolerant`` drops unknown fields (for stored data)."""
+    context = TOLERANT if tolerant else None
+    if isinstance(data, dict):
+        return event_adapter.validate_python(data, context=context)
+    return event_adapter.validate_json(data, context=context)
+
+
+def parse_wire(data: dict[str, Any] | str | bytes, *, tolerant: bool = True) -> WireMessage:
+    """Validate a wire message; tolerant by default, since peers may run a newer contract."""
+    context = TOLERANT if tolerant else None
+    if isinstance(data, dict):
+        return wire_adapter.validate_python(data, context=context)
+    return wire_adapter.validate_json(data, context=context)
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """JSON Schema of every event and wire message, keyed by file name, for agents in other languages."""
+    schemas: dict[str, dict[str, Any]] = {}
+    for name, model in {**EVENT_TYPES, **WIRE_TYPES}.items():
+        schemas[f"{name}.json"] = model.model_json_schema()
+    schemas["Event.json"] = event_adapter.json_schema()
+    schemas["WireMessage.json"] = wire_adapter.json_schema()
+    return schemas
+
+
+__all__ = [
+    "CATEGORY_OF",
+    "EVENT_TYPES",
+    "TOLERANT",
+    "WIRE_TYPES",
+    "ChatMessage",
+    "Contract",
+    "EpisodeEvent",
+    "EpisodeFinished",
+    "EpisodeStarted",
+    "Event",
+    "FinishReason",
+    "FunctionCall",
+    "FunctionSpec",
+    "LLMError",
+    "LLMReply",
+    "LLMRequest",
+    "LLMResponse",
+    "PolicyEvent",
+    "PolicyVersionPublished",
+    "RewardAssigned",
+    "SamplingParams",
+    "Termination",
+    "Timings",
+    "TokenPrefix",
+    "ToolCall",
+    "ToolSpec",
+    "TurnCompleted",
+    "TurnReply",
+    "TurnRequest",
+    "WireMessage",
+    "event_adapter",
+    "json_schemas",
+    "parse_event",
+    "parse_wire",
+    "wire_adapter",
+]

@@ -1,0 +1,71 @@
+"""Values shared by events and wire messages: chat messages, tools, sampling, timings."""
+
+from __future__ import annotations
+
+from array import array
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field, NonNegativeFloat
+
+from schemas.base import Contract
+
+Role = Literal["system", "user", "assistant", "tool"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
+
+
+def _as_float32(values: list[float]) -> list[float]:
+    # Logprobs travel and are stored as float32 (the engines' own precision); rounding here makes an
+    # event equal to itself after a round trip through the log.
+    return array("f", values).tolist()
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=4_000_000)]
+Logprobs = Annotated[list[Annotated[float, Field(allow_inf_nan=False, le=0.0)]], AfterValidator(_as_float32)]
+
+
+class FunctionCall(Contract):
+    name: str = Field(min_length=1)
+    arguments: str = Field(description="JSON text of the arguments, exactly as the model wrote it")
+
+
+class ToolCall(Contract):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Contract):
+    role: Role
+    content: str | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionSpec(Contract):
+    name: str = Field(min_length=1)
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolSpec(Contract):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class SamplingParams(Contract):
+    temperature: NonNegativeFloat = 1.0
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=1)
+    max_tokens: int = Field(default=256, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = None
+
+
+class Timings(Contract):
+    """Milliseconds, measured by the inference consumer from the moment it received the request."""
+
+    queued_ms: NonNegativeFloat = 0.0
+    first_token_ms: NonNegativeFloat = 0.0
+    total_ms: NonNegativeFloat = 0.0
