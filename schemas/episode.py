@@ -8,7 +8,16 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from schemas.base import Contract
-from schemas.common import ChatMessage, FinishReason, Logprobs, SamplingParams, Timings, TokenIds, ToolCall, ToolSpec
+from schemas.common import (
+    ChatMessage,
+    FinishReason,
+    Logprobs,
+    SamplingParams,
+    Timings,
+    TokenIds,
+    ToolCall,
+    ToolSpec,
+)
 
 Termination = Literal["done", "max_turns", "truncated", "error", "cancelled", "timeout", "aborted"]
 
@@ -25,7 +34,9 @@ class EpisodeStarted(Contract):
     policy: str = Field(min_length=1)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     tags: dict[str, str] = Field(default_factory=dict)
-    retry_of: str | None = Field(default=None, description="episode id of the failed attempt this one retries")
+    retry_of: str | None = Field(
+        default=None, description="episode id of the failed attempt this one retries"
+    )
 
 
 class TurnRequest(Contract):

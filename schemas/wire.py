@@ -8,7 +8,16 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from schemas.base import Contract
-from schemas.common import ChatMessage, FinishReason, Logprobs, SamplingParams, Timings, TokenIds, ToolCall, ToolSpec
+from schemas.common import (
+    ChatMessage,
+    FinishReason,
+    Logprobs,
+    SamplingParams,
+    Timings,
+    TokenIds,
+    ToolCall,
+    ToolSpec,
+)
 
 
 class TokenPrefix(Contract):

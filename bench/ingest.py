@@ -1,0 +1,370 @@
+"""Durable ingest throughput of the event store: TurnCompleted appends per second, against raw COPY.
+
+What it measures, in one run on one PostgreSQL server (fsync on, so every commit is durable):
+
+1. ``COPY`` baseline: the very rows the event store would write (data, tokens and hash encoded
+   beforehand, so serialization is not timed) are COPYed into a scratch table with the columns of
+   ``events``, one transaction per ``--copy-chunk`` rows. This is about as fast as PostgreSQL can take
+   these bytes from one client.
+2. ``EventStore.append`` at each level of ``--levels``: that many asyncio tasks, each owning one
+   ``episode-<uuid>`` stream and appending one event per call with its expected version. Timed: model
+   encoding, the group-commit writer (append lock, look-ups, COPY, commit) and the waiting callers.
+
+Reading the table: "x COPY" is events/s divided by the baseline's rows/s. 1.00 would mean the store
+costs nothing over a bulk load; what is missing is the price of ordering (one append lock per batch),
+the idempotency and version look-ups, encoding, and asyncio round trips. At concurrency 1 every append
+is its own commit (one fsync each), so expect a small ratio there; at high concurrency the writer groups
+hundreds of appends per transaction ("events/tx"). The target is a ratio of at least 0.70 at 512.
+
+The payload per event: about 2,000 characters of chat messages (system, user, an assistant tool call and
+a tool result; varied per event), 1,000 prompt token ids, 200 completion token ids and 200 logprobs,
+from a fixed seed. Every event is built before the clock starts; the same events are used by every
+measurement, and the tables are truncated before each one so every level starts from an empty log.
+
+Server: ``TURNSTILE_DATABASE_URL`` if set, else an embedded PostgreSQL in a temporary directory (under
+``--tmp-dir``; it should be on a real disk, since fsync on tmpfs is free). Either way the run works in
+a scratch database ``bench_<random>`` that is dropped at the end.
+
+    python bench/ingest.py                      # defaults: levels 1,64,512
+    python bench/ingest.py --events 50000 --repeat 3 --levels 64,512
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import random
+import statistics
+import string
+import sys
+import tempfile
+import time
+import uuid
+from array import array
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.engine import make_url
+
+from pipeline.db import migrate
+from pipeline.embedded import EmbeddedPostgres
+from pipeline.eventstore import COPY_COLUMNS, EventStore, encode_event
+from pipeline.settings import libpq_url
+from schemas import ChatMessage, FunctionCall, ToolCall, TurnCompleted, TurnReply, TurnRequest
+
+VOCAB_SIZE = 151_936
+PROMPT_TOKENS = 1_000
+COMPLETION_TOKENS = 200
+TARGET_RATIO = 0.70
+TARGET_LEVEL = 512
+BASELINE = "COPY"
+
+console = Console()
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    label: str
+    rows: int
+    seconds: float
+    transactions: int
+
+    @property
+    def rate(self) -> float:
+        return self.rows / self.seconds
+
+
+# --- payload -------------------------------------------------------------------------------------
+
+
+def make_words(rng: random.Random, count: int = 4_000) -> list[str]:
+    """A made-up vocabulary: text built from it compresses about as well as prose, not trivially."""
+    return ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 10))) for _ in range(count)]
+
+
+def make_text(rng: random.Random, words: Sequence[str], chars: int) -> str:
+    out: list[str] = []
+    length = 0
+    while length < chars:
+        word = rng.choice(words)
+        out.append(word)
+        length += len(word) + 1
+    return " ".join(out)[:chars]
+
+
+def make_messages(rng: random.Random, words: Sequence[str]) -> list[ChatMessage]:
+    """A system prompt, a user task, an assistant tool call and its result: about 2,000 characters."""
+    call_id = f"call_{rng.getrandbits(48):012x}"
+    arguments = f'{{"query": "{make_text(rng, words, 60)}", "limit": {rng.randint(1, 50)}}}'
+    call = ToolCall(id=call_id, function=FunctionCall(name="search_docs", arguments=arguments))
+    return [
+        ChatMessage(role="system", content=make_text(rng, words, 400)),
+        ChatMessage(role="user", content=make_text(rng, words, 700)),
+        ChatMessage(role="assistant", content=None, tool_calls=[call]),
+        ChatMessage(role="tool", tool_call_id=call_id, content=make_text(rng, words, 800)),
+    ]
+
+
+def token_ids(rng: random.Random, count: int) -> list[int]:
+    return [value % VOCAB_SIZE for value in array("I", rng.randbytes(4 * count))]
+
+
+def make_turn(rng: random.Random, words: Sequence[str]) -> TurnCompleted:
+    return TurnCompleted(
+        request=TurnRequest(messages=make_messages(rng, words)),
+        reply=TurnReply(text=make_text(rng, words, 120), finish_reason="stop"),
+        prompt_token_ids=token_ids(rng, PROMPT_TOKENS),
+        completion_token_ids=token_ids(rng, COMPLETION_TOKENS),
+        completion_logprobs=[-rng.expovariate(2.0) for _ in range(COMPLETION_TOKENS)],
+        policy_version=rng.randint(0, 100),
+        engine_id="bench-engine-0",
+        event_id=uuid.UUID(int=rng.getrandbits(128), version=4),
+        turn_id=uuid.UUID(int=rng.getrandbits(128), version=4),
+    )
+
+
+def make_events(count: int, seed: int) -> list[TurnCompleted]:
+    rng = random.Random(seed)
+    words = make_words(rng)
+    return [make_turn(rng, words) for _ in range(count)]
+
+
+# --- server and scratch database -----------------------------------------------------------------
+
+
+@contextmanager
+def postgres_server(tmp_dir: Path | None) -> Iterator[str]:
+    """The URL of TURNSTILE_DATABASE_URL's server, or of an embedded one that lives for the block."""
+    url = os.environ.get("TURNSTILE_DATABASE_URL")
+    if url:
+        yield url
+        return
+    with tempfile.TemporaryDirectory(prefix="turnstile-bench-", dir=tmp_dir) as data_dir:
+        server = EmbeddedPostgres(Path(data_dir) / "postgres")
+        server.start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+
+@contextmanager
+def scratch_database(server_url: str) -> Iterator[str]:
+    """A migrated database of this run's own on the server; dropped at the end."""
+    name = f"bench_{uuid.uuid4().hex[:12]}"
+    admin_url = libpq_url(server_url)
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        url = libpq_url(make_url(admin_url).set(database=name).render_as_string(hide_password=False))
+        migrate(url)
+        yield url
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def describe_server(url: str) -> str:
+    with psycopg.connect(url) as connection:
+        version, fsync, sync_commit = connection.execute(
+            "SELECT current_setting('server_version'), current_setting('fsync'), "
+            "current_setting('synchronous_commit')"
+        ).fetchone() or ("?", "?", "?")
+    return f"PostgreSQL {version}, fsync={fsync}, synchronous_commit={sync_commit}"
+
+
+# --- the COPY baseline ---------------------------------------------------------------------------
+
+
+def baseline_rows(events: Sequence[TurnCompleted], streams: int) -> list[tuple[Any, ...]]:
+    """The rows the store would write for these events spread over ``streams`` streams (COPY_COLUMNS)."""
+    names = [f"episode-{uuid.uuid4().hex}" for _ in range(streams)]
+    rows = []
+    for index, event in enumerate(events):
+        item = encode_event(event)
+        version = index // streams + 1
+        rows.append(
+            (index + 1, names[index % streams], version, item.event_id, item.type, item.data, item.tokens,
+             "{}", item.content_hash)
+        )
+    return rows
+
+
+async def create_baseline_table(url: str, indexed: bool) -> None:
+    columns = (
+        "LIKE events INCLUDING ALL" if indexed else
+        "position bigint, stream text, version int, event_id uuid, type text, data jsonb, tokens bytea, "
+        "metadata jsonb, content_hash bytea"
+    )
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
+        await connection.execute(f"CREATE TABLE copy_baseline ({columns})")
+
+
+async def truncate(url: str, table: str) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
+        await connection.execute(f"TRUNCATE {table}")
+        try:  # so that no measurement pays for writing out the previous one's pages
+            await connection.execute("CHECKPOINT")
+        except psycopg.errors.InsufficientPrivilege:
+            console.log("no CHECKPOINT between measurements (needs superuser or pg_checkpoint)")
+
+
+async def copy_baseline(url: str, rows: Sequence[tuple[Any, ...]], chunk: int) -> Measurement:
+    await truncate(url, "copy_baseline")
+    statement = f"COPY copy_baseline ({', '.join(COPY_COLUMNS)}) FROM STDIN"
+    transactions = 0
+    async with await psycopg.AsyncConnection.connect(url) as connection:
+        started = time.perf_counter()
+        for start in range(0, len(rows), chunk):
+            async with connection.transaction(), connection.cursor().copy(statement) as copy:
+                for row in rows[start : start + chunk]:
+                    await copy.write_row(row)
+            transactions += 1
+        seconds = time.perf_counter() - started
+    return Measurement(BASELINE, len(rows), seconds, transactions)
+
+
+# --- the event store -----------------------------------------------------------------------------
+
+
+async def appender(store: EventStore, events: Sequence[TurnCompleted]) -> None:
+    """One writer of one stream: one event per append, each expecting the version the last one left."""
+    stream = f"episode-{uuid.uuid4().hex}"
+    for version, event in enumerate(events):
+        await store.append(stream, [event], expected_version=version)
+
+
+async def warm_up(store: EventStore, event: TurnCompleted) -> None:
+    """Start the writer and open its connection before the clock starts."""
+    spare = event.model_copy(update={"event_id": uuid.uuid4()})
+    await store.append(f"episode-warmup-{uuid.uuid4().hex}", [spare], expected_version=0)
+
+
+async def store_level(url: str, events: Sequence[TurnCompleted], concurrency: int) -> Measurement:
+    await truncate(url, "events")
+    store = await EventStore.connect(url)
+    try:
+        await warm_up(store, events[0])
+        before = store.stats.transactions
+        started = time.perf_counter()
+        async with asyncio.TaskGroup() as group:
+            for index in range(concurrency):
+                group.create_task(appender(store, events[index::concurrency]))
+        seconds = time.perf_counter() - started
+        transactions = store.stats.transactions - before
+    finally:
+        await store.close()
+    return Measurement(str(concurrency), len(events), seconds, transactions)
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def level_size(level: int, args: argparse.Namespace) -> int:
+    return int(args.events_at_1 if level == 1 else args.events)
+
+
+async def measure(url: str, args: argparse.Namespace, events: Sequence[TurnCompleted]) -> list[Measurement]:
+    rows = baseline_rows(events, streams=max(args.levels))
+    await create_baseline_table(url, args.indexed_baseline)
+    results = []
+    for round_ in range(args.repeat):
+        results.append(await copy_baseline(url, rows, args.copy_chunk))
+        console.log(f"round {round_ + 1}: {BASELINE} {results[-1].rate:,.0f} rows/s")
+        for level in args.levels:
+            results.append(await store_level(url, events[: level_size(level, args)], level))
+            console.log(f"round {round_ + 1}: {level} appenders {results[-1].rate:,.0f} events/s")
+    return results
+
+
+def median_by_label(results: Sequence[Measurement]) -> dict[str, tuple[Measurement, list[float]]]:
+    """Per label, the run with the median rate and the rates of all its runs."""
+    labels = dict.fromkeys(result.label for result in results)
+    summary = {}
+    for label in labels:
+        runs = sorted((r for r in results if r.label == label), key=lambda r: r.rate)
+        summary[label] = (runs[(len(runs) - 1) // 2], [r.rate for r in runs])
+    return summary
+
+
+def print_report(results: Sequence[Measurement], args: argparse.Namespace) -> None:
+    summary = median_by_label(results)
+    baseline = summary[BASELINE][0].rate
+    table = Table(title=f"durable TurnCompleted ingest (median of {args.repeat})")
+    columns = ("level", "events", "seconds", "events/s", "x COPY", "tx", "events/tx", "all runs (events/s)")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "level" else "right")
+    for label, (run, rates) in summary.items():
+        table.add_row(
+            "COPY baseline" if label == BASELINE else f"{label} appenders",
+            f"{run.rows:,}", f"{run.seconds:.2f}", f"{run.rate:,.0f}", f"{run.rate / baseline:.2f}",
+            f"{run.transactions:,}", f"{run.rows / run.transactions:.1f}",
+            " ".join(f"{rate:,.0f}" for rate in rates),
+        )
+    console.print(table)
+    print(f"target: >= {TARGET_RATIO:.2f} of COPY at {TARGET_LEVEL}")
+    if str(TARGET_LEVEL) in summary:
+        ratio = summary[str(TARGET_LEVEL)][0].rate / baseline
+        verdict = "met" if ratio >= TARGET_RATIO else "not met"
+        print(f"measured: {ratio:.2f} of COPY at {TARGET_LEVEL} ({verdict})")
+
+
+def describe_payload(events: Sequence[TurnCompleted]) -> str:
+    sample = [encode_event(event) for event in events[:200]]
+    data = statistics.mean(len(item.data) for item in sample)
+    tokens = statistics.mean(len(item.tokens or b"") for item in sample)
+    chars = statistics.mean(
+        sum(len(m.content or "") for m in event.request.messages) for event in events[:200]
+    )
+    return f"{chars:,.0f} message chars, {data:,.0f} B JSON + {tokens:,.0f} B tokens per event"
+
+
+def parse_levels(text: str) -> list[int]:
+    levels = [int(part) for part in text.split(",") if part.strip()]
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError("levels are positive integers, e.g. 1,64,512")
+    return levels
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    add = parser.add_argument
+    add("--events", type=int, default=20_000, help="events per level above 1 (default 20000)")
+    add("--events-at-1", type=int, default=2_000, help="events at concurrency 1 (default 2000)")
+    add("--levels", type=parse_levels, default=[1, 64, 512], help="appender counts (default 1,64,512)")
+    add("--repeat", type=int, default=1, help="rounds; the table shows the median (default 1)")
+    add("--copy-chunk", type=int, default=1_000, help="rows per baseline COPY transaction (default 1000)")
+    add("--indexed-baseline", action="store_true",
+        help="COPY into a table LIKE events INCLUDING ALL (with its indexes) instead of a bare one")
+    add("--seed", type=int, default=1234, help="seed of the payload (default 1234)")
+    add("--tmp-dir", type=Path, default=None, help="parent of the embedded server's temporary directory")
+    args = parser.parse_args(argv)
+    if min(args.events, args.events_at_1, args.repeat, args.copy_chunk) < 1:
+        parser.error("--events, --events-at-1, --repeat and --copy-chunk must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    count = max(level_size(level, args) for level in args.levels)
+    started = time.perf_counter()
+    events = make_events(count, args.seed)
+    elapsed = time.perf_counter() - started
+    console.log(f"built {count:,} events in {elapsed:.1f} s: {describe_payload(events)}")
+    with postgres_server(args.tmp_dir) as server_url, scratch_database(server_url) as url:
+        console.log(f"{describe_server(url)}; Python {platform.python_version()}, {os.cpu_count()} CPUs")
+        results = asyncio.run(measure(url, args, events))
+    print_report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

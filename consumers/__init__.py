@@ -1,0 +1,1 @@
+"""Deployable services, one module each: thin FastStream wiring over ``pipeline``."""

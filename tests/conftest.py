@@ -1,0 +1,98 @@
+"""Real servers for the tests.
+
+By default a real PostgreSQL and a real nats-server (JetStream) are started from the PyPI packages on free
+ports for the session. ``TURNSTILE_DATABASE_URL`` / ``TURNSTILE_NATS_URL`` point the tests at existing
+servers instead, and ``TURNSTILE_TEST_SERVICES=docker`` starts them with testcontainers.
+
+Every test that touches the log gets its own database, cloned from a migrated template, so global
+order assertions never see another test's events.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy.engine import make_url
+
+from pipeline.db import migrate
+from pipeline.embedded import EmbeddedServers
+from pipeline.eventstore import EventStore
+from pipeline.settings import libpq_url
+
+
+@dataclass(frozen=True)
+class Servers:
+    database_url: str
+    nats_url: str
+
+
+def with_database(url: str, database: str) -> str:
+    return libpq_url(make_url(libpq_url(url)).set(database=database).render_as_string(hide_password=False))
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    database_url = os.environ.get("TURNSTILE_DATABASE_URL")
+    nats_url = os.environ.get("TURNSTILE_NATS_URL")
+    if os.environ.get("TURNSTILE_TEST_SERVICES") == "docker":
+        yield from _docker_servers()
+        return
+    if database_url and nats_url:
+        yield Servers(database_url, nats_url)
+        return
+    with EmbeddedServers(tmp_path_factory.mktemp("servers")) as embedded:
+        yield Servers(database_url or embedded.postgres.url, nats_url or embedded.nats.url)
+
+
+def _docker_servers() -> Iterator[Servers]:
+    from testcontainers.core.container import DockerContainer
+    from testcontainers.core.waiting_utils import wait_for_logs
+    from testcontainers.postgres import PostgresContainer
+
+    with (
+        PostgresContainer("postgres:16", driver=None) as postgres,
+        DockerContainer("nats:2.10").with_command("-js").with_exposed_ports(4222) as nats,
+    ):
+        wait_for_logs(nats, "Server is ready")
+        nats_url = f"nats://{nats.get_container_host_ip()}:{nats.get_exposed_port(4222)}"
+        yield Servers(postgres.get_connection_url(), nats_url)
+
+
+@pytest.fixture(scope="session")
+def template_database(servers: Servers) -> Iterator[str]:
+    name = f"turnstile_template_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(libpq_url(servers.database_url), autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    migrate(with_database(servers.database_url, name))
+    yield name
+    with psycopg.connect(libpq_url(servers.database_url), autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(servers: Servers, template_database: str) -> Iterator[str]:
+    """A freshly migrated database of this test's own."""
+    name = f"turnstile_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(libpq_url(servers.database_url), autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    yield with_database(servers.database_url, name)
+    with psycopg.connect(libpq_url(servers.database_url), autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[EventStore]:
+    event_store = await EventStore.connect(database_url)
+    yield event_store
+    await event_store.close()
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent

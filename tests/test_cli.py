@@ -1,0 +1,102 @@
+"""The ``turnstile`` command as a user runs it: real processes, real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+import psycopg
+import pytest
+
+TURNSTILE = [sys.executable, "-m", "pipeline.cli"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    return {**env, **extra}
+
+
+def start_up(data_dir: Path) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    process = subprocess.Popen(
+        [*TURNSTILE, "up", "--data-dir", str(data_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=clean_env(),
+    )
+    exports: dict[str, str] = {}
+    deadline = time.monotonic() + 120
+    assert process.stdout is not None
+    while len(exports) < 2:
+        line = process.stdout.readline()
+        assert line, f"`turnstile up` ended before printing its exports (exit {process.poll()})"
+        assert time.monotonic() < deadline
+        if line.startswith("export "):
+            name, _, value = line.removeprefix("export ").strip().partition("=")
+            exports[name] = value
+    return process, exports
+
+
+def stop(process: subprocess.Popen[str]) -> int:
+    process.send_signal(signal.SIGTERM)
+    return process.wait(60)
+
+
+async def nats_has_jetstream(url: str) -> bool:
+    client = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
+    try:
+        info = await client.jetstream().account_info()
+        return info is not None
+    finally:
+        await client.close()
+
+
+def test_up_starts_migrated_servers_keeps_data_and_stops_on_sigterm(tmp_path: Path) -> None:
+    process, exports = start_up(tmp_path / "data")
+    try:
+        database_url, nats_url = exports["TURNSTILE_DATABASE_URL"], exports["TURNSTILE_NATS_URL"]
+        with psycopg.connect(database_url) as connection:
+            assert connection.execute("SELECT version_num FROM alembic_version").fetchone() is not None
+            connection.execute("INSERT INTO checkpoints (name, position) VALUES ('kept-across-restarts', 42)")
+        assert asyncio.run(nats_has_jetstream(nats_url))
+        assert (tmp_path / "data" / "servers.env").read_text().count("export ") == 2
+    finally:
+        assert stop(process) == 0
+    with pytest.raises(psycopg.OperationalError):
+        psycopg.connect(database_url, connect_timeout=2)
+
+    process, exports = start_up(tmp_path / "data")
+    try:
+        with psycopg.connect(exports["TURNSTILE_DATABASE_URL"]) as connection:
+            row = connection.execute(
+                "SELECT position FROM checkpoints WHERE name = 'kept-across-restarts'"
+            ).fetchone()
+            assert row == (42,)
+    finally:
+        assert stop(process) == 0
+
+
+def test_migrate_is_idempotent(database_url: str) -> None:
+    for _ in range(2):
+        result = subprocess.run(
+            [*TURNSTILE, "migrate"],
+            capture_output=True,
+            text=True,
+            env=clean_env(TURNSTILE_DATABASE_URL=database_url),
+        )
+        assert result.returncode == 0, result.stderr
+    with psycopg.connect(database_url) as connection:
+        assert connection.execute("SELECT count(*) FROM alembic_version").fetchone() == (1,)
+
+
+def test_migrate_without_a_database_says_what_to_set() -> None:
+    result = subprocess.run([*TURNSTILE, "migrate"], capture_output=True, text=True, env=clean_env())
+    assert result.returncode == 2
+    assert "TURNSTILE_DATABASE_URL" in result.stderr
+    assert "turnstile up" in result.stderr

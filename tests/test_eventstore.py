@@ -1,0 +1,192 @@
+"""The event store against a real PostgreSQL: appends, idempotency, group commit, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import psycopg
+import pytest
+
+from pipeline.errors import DuplicateEventConflict, InvalidEvent, WrongExpectedVersion
+from pipeline.eventstore import EventStore
+from pipeline.settings import libpq_url
+from schemas import ChatMessage, TurnCompleted, TurnRequest
+from tests.factories import finished, new_stream, reward, started, turn
+
+
+async def count_events(store: EventStore) -> int:
+    return len(await store.read_all(0, 1_000_000))
+
+
+async def test_appended_events_read_back_equal_with_envelope(store: EventStore) -> None:
+    stream = new_stream()
+    events = [started(), turn(prompt_len=1000, completion_len=200), reward(0.5), finished()]
+    result = await store.append(stream, events, expected_version=0, metadata={"trace": "abc"})
+    assert result.positions == (1, 2, 3, 4)
+    assert result.version == 4
+    recorded = await store.read_stream(stream)
+    assert [r.event for r in recorded] == events
+    assert [r.version for r in recorded] == [1, 2, 3, 4]
+    assert [r.event_id for r in recorded] == [e.event_id for e in events]
+    assert {r.type for r in recorded} == {
+        "EpisodeStarted",
+        "TurnCompleted",
+        "RewardAssigned",
+        "EpisodeFinished",
+    }
+    assert all(r.metadata == {"trace": "abc"} for r in recorded)
+    assert await store.stream_version(stream) == 4
+    assert await store.head() == 4
+
+
+async def test_token_arrays_are_stored_in_binary_not_as_json(store: EventStore) -> None:
+    event = turn(prompt_len=1000, completion_len=200)
+    await store.append(new_stream(), [event])
+    async with await psycopg.AsyncConnection.connect(store.libpq_url) as connection:
+        cursor = await connection.execute("SELECT data, length(tokens) FROM events")
+        data, size = await cursor.fetchone()  # type: ignore[misc]
+    assert not {"prompt_token_ids", "completion_token_ids", "completion_logprobs"} & data.keys()
+    assert size == 16 + 4 * (1000 + 200 + 200)
+
+
+async def test_wrong_expected_version_names_stream_expected_and_actual(store: EventStore) -> None:
+    stream = new_stream()
+    await store.append(stream, [started()], expected_version=0)
+    with pytest.raises(WrongExpectedVersion) as error:
+        await store.append(stream, [turn()], expected_version=0)
+    assert (error.value.stream, error.value.expected, error.value.actual) == (stream, 0, 1)
+    assert stream in str(error.value)
+    assert "expected 0" in str(error.value)
+    assert "actual 1" in str(error.value)
+    with pytest.raises(WrongExpectedVersion):
+        await store.append(new_stream(), [started()], expected_version=3)
+    assert await count_events(store) == 1
+
+
+async def test_the_same_append_twice_is_a_no_op_returning_the_same_positions(store: EventStore) -> None:
+    stream = new_stream()
+    events = [started(), turn()]
+    first = await store.append(stream, events, expected_version=0)
+    again = await store.append(stream, events, expected_version=0)
+    assert again.positions == first.positions
+    assert again.version == first.version
+    assert (first.duplicate, again.duplicate) == (False, True)
+    assert await count_events(store) == 2
+
+
+async def test_the_same_event_id_with_other_content_is_refused(store: EventStore) -> None:
+    stream = new_stream()
+    event = turn("first question")
+    await store.append(stream, [event])
+    changed = event.model_copy(
+        update={"request": TurnRequest(messages=[ChatMessage(role="user", content="other")])}
+    )
+    with pytest.raises(DuplicateEventConflict, match=str(event.event_id)):
+        await store.append(stream, [changed])
+    with pytest.raises(DuplicateEventConflict, match="other content"):
+        await store.append(new_stream(), [event])  # same event, other stream
+    recorded = await store.read_all()
+    assert [r.event for r in recorded] == [event]
+
+
+async def test_concurrent_appends_are_group_committed_into_few_transactions(store: EventStore) -> None:
+    streams = [new_stream() for _ in range(300)]
+    results = await asyncio.gather(*(store.append(s, [started(), turn()], 0) for s in streams))
+    positions = sorted(p for result in results for p in result.positions)
+    assert positions == list(range(1, 601))
+    assert store.stats.appends == 300
+    assert store.stats.transactions < 30, store.stats
+    for stream, result in zip(streams[:5], results[:5], strict=True):
+        assert [r.position for r in await store.read_stream(stream)] == list(result.positions)
+
+
+async def test_one_bad_append_in_a_group_commit_fails_alone(store: EventStore) -> None:
+    taken = new_stream()
+    await store.append(taken, [started()])
+    before = store.stats.transactions
+    good = [(new_stream(), turn(f"question {i}")) for i in range(40)]
+    refused_by_postgres = turn("a NUL \x00 byte, which jsonb cannot hold")
+    outcomes = await asyncio.gather(
+        *(store.append(s, [e], 0) for s, e in good[:20]),
+        store.append(new_stream(), [refused_by_postgres], 0),
+        store.append(taken, [reward()], expected_version=0),
+        *(store.append(s, [e], 0) for s, e in good[20:]),
+        return_exceptions=True,
+    )
+    bad_content, conflict = outcomes[20], outcomes[21]
+    assert isinstance(bad_content, InvalidEvent)
+    assert "PostgreSQL refused" in str(bad_content)
+    assert "\\u0000" in str(bad_content)
+    assert isinstance(conflict, WrongExpectedVersion)
+    assert all(
+        isinstance(o, object) and not isinstance(o, BaseException) for o in outcomes[:20] + outcomes[22:]
+    )
+    recorded = {r.event_id for r in await store.read_all()}
+    assert {e.event_id for _, e in good} <= recorded
+    assert refused_by_postgres.event_id not in recorded
+    assert len(recorded) == 41
+    assert store.stats.transactions > before  # the batch was split, the good appends still committed
+
+
+async def test_bad_input_gets_a_clear_error_and_leaves_the_log_unchanged(database_url: str) -> None:
+    store = await EventStore.connect(database_url, max_event_bytes=64 * 1024)
+    try:
+        stream = new_stream()
+        await store.append(stream, [started()])
+        oversized = TurnCompleted.model_validate(
+            {**turn().model_dump(), "request": {"messages": [{"role": "user", "content": "x" * 100_000}]}}
+        )
+        cases = [
+            ([{"type": "EpisodeExploded"}], "unknown type 'EpisodeExploded'"),
+            ([{"type": "RewardAssigned", "value": float("nan")}], r"field value"),
+            ([{**turn().model_dump(mode="json"), "reply": None}], r"field reply"),
+            ([oversized], r"over the limit of 65,536 bytes \(TURNSTILE_MAX_EVENT_BYTES\)"),
+            (["not an event"], "pass an event model or a dict"),
+        ]
+        for events, message in cases:
+            with pytest.raises(InvalidEvent, match=message):
+                await store.append(stream, events)  # type: ignore[arg-type]
+        with pytest.raises(InvalidEvent, match="bad stream name"):
+            await store.append("episode/../x", [started()])
+        assert [r.version for r in await store.read_stream(stream)] == [1]
+        assert (await store.append(stream, [finished()], expected_version=1)).version == 2  # still serving
+    finally:
+        await store.close()
+
+
+async def test_readers_ignore_unknown_fields_and_keep_unknown_types(store: EventStore) -> None:
+    stream = new_stream()
+    event = reward(2.0)
+    await store.append(stream, [event])
+    async with await psycopg.AsyncConnection.connect(libpq_url(store.libpq_url)) as connection:
+        await connection.execute(
+            "UPDATE events SET data = data || '{\"from_the_future\": true}'::jsonb WHERE position = 1"
+        )
+        await connection.execute(
+            "INSERT INTO events (position, stream, version, event_id, type, data, content_hash) "
+            "VALUES (2, %s, 2, gen_random_uuid(), 'EpisodePaused', '{}', '\\x00')",
+            (stream,),
+        )
+        await connection.commit()
+    first, second = await store.read_stream(stream)
+    assert first.event == event
+    assert (second.type, second.event) == ("EpisodePaused", None)
+
+
+async def test_an_explicit_transaction_appends_atomically(store: EventStore) -> None:
+    stream = new_stream()
+    async with store.transaction() as transaction:
+        await transaction.append(stream, [started()], 0)
+        with pytest.raises(WrongExpectedVersion):
+            await transaction.append(stream, [reward()], 0)
+        await transaction.append(stream, [reward()], 1)
+    assert [r.version for r in await store.read_stream(stream)] == [1, 2]
+
+    class Abandon(Exception):
+        pass
+
+    with pytest.raises(Abandon):
+        async with store.transaction() as transaction:
+            await transaction.append(stream, [finished()], 2)
+            raise Abandon
+    assert await store.stream_version(stream) == 2

@@ -1,0 +1,110 @@
+"""The contract: discriminated unions, strict writers, tolerant readers, exported JSON Schema."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from pipeline.tokens import pack_tokens, unpack_tokens
+from schemas import (
+    EVENT_TYPES,
+    LLMError,
+    LLMRequest,
+    LLMResponse,
+    PolicyVersionPublished,
+    TurnCompleted,
+    json_schemas,
+    parse_event,
+    parse_wire,
+)
+from tests.factories import finished, reward, started, turn
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        started(),
+        turn(),
+        reward(),
+        finished(),
+        PolicyVersionPublished(policy="main", version=3, checkpoint="/ckpt/3"),
+    ],
+)
+def test_every_event_round_trips_through_the_discriminated_union(event: object) -> None:
+    assert isinstance(event, tuple(EVENT_TYPES.values()))
+    dumped = event.model_dump_json()  # type: ignore[attr-defined]
+    parsed = parse_event(dumped)
+    assert type(parsed) is type(event)
+    assert parsed == event
+
+
+def test_writers_refuse_unknown_fields_and_readers_ignore_them_at_every_depth() -> None:
+    original = turn()
+    data = original.model_dump(mode="json")
+    data["added_by_a_newer_writer"] = 1
+    data["request"]["messages"][0]["also_new"] = "x"
+    with pytest.raises(ValidationError) as refused:
+        parse_event(data)
+    assert "added_by_a_newer_writer" in str(refused.value)
+    assert "also_new" in str(refused.value)
+    tolerant = parse_event(data, tolerant=True)
+    assert isinstance(tolerant, TurnCompleted)
+    assert tolerant == original
+
+
+def test_events_are_frozen() -> None:
+    event = reward()
+    with pytest.raises(ValidationError):
+        event.value = 2.0  # type: ignore[misc]
+
+
+def test_unknown_type_and_bad_values_are_refused() -> None:
+    with pytest.raises(ValidationError, match="EpisodeStarted"):
+        parse_event({"type": "EpisodeRestarted"})
+    with pytest.raises(ValidationError, match="completion_logprobs"):
+        parse_event({**turn().model_dump(mode="json"), "completion_logprobs": [0.5]})  # a logprob above 0
+    with pytest.raises(ValidationError, match="termination"):
+        parse_event({**finished().model_dump(mode="json"), "termination": "exploded"})
+
+
+def test_logprobs_are_float32_so_a_stored_turn_equals_the_original() -> None:
+    event = turn(completion_len=50)
+    prompt, completion, logprobs = unpack_tokens(
+        pack_tokens(event.prompt_token_ids, event.completion_token_ids, event.completion_logprobs)
+    )
+    assert (prompt, completion, logprobs) == (
+        event.prompt_token_ids,
+        event.completion_token_ids,
+        event.completion_logprobs,
+    )
+
+
+def test_wire_messages_parse_by_type() -> None:
+    request = LLMRequest(policy="main", messages=[{"role": "user", "content": "hi"}])  # type: ignore[list-item]
+    response = LLMResponse(
+        request_id=request.request_id,
+        text="hello",
+        finish_reason="stop",
+        prompt_token_ids=[1, 2],
+        completion_token_ids=[3],
+        completion_logprobs=[-0.5],
+        policy_version=0,
+        consumer_id="c1",
+    )
+    error = LLMError(request_id=uuid.uuid4(), code="invalid_request", message="bad", field="messages")
+    for message in (request, response, error):
+        assert parse_wire(message.model_dump_json()) == message
+
+
+def test_exported_json_schemas_match_the_models(repo_root: Path) -> None:
+    directory = repo_root / "schemas" / "json"
+    expected = json_schemas()
+    on_disk = {path.name: json.loads(path.read_text()) for path in directory.glob("*.json")}
+    stale = sorted(
+        name for name in expected.keys() | on_disk.keys() if expected.get(name) != on_disk.get(name)
+    )
+    assert not stale, f"schemas/json is out of date for {stale}: run `turnstile export-schemas`"
