@@ -78,6 +78,57 @@ def export_schemas(
     console.print(f"wrote {len(json_schemas())} schemas to {directory}")
 
 
+serve = typer.Typer(help="Run a Turnstile service.", no_args_is_help=True)
+model = typer.Typer(help="Model directories.", no_args_is_help=True)
+app.add_typer(serve, name="serve")
+app.add_typer(model, name="model")
+
+
+@serve.command("inference")
+def serve_inference(
+    policy: str = typer.Option(..., help="the policy served: requests arrive on llm.<policy>.requests"),
+    backend: str = typer.Option(
+        "torch", help="torch | vllm | scripted (instant fixed replies, for benchmarks)"
+    ),
+    model_dir: Path = typer.Option(None, "--model", help="a Hugging Face model directory (local)"),
+    consumer_id: str = typer.Option(
+        "", help="this consumer's id in sticky subjects [default: host-pid-random]"
+    ),
+    max_batch: int = typer.Option(16, help="torch backend: requests batched together"),
+) -> None:
+    """Answer LLM requests for POLICY over NATS (queue group `inference`), reloading published versions."""
+    import asyncio
+    import logging
+
+    from consumers.inference import InferenceConfig, create_app
+
+    if backend not in ("torch", "vllm", "scripted"):
+        raise TurnstileError(f"unknown backend {backend!r}: use torch, vllm or scripted")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = InferenceConfig(
+        nats_url=Settings().require_nats_url(),
+        policy=policy,
+        backend=backend,  # type: ignore[arg-type]
+        model=model_dir,
+        consumer_id=consumer_id,
+        max_batch=max_batch,
+    )
+    application, service = create_app(config)
+    console.print(
+        f"inference consumer [bold]{service.consumer_id}[/bold] serving policy {policy!r} ({backend})"
+    )
+    asyncio.run(application.run())
+
+
+@model.command("init-tiny")
+def model_init_tiny(directory: Path = typer.Argument(..., help="where to write the model")) -> None:
+    """Build a tiny random-init causal LM with a locally trained tokenizer (offline, byte-identical)."""
+    from pipeline.tinymodel import build_tiny_model
+
+    build_tiny_model(directory)
+    console.print(f"tiny model written to {directory}")
+
+
 def main() -> None:
     try:
         app()

@@ -26,6 +26,14 @@ class Settings(BaseSettings):
             )
         return self.database_url
 
+    def require_nats_url(self) -> str:
+        if not self.nats_url:
+            raise ConfigError(
+                "no NATS server: set TURNSTILE_NATS_URL (e.g. nats://127.0.0.1:4222), "
+                "or start embedded servers with `turnstile up` and export what it prints"
+            )
+        return self.nats_url
+
 
 def sqlalchemy_url(url: str) -> str:
     """The SQLAlchemy form of a PostgreSQL URL, using the psycopg 3 driver."""

@@ -1,0 +1,143 @@
+"""Inference consumer: answers ``llm.<policy>.requests`` (queue group ``inference``) and its own
+sticky subject ``llm.<policy>.requests.<consumer_id>``; loads new weights from ``policy.<policy>.versions``.
+
+Run it with ``turnstile serve inference --policy NAME --backend torch --model DIR``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from faststream import FastStream
+from faststream.nats import NatsBroker, NatsMessage
+from nats.aio.client import Client as NatsConnection
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from pipeline.backends import Backend
+from pipeline.inference import InferenceService
+from pipeline.llm import QUEUE_GROUP, request_subject, versions_subject
+
+BackendName = Literal["torch", "vllm", "scripted"]
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    nats_url: str
+    policy: str
+    backend: BackendName = "torch"
+    model: Path | None = None
+    consumer_id: str = ""
+    max_in_flight: int = 1024
+    max_batch: int = 16
+    heartbeat_interval: float = 5.0
+
+
+def default_consumer_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}".replace(".", "_")
+
+
+def create_backend(config: InferenceConfig) -> Backend:
+    if config.backend == "scripted":
+        from pipeline.backends.scripted import ScriptedBackend
+
+        return ScriptedBackend()
+    if config.model is None:
+        raise ValueError(
+            f"the {config.backend} backend needs --model DIR (build one with `turnstile model init-tiny`)"
+        )
+    if config.backend == "vllm":
+        from pipeline.backends.vllm_backend import VllmBackend
+
+        return VllmBackend(config.model)
+    from pipeline.backends.torch_backend import TorchBackend
+
+    return TorchBackend(config.model, max_batch=config.max_batch)
+
+
+class RequestSubscriptions:
+    """The request subjects, subscribed on the broker's nats-py connection directly.
+
+    Measured on the instant backend, a FastStream subscriber added ~0.8 ms per request (1.67 ms vs 0.85 ms
+    p50 round trip on loopback), which is the whole overhead budget of a turn; so the hot path is a plain
+    nats-py callback that starts one task per request (many in flight), while FastStream still owns the
+    connection, the lifecycle and the cold subscriptions.
+    """
+
+    def __init__(self, service: InferenceService, policy: str, consumer_id: str) -> None:
+        self.service = service
+        self.subjects = [(request_subject(policy), QUEUE_GROUP), (request_subject(policy, consumer_id), "")]
+        self._connection: NatsConnection | None = None
+        self._subscriptions: list[Subscription] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self, connection: NatsConnection) -> None:
+        self._connection = connection
+        for subject, queue in self.subjects:
+            self._subscriptions.append(await connection.subscribe(subject, queue=queue, cb=self._on_message))
+
+    async def stop(self) -> None:
+        for subscription in self._subscriptions:
+            await subscription.unsubscribe()
+        self._subscriptions.clear()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=30)
+
+    async def _on_message(self, message: Msg) -> None:
+        task = asyncio.create_task(self._answer(message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, message: Msg) -> None:
+        body = await self.service.handle(message.data, message.reply or None)
+        if message.reply and self._connection is not None:
+            await self._connection.publish(message.reply, body)
+
+
+def create_app(
+    config: InferenceConfig, backend: Backend | None = None
+) -> tuple[FastStream, InferenceService]:
+    backend = backend or create_backend(config)
+    consumer_id = config.consumer_id or default_consumer_id()
+    # Per-message logs at DEBUG: at thousands of turns per second INFO lines would cost more than the work.
+    broker = NatsBroker(
+        config.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=1, log_level=logging.DEBUG
+    )
+
+    async def publish(subject: str, body: bytes, headers: dict[str, str]) -> None:
+        await broker.publish(body, subject, headers=headers)
+
+    service = InferenceService(
+        backend,
+        policy=config.policy,
+        consumer_id=consumer_id,
+        publish=publish,
+        heartbeat_interval=config.heartbeat_interval,
+    )
+
+    requests = RequestSubscriptions(service, config.policy, consumer_id)
+
+    @broker.subscriber(versions_subject(config.policy))
+    async def on_version(message: NatsMessage) -> None:
+        await service.on_version(message.body)
+
+    app = FastStream(broker)
+
+    @app.after_startup
+    async def subscribe_requests() -> None:
+        service.max_payload = broker.connection.max_payload
+        await requests.start(broker.connection)
+
+    @app.on_shutdown
+    async def stop_requests() -> None:
+        await requests.stop()
+        await backend.close()
+
+    return app, service

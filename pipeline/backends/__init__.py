@@ -1,0 +1,40 @@
+"""Inference backends behind one interface: vLLM (GPU), torch (CPU or GPU), replay (the log), scripted."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from schemas import FinishReason, LLMRequest, ToolCall
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """What an engine produced for one request: its own token ids and raw logprobs."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    text: str
+    finish_reason: FinishReason
+    policy_version: int
+    prefix_break: bool = False
+    tool_calls: list[ToolCall] | None = None
+    """Already parsed (replay); None: the service parses hermes tool calls out of ``text``."""
+    started_at: float = field(default_factory=time.monotonic)
+    """time.monotonic() when the engine started on the request (after any queueing)."""
+    first_token_at: float = field(default_factory=time.monotonic)
+
+
+class Backend(Protocol):
+    """An inference engine. ``generate`` may be called for many requests at once."""
+
+    policy_version: int
+
+    async def generate(self, request: LLMRequest) -> Generation: ...
+
+    async def load_version(self, version: int, checkpoint: str) -> None:
+        """Switch to new weights between requests; requests in flight finish on the old ones."""
+
+    async def close(self) -> None: ...

@@ -1,0 +1,192 @@
+"""The NATS request path with an instant scripted backend: routing, affinity, retries, refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from consumers.inference import InferenceConfig, create_app
+from pipeline.backends import Backend
+from pipeline.backends.scripted import ScriptedBackend
+from pipeline.inference import InferenceService
+from pipeline.llm import NatsLLMClient, NoInferenceConsumer, QueueLLMClient, RequestRejected
+from schemas import ChatMessage, LLMRequest, LLMResponse
+from tests.conftest import Servers
+
+
+def new_policy() -> str:
+    return f"p{uuid.uuid4().hex[:10]}"
+
+
+def ask(policy: str, episode: str | None = None, content: str = "hi") -> LLMRequest:
+    return LLMRequest(policy=policy, episode_id=episode, messages=[ChatMessage(role="user", content=content)])
+
+
+@asynccontextmanager
+async def consumer(
+    nats_url: str,
+    policy: str,
+    consumer_id: str,
+    backend: Backend | None = None,
+) -> AsyncIterator[InferenceService]:
+    config = InferenceConfig(
+        nats_url, policy, backend="scripted", consumer_id=consumer_id, heartbeat_interval=0.2
+    )
+    app, service = create_app(config, backend or ScriptedBackend())
+    await app.start()
+    try:
+        yield service
+    finally:
+        await app.stop()
+
+
+@pytest.fixture
+async def client(servers: Servers) -> AsyncIterator[NatsLLMClient]:
+    llm = await NatsLLMClient.connect(
+        servers.nats_url, heartbeat_timeout=1.0, timeout=30, wait_for_consumer=1.0
+    )
+    yield llm
+    await llm.close()
+
+
+async def test_many_episodes_spread_over_two_consumers_and_stick_to_the_first_server(
+    servers: Servers, client: NatsLLMClient
+) -> None:
+    policy = new_policy()
+    async with consumer(servers.nats_url, policy, "a") as a, consumer(servers.nats_url, policy, "b") as b:
+        episodes = [f"e{i}" for i in range(60)]
+        first = await asyncio.gather(*(client(ask(policy, e)) for e in episodes))
+        assert Counter(r.consumer_id for r in first).keys() == {"a", "b"}  # the queue group spreads them
+        later = await asyncio.gather(*(client(ask(policy, e)) for e in episodes for _ in range(3)))
+        served_by = {r.consumer_id for r in first}
+        assert served_by == {"a", "b"}
+        for index, episode in enumerate(episodes):
+            turns = later[index * 3 : index * 3 + 3]
+            assert {r.consumer_id for r in turns} == {first[index].consumer_id}, episode
+        assert a.requests_served + b.requests_served == 240
+
+
+async def test_affinity_falls_back_to_the_queue_group_when_its_consumer_is_gone(
+    servers: Servers, client: NatsLLMClient
+) -> None:
+    policy = new_policy()
+    async with consumer(servers.nats_url, policy, "stays"):
+        async with consumer(servers.nats_url, policy, "leaves") as leaving:
+            while client.consumer_for("e1") != "leaves":  # until the queue group picks "leaves" for e1
+                await client(ask(policy, f"e{uuid.uuid4().hex}"))
+                await client(ask(policy, "e1"))
+            served_before = leaving.requests_served
+        response = await client(ask(policy, "e1"))
+        assert response.consumer_id == "stays"
+        assert client.consumer_for("e1") == "stays"
+        assert served_before >= 1
+
+
+async def test_a_consumer_killed_mid_request_is_replaced_by_a_retry(
+    servers: Servers, client: NatsLLMClient
+) -> None:
+    policy = new_policy()
+    doomed = subprocess.Popen(  # noqa: ASYNC220  (starting a process does not block for long)
+        [sys.executable, "-m", "tests.consumer_process", servers.nats_url, policy, "doomed", "60"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert doomed.stdout is not None
+        assert (await asyncio.to_thread(doomed.stdout.readline)).strip() == "ready"
+        request = ask(policy, "e1")
+        pending = asyncio.create_task(client(request))
+        await asyncio.sleep(0.8)  # the doomed consumer has it and sends heartbeats
+        assert not pending.done()
+        async with consumer(servers.nats_url, policy, "survivor") as survivor:
+            doomed.kill()
+            response = await pending
+        assert response.consumer_id == "survivor"
+        assert response.request_id == request.request_id
+        assert survivor.requests_served == 1
+    finally:
+        doomed.kill()
+        doomed.wait()
+
+
+async def test_a_slow_consumer_that_sends_heartbeats_is_waited_for(
+    servers: Servers, client: NatsLLMClient
+) -> None:
+    policy = new_policy()
+    slow = ScriptedBackend(delay=2.5)  # longer than the client's heartbeat_timeout of 1 s
+    async with consumer(servers.nats_url, policy, "slow", slow):
+        response = await client(ask(policy, "e1"))
+    assert response.consumer_id == "slow"
+    assert slow.requests_seen == 1
+
+
+async def test_no_consumer_for_a_policy_is_a_clear_error(client: NatsLLMClient) -> None:
+    policy = new_policy()
+    with pytest.raises(NoInferenceConsumer, match=f"no inference consumer for policy '{policy}'"):
+        await client(ask(policy))
+
+
+async def test_malformed_requests_get_an_error_naming_the_field_and_the_consumer_stays_up(
+    servers: Servers, client: NatsLLMClient
+) -> None:
+    policy = new_policy()
+    good = ask(policy).model_dump(mode="json")
+    async with consumer(servers.nats_url, policy, "c"):
+        cases = {
+            "messages": {**good, "messages": []},
+            "messages.0.role": {**good, "messages": [{"role": "wizard", "content": "hi"}]},
+            "sampling.temperature": {**good, "sampling": {"temperature": -1}},
+            "policy": {**good, "policy": "someone-else"},
+        }
+        for field, body in cases.items():
+            reply = await client.connection.request(
+                f"llm.{policy}.requests", json.dumps(body).encode(), timeout=5
+            )
+            error = json.loads(reply.data)
+            assert (error["type"], error["code"], error["field"]) == ("LLMError", "invalid_request", field)
+        not_json = await client.connection.request(f"llm.{policy}.requests", b"{not json", timeout=5)
+        assert json.loads(not_json.data)["code"] == "invalid_request"
+        assert (await client(ask(policy))).text == "ok"
+
+
+async def test_payloads_over_max_payload_are_refused_with_a_clear_error(
+    servers: Servers, client: NatsLLMClient
+) -> None:
+    policy = new_policy()
+    huge = ask(policy, content="x" * (client.connection.max_payload + 1))
+    with pytest.raises(RequestRejected, match="over the NATS server's max_payload"):
+        await client(huge)
+    async with consumer(servers.nats_url, policy, "c") as service:
+        service.max_payload = 100  # a reply cannot fit
+        with pytest.raises(
+            RequestRejected, match=r"sampling\.max_tokens.*over the NATS server's max_payload"
+        ):
+            await client(ask(policy))
+
+
+async def test_the_queue_client_hands_requests_to_a_driver() -> None:
+    llm = QueueLLMClient()
+    request = ask("main", "e1")
+    pending = asyncio.create_task(llm(request))
+    call = await llm.next_call()
+    assert call.request == request
+    response = LLMResponse(
+        request_id=request.request_id,
+        text="hello",
+        finish_reason="stop",
+        prompt_token_ids=[1],
+        completion_token_ids=[2],
+        completion_logprobs=[-0.1],
+        policy_version=0,
+        consumer_id="driver",
+    )
+    call.reply(response)
+    assert await pending == response
