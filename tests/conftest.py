@@ -96,3 +96,12 @@ async def store(database_url: str) -> AsyncIterator[EventStore]:
 @pytest.fixture
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny local model (random weights, locally trained tokenizer), built once per session."""
+    from pipeline.tinymodel import build_tiny_model
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")

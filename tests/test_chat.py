@@ -1,0 +1,147 @@
+"""Prompt rendering with token-exact continuation, and hermes tool-call parsing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from pipeline.chat import ChatRenderer, split_tool_calls
+from schemas import ChatMessage, FunctionCall, LLMRequest, TokenPrefix, ToolCall, ToolSpec
+
+# Templates that render a past assistant turn differently once the conversation goes on.
+STRIPS_REASONING = """{%- for m in messages -%}
+<|im_start|>{{ m.role }}
+{% if m.role == 'assistant' and not loop.last %}{{ (m.content or '').split('</think>')[-1].lstrip() }}\
+{% else %}{{ m.content or '' }}{% endif %}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}"""
+TRIMS_WHITESPACE = """{%- for m in messages -%}
+<|im_start|>{{ m.role }}
+{% if loop.last %}{{ m.content or '' }}{% else %}{{ (m.content or '') | trim }}{% endif %}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}"""
+NOT_MESSAGE_LOCAL = """{{ messages | length }} messages
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor -%}<|im_start|>assistant
+"""
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def first_turn(tokenizer: Any, completion_text: str) -> tuple[LLMRequest, list[int]]:
+    """A first request and the tokens an engine would have produced for it (prompt + completion + eos)."""
+    request = LLMRequest(policy="p", messages=[ChatMessage(role="user", content="What is 2+2?")])
+    prompt = ChatRenderer(tokenizer).prompt(request).token_ids
+    completion = [*tokenizer.encode(completion_text, add_special_tokens=False), tokenizer.eos_token_id]
+    return request, prompt + completion
+
+
+def second_request(first: LLMRequest, reply: str, prefix_ids: list[int]) -> LLMRequest:
+    messages = [
+        *first.messages,
+        ChatMessage(role="assistant", content=reply),
+        ChatMessage(role="user", content="  And 3+3?  "),
+    ]
+    return LLMRequest(
+        policy="p", messages=messages, prefix=TokenPrefix(token_ids=prefix_ids, message_count=2)
+    )
+
+
+@pytest.mark.parametrize("template", [None, STRIPS_REASONING, TRIMS_WHITESPACE])
+def test_a_continuation_keeps_the_earlier_tokens_even_when_the_template_drifts(
+    tokenizer: Any, template: str | None
+) -> None:
+    if template is not None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+        tokenizer.chat_template = template
+    renderer = ChatRenderer(tokenizer)
+    reply = "<think>\nadd them\n</think>\n\n  4  "
+    first, prefix_ids = first_turn(tokenizer, reply)
+    request = second_request(first, reply, prefix_ids)
+    prompt = renderer.prompt(request)
+    assert not prompt.prefix_break
+    assert prompt.token_ids[: len(prefix_ids)] == prefix_ids
+    new_text = tokenizer.decode(prompt.token_ids[len(prefix_ids) :])
+    assert new_text == "\n<|im_start|>user\n  And 3+3?  <|im_end|>\n<|im_start|>assistant\n"
+    full = renderer.full(request)
+    if template is None:
+        assert full == prompt.token_ids  # ChatML renders stably: continuation and full render agree
+    else:
+        assert full[: len(prefix_ids)] != prefix_ids  # a full re-render would have changed history
+
+
+def test_a_template_that_is_not_message_local_falls_back_to_a_full_render_marked_prefix_break(
+    tokenizer: Any,
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = NOT_MESSAGE_LOCAL
+    first, prefix_ids = first_turn(tokenizer, "4")
+    request = second_request(first, "4", prefix_ids)
+    prompt = ChatRenderer(tokenizer).prompt(request)
+    assert prompt.prefix_break
+    assert prompt.token_ids == ChatRenderer(tokenizer).full(request)
+
+
+def test_a_length_cut_completion_gets_the_whole_end_of_message_glue(tokenizer: Any) -> None:
+    first, prefix_ids = first_turn(tokenizer, "4")
+    cut = prefix_ids[:-1]  # no eos: the engine stopped at max_tokens
+    prompt = ChatRenderer(tokenizer).prompt(second_request(first, "4", cut))
+    glue = tokenizer.decode(prompt.token_ids[len(cut) : len(cut) + 2])
+    assert prompt.token_ids[: len(cut)] == cut
+    assert glue == "<|im_end|>\n"
+
+
+def test_tool_results_and_tools_continue_token_exactly(tokenizer: Any) -> None:
+    tools = [ToolSpec.model_validate({"function": {"name": "calculator", "parameters": {"type": "object"}}})]
+    call = ToolCall(id="c1", function=FunctionCall(name="calculator", arguments='{"expression": "2+2"}'))
+    base = [ChatMessage(role="user", content="2+2?")]
+    first = LLMRequest(policy="p", messages=base, tools=tools)
+    renderer = ChatRenderer(tokenizer)
+    call_text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>'
+    completion = [*tokenizer.encode(call_text, add_special_tokens=False), tokenizer.eos_token_id]
+    prefix_ids = renderer.prompt(first).token_ids + completion
+    messages = [
+        *base,
+        ChatMessage(role="assistant", content="", tool_calls=[call]),
+        ChatMessage(role="tool", tool_call_id="c1", content="4"),
+        ChatMessage(role="tool", content="ok"),
+    ]
+    second = LLMRequest(
+        policy="p", messages=messages, tools=tools, prefix=TokenPrefix(token_ids=prefix_ids, message_count=2)
+    )
+    prompt = renderer.prompt(second)
+    assert prompt.token_ids[: len(prefix_ids)] == prefix_ids
+    assert tokenizer.decode(prompt.token_ids[len(prefix_ids) :]) == (
+        "\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\nok\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert prompt.token_ids == renderer.full(second)
+
+
+def test_hermes_tool_calls_are_parsed_and_malformed_ones_stay_in_the_text() -> None:
+    text = (
+        "Let me compute.\n"
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>'
+        '\n<tool_call>{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}</tool_call>'
+    )
+    content, calls = split_tool_calls(text)
+    assert content == "Let me compute."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("calculator", {"expression": "2+2"}),
+        ("search", {"q": "x"}),
+    ]
+    assert len({c.id for c in calls}) == 2
+    broken = 'ok <tool_call>{"name": "calculator", "arguments": {oops}</tool_call>'
+    assert split_tool_calls(broken) == (broken, [])
+    nameless = '<tool_call>{"arguments": {}}</tool_call>'
+    assert split_tool_calls(nameless) == (nameless, [])
