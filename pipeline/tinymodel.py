@@ -267,8 +267,9 @@ def _model(vocab_size: int, eos_id: int, pad_id: int, seed: int) -> Qwen2ForCaus
         pad_token_id=pad_id,
         dtype="float32",
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
+    with torch.random.fork_rng(devices=[]):  # seed the weights without touching the caller's generator
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id
     )

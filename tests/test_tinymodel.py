@@ -135,7 +135,7 @@ def test_loads_offline(tokenizer: Any, model: Any) -> None:
 
 def test_added_tokens_are_single_ids(tokenizer: Any) -> None:
     ids = [tokenizer.convert_tokens_to_ids(token) for token in CONTROL_TOKENS + MARKUP_TOKENS]
-    assert len(set(ids)) == len(ids)
+    assert ids == [0, 1, 2, *range(len(tokenizer) - len(MARKUP_TOKENS), len(tokenizer))]
     for token, token_id in zip(CONTROL_TOKENS + MARKUP_TOKENS, ids, strict=True):
         assert tokenizer.encode(token, add_special_tokens=False) == [token_id]
         assert token_id in tokenizer.encode(f"x{token}y", add_special_tokens=False)
@@ -220,18 +220,22 @@ def test_chat_template_tool_calls_and_results(tokenizer: Any) -> None:
     ) in text
 
 
+@pytest.mark.parametrize("system", [True, False], ids=["system", "no-system"])
 @pytest.mark.parametrize("tools", [None, [CALCULATOR]], ids=["no-tools", "tools"])
-def test_chat_template_is_message_local(tokenizer: Any, tools: list[dict[str, Any]] | None) -> None:
-    full = _render(tokenizer, CONVERSATION, tools=tools)
+def test_chat_template_is_message_local(
+    tokenizer: Any, tools: list[dict[str, Any]] | None, system: bool
+) -> None:
+    conversation = CONVERSATION if system else CONVERSATION[1:]
+    full = _render(tokenizer, conversation, tools=tools)
     full_ids = tokenizer.encode(full, add_special_tokens=False)
-    for k in range(1, len(CONVERSATION) + 1):
-        head = CONVERSATION[:k]
-        if k < len(CONVERSATION) and head[-1]["role"] == CONVERSATION[k]["role"] == "tool":
+    for k in range(1, len(conversation) + 1):
+        head = conversation[:k]
+        if k < len(conversation) and head[-1]["role"] == conversation[k]["role"] == "tool":
             continue  # inside a run of tool results: that shared user turn is not closed yet
         prefix = _render(tokenizer, head, tools=tools)
         assert full.startswith(prefix), k
         assert full_ids[: len(ids := tokenizer.encode(prefix, add_special_tokens=False))] == ids, k
-        if k < len(CONVERSATION) and CONVERSATION[k]["role"] == "assistant":
+        if k < len(conversation) and conversation[k]["role"] == "assistant":
             prompt = _render(tokenizer, head, tools=tools, add_generation_prompt=True)
             assert full.startswith(prompt), k
 
