@@ -3,7 +3,7 @@
 What it measures, in one run on one PostgreSQL server (fsync on, so every commit is durable):
 
 1. ``COPY`` baseline: the very rows the event store would write (data, tokens and hash encoded
-   beforehand, so serialization is not timed) are COPYed, in the same text format the store uses, into
+   beforehand, so serialization is not timed) are COPYed, in the same binary COPY format the store uses, into
    a scratch table with the columns of ``events`` but no indexes (``--indexed-baseline``: with them),
    one transaction per ``--copy-chunk`` rows: about as fast as one client can load these rows.
 2. ``EventStore.append`` at each level of ``--levels``: that many asyncio tasks, each owning one
@@ -58,7 +58,14 @@ from sqlalchemy.engine import make_url
 
 from pipeline.db import migrate
 from pipeline.embedded import EmbeddedPostgres
-from pipeline.eventstore import COPY_COLUMNS, EventStore, encode_event
+from pipeline.eventstore import (
+    COPY_COLUMNS,
+    COPY_TYPES,
+    EventStore,
+    JsonText,
+    JsonTextBinaryDumper,
+    encode_event,
+)
 from pipeline.settings import libpq_url
 from schemas import ChatMessage, FunctionCall, ToolCall, TurnCompleted, TurnReply, TurnRequest
 
@@ -235,12 +242,14 @@ async def truncate(url: str, table: str) -> None:
 
 async def copy_baseline(url: str, rows: Sequence[tuple[Any, ...]], chunk: int) -> Measurement:
     await truncate(url, "copy_baseline")
-    statement = f"COPY copy_baseline ({', '.join(COPY_COLUMNS)}) FROM STDIN"
+    statement = f"COPY copy_baseline ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
     transactions = 0
     async with await psycopg.AsyncConnection.connect(url) as connection:
+        connection.adapters.register_dumper(JsonText, JsonTextBinaryDumper)
         started = time.perf_counter()
         for start in range(0, len(rows), chunk):
             async with connection.transaction(), connection.cursor().copy(statement) as copy:
+                copy.set_types(COPY_TYPES)
                 for row in rows[start : start + chunk]:
                     await copy.write_row(row)
             transactions += 1

@@ -37,6 +37,8 @@ from typing import Any, Final
 import psycopg
 import sqlalchemy as sa
 import sqlalchemy.exc
+from psycopg import postgres, pq
+from psycopg.adapt import Dumper
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -71,6 +73,7 @@ COPY_COLUMNS: Final = (
     "metadata",
     "content_hash",
 )
+COPY_TYPES: Final = ["int8", "text", "int4", "uuid", "text", "jsonb", "bytea", "jsonb", "bytea"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,18 +318,20 @@ class EventStore:
         engine: AsyncEngine,
         *,
         max_event_bytes: int = 16 * 1024 * 1024,
-        max_batch_events: int = 2000,
+        max_batch_events: int = 256,
+        writers: int = 2,
         retry_for: float = 30.0,
         owns_engine: bool = False,
     ) -> None:
         self.engine = engine
         self.max_event_bytes = max_event_bytes
         self.max_batch_events = max_batch_events
+        self.writers = writers
         self.retry_for = retry_for
         self.stats = WriterStats()
         self._owns_engine = owns_engine
         self._queue: asyncio.Queue[PendingAppend | None] = asyncio.Queue()
-        self._writer: asyncio.Task[None] | None = None
+        self._writer_tasks: list[asyncio.Task[None]] = []
         self._closed = False
 
     @classmethod
@@ -340,10 +345,10 @@ class EventStore:
     async def close(self) -> None:
         """Finish the appends already queued, then stop the writer (and dispose an engine we created)."""
         self._closed = True
-        if self._writer is not None:
-            await self._queue.put(None)
-            await self._writer
-            self._writer = None
+        for _ in self._writer_tasks:
+            await self._queue.put(None)  # each writer stops at the first None it takes
+        await asyncio.gather(*self._writer_tasks)
+        self._writer_tasks.clear()
         if self._owns_engine:
             await self.engine.dispose()
 
@@ -367,8 +372,11 @@ class EventStore:
             raise TurnstileError("the event store is closed")
         pending = prepare_append(stream, events, expected_version, metadata, self.max_event_bytes)
         pending.future = asyncio.get_running_loop().create_future()
-        if self._writer is None:
-            self._writer = asyncio.create_task(self._run_writer(), name="turnstile-group-commit")
+        if not self._writer_tasks:
+            self._writer_tasks = [
+                asyncio.create_task(_Writer(self).run(), name=f"turnstile-group-commit-{n}")
+                for n in range(self.writers)
+            ]
         await self._queue.put(pending)
         return await pending.future
 
@@ -380,85 +388,9 @@ class EventStore:
             raw = await connection.get_raw_connection()
             pg: psycopg.AsyncConnection[Any] = raw.driver_connection  # type: ignore[assignment]
             async with pg.transaction():
+                # Taken here, not only in write_appends, so the lock covers the whole transaction.
                 await pg.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
                 yield AppendTransaction(self, pg)
-
-    async def _run_writer(self) -> None:
-        # One writer per store: while a batch is being committed, new appends queue up and form the next
-        # batch, so the batch size follows the load and a lone append is not delayed.
-        stopping = False
-        while not stopping:
-            first = await self._queue.get()
-            if first is None:
-                break
-            batch, size = [first], len(first.events)
-            while size < self.max_batch_events and not self._queue.empty():
-                item = self._queue.get_nowait()
-                if item is None:
-                    stopping = True
-                    break
-                batch.append(item)
-                size += len(item.events)
-            await self._commit_isolated(batch)
-
-    async def _commit_isolated(self, batch: list[PendingAppend]) -> None:
-        """Commit a batch; if PostgreSQL refuses it, commit each append alone so only the bad one fails."""
-        try:
-            outcomes = await self._commit_retrying(batch)
-        except StoreUnavailable as error:
-            outcomes = [error] * len(batch)
-        except (psycopg.Error, sqlalchemy.exc.DBAPIError) as error:
-            if len(batch) > 1:
-                for append in batch:
-                    await self._commit_isolated([append])
-                return
-            outcomes = [
-                InvalidEvent(
-                    f"PostgreSQL refused the append to {batch[0].stream!r}: {_postgres_message(error)}"
-                )
-            ]
-        for append, outcome in zip(batch, outcomes, strict=True):
-            future = append.future
-            if future is None or future.done():
-                continue  # the caller gave up waiting; its append may still have been recorded
-            if isinstance(outcome, BaseException):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
-
-    async def _commit_retrying(self, batch: list[PendingAppend]) -> list[AppendResult | TurnstileError]:
-        # A lost connection leaves a commit ambiguous; retrying is safe because a batch that did commit
-        # is found again by its event ids and reported as recorded (idempotent by event id).
-        deadline = time.monotonic() + self.retry_for
-        delay = 0.05
-        while True:
-            try:
-                async with self.engine.connect() as connection:
-                    raw = await connection.get_raw_connection()
-                    pg: psycopg.AsyncConnection[Any] = raw.driver_connection  # type: ignore[assignment]
-                    try:
-                        async with pg.transaction():
-                            await pg.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
-                            outcomes = await write_appends(pg, batch)
-                    except BaseException:
-                        if pg.closed or pg.broken:
-                            await connection.invalidate()
-                        raise
-                self.stats.transactions += 1
-                self.stats.appends += len(batch)
-                self.stats.events += sum(len(a.events) for a in batch)
-                return outcomes
-            except Exception as error:
-                if not is_connection_error(error):
-                    raise
-                if time.monotonic() + delay > deadline:
-                    raise StoreUnavailable(
-                        f"PostgreSQL unreachable for {self.retry_for:.0f} s while appending ({error}); "
-                        "check that it runs and that TURNSTILE_DATABASE_URL points at it"
-                    ) from error
-                log.warning("append: connection lost (%s); retrying in %.2f s", error, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
 
     # -- reading --
 
@@ -540,6 +472,98 @@ class EventStore:
             await _close_quietly(listener)
 
 
+class _Writer:
+    """One group-commit writer: takes batches of appends off the store's queue and commits each batch in
+    one transaction on a connection of its own (a pool checkout, with its ping and reset, would cost more
+    than the rest of a small batch's transaction).
+
+    While one batch commits, new appends queue up and form the next, so batches grow with the load and a
+    lone append is not delayed. The store runs two writers: while one waits for PostgreSQL (its COPY and
+    fsync), the event loop encodes the next appends and the other writer sends them, and the append lock
+    keeps their commits in position order. ``max_batch_events`` splits a burst between them.
+    """
+
+    def __init__(self, store: EventStore) -> None:
+        self.store = store
+        self._queue = store._queue
+        self._connection: psycopg.AsyncConnection[Any] | None = None
+
+    async def run(self) -> None:
+        stopping = False
+        while not stopping:
+            first = await self._queue.get()
+            if first is None:
+                break
+            batch, size = [first], len(first.events)
+            while size < self.store.max_batch_events and not self._queue.empty():
+                item = self._queue.get_nowait()
+                if item is None:
+                    stopping = True
+                    break
+                batch.append(item)
+                size += len(item.events)
+            await self.commit_isolated(batch)
+        await _close_quietly(self._connection)
+
+    async def commit_isolated(self, batch: list[PendingAppend]) -> None:
+        """Commit a batch; if PostgreSQL refuses it, commit each append alone so only the bad one fails."""
+        try:
+            outcomes = await self.commit_retrying(batch)
+        except StoreUnavailable as error:
+            outcomes = [error] * len(batch)
+        except (psycopg.Error, sqlalchemy.exc.DBAPIError) as error:
+            if len(batch) > 1:
+                for append in batch:
+                    await self.commit_isolated([append])
+                return
+            outcomes = [
+                InvalidEvent(
+                    f"PostgreSQL refused the append to {batch[0].stream!r}: {_postgres_message(error)}"
+                )
+            ]
+        for append, outcome in zip(batch, outcomes, strict=True):
+            future = append.future
+            if future is None or future.done():
+                continue  # the caller gave up waiting; its append may still have been recorded
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+    async def commit_retrying(self, batch: list[PendingAppend]) -> list[AppendResult | TurnstileError]:
+        # A lost connection leaves a commit ambiguous; retrying is safe because a batch that did commit
+        # is found again by its event ids and reported as recorded (idempotent by event id).
+        deadline = time.monotonic() + self.store.retry_for
+        delay = 0.05
+        while True:
+            try:
+                connection = await self.connect()
+                async with connection.transaction():
+                    outcomes = await write_appends(connection, batch)
+                self.store.stats.transactions += 1
+                self.store.stats.appends += len(batch)
+                self.store.stats.events += sum(len(a.events) for a in batch)
+                return outcomes
+            except Exception as error:
+                if not is_connection_error(error):
+                    raise
+                await _close_quietly(self._connection)
+                self._connection = None
+                if time.monotonic() + delay > deadline:
+                    raise StoreUnavailable(
+                        f"PostgreSQL unreachable for {self.store.retry_for:.0f} s while appending ({error}); "
+                        "check that it runs and that TURNSTILE_DATABASE_URL points at it"
+                    ) from error
+                log.warning("append: connection lost (%s); retrying in %.2f s", error, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def connect(self) -> psycopg.AsyncConnection[Any]:
+        if self._connection is None or self._connection.closed or self._connection.broken:
+            self._connection = await psycopg.AsyncConnection.connect(self.store.libpq_url)
+        return self._connection
+
+
 class AppendTransaction:
     """Appends inside one explicit transaction (see ``EventStore.transaction``)."""
 
@@ -566,27 +590,53 @@ class AppendTransaction:
 async def write_appends(
     connection: psycopg.AsyncConnection[Any], appends: Sequence[PendingAppend]
 ) -> list[AppendResult | TurnstileError]:
-    """Write appends on a connection that holds the append lock; the caller commits."""
+    """Take the append lock, decide every append (``plan_appends``) and COPY the accepted rows.
+
+    Runs inside the caller's transaction; the caller commits, which releases the lock.
+    """
     ids = [item.event_id for append in appends for item in append.events]
     streams = sorted({append.stream for append in appends})
-    cursor = await connection.execute(
-        "SELECT event_id, stream, position, version, content_hash FROM events WHERE event_id = ANY(%s)",
-        (ids,),
-    )
-    recorded = {row[0]: RecordedId(row[1], row[2], row[3], row[4]) for row in await cursor.fetchall()}
-    cursor = await connection.execute(
-        "SELECT stream, max(version) FROM events WHERE stream = ANY(%s) GROUP BY stream", (streams,)
-    )
-    versions = {row[0]: row[1] for row in await cursor.fetchall()}
-    cursor = await connection.execute("SELECT coalesce(max(position), 0) FROM events")
-    head_row = await cursor.fetchone()
-    head = int(head_row[0]) if head_row else 0
-    plan = plan_appends(appends, recorded, versions, head)
+    async with connection.pipeline():  # the lock and the three look-ups in one round trip
+        await connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
+        recorded_cursor = await connection.execute(
+            "SELECT event_id, stream, position, version, content_hash FROM events WHERE event_id = ANY(%s)",
+            (ids,),
+        )
+        # One index probe per stream; "stream = ANY(...) GROUP BY stream" makes the planner scan the table.
+        versions_cursor = await connection.execute(
+            "SELECT s.stream, (SELECT max(e.version) FROM events e WHERE e.stream = s.stream) "
+            "FROM unnest(%s::text[]) AS s(stream)",
+            (streams,),
+        )
+        head_cursor = await connection.execute("SELECT coalesce(max(position), 0) FROM events")
+        recorded = {
+            row[0]: RecordedId(row[1], row[2], row[3], row[4]) for row in await recorded_cursor.fetchall()
+        }
+        versions = {row[0]: row[1] for row in await versions_cursor.fetchall() if row[1] is not None}
+        head_row = await head_cursor.fetchone()
+    plan = plan_appends(appends, recorded, versions, int(head_row[0]) if head_row else 0)
     if plan.rows:
-        async with connection.cursor().copy(f"COPY events ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
+        cursor = connection.cursor()
+        cursor.adapters.register_dumper(JsonText, JsonTextBinaryDumper)
+        async with cursor.copy(f"COPY events ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)") as copy:
+            copy.set_types(COPY_TYPES)
             for row in plan.rows:
                 await copy.write_row(row)
     return plan.outcomes
+
+
+class JsonText(str):
+    """JSON that is already text: sent to a jsonb column as is."""
+
+
+class JsonTextBinaryDumper(Dumper):
+    """Binary jsonb is a version byte and the JSON text (psycopg's own dumper would re-serialize a str)."""
+
+    format = pq.Format.BINARY
+    oid = postgres.types["jsonb"].oid
+
+    def dump(self, obj: str) -> bytes:
+        return b"\x01" + obj.encode()
 
 
 def decode_row(row: sa.Row[Any]) -> RecordedEvent:

@@ -14,6 +14,10 @@ import nats
 import psycopg
 import pytest
 
+from pipeline.llm import NatsLLMClient
+from schemas import ChatMessage, LLMRequest, LLMResponse
+from tests.conftest import Servers
+
 TURNSTILE = [sys.executable, "-m", "pipeline.cli"]
 
 
@@ -100,3 +104,44 @@ def test_migrate_without_a_database_says_what_to_set() -> None:
     assert result.returncode == 2
     assert "TURNSTILE_DATABASE_URL" in result.stderr
     assert "turnstile up" in result.stderr
+
+
+def test_model_init_tiny_and_serve_inference_answer_over_nats(tmp_path: Path, servers: Servers) -> None:
+    model_dir = tmp_path / "tiny"
+    built = subprocess.run([*TURNSTILE, "model", "init-tiny", str(model_dir)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    assert (model_dir / "model.safetensors").exists()
+    policy = "cli-test"
+    consumer = subprocess.Popen(
+        [
+            *TURNSTILE,
+            "serve",
+            "inference",
+            "--policy",
+            policy,
+            "--model",
+            str(model_dir),
+            "--consumer-id",
+            "cli-1",
+        ],
+        env=clean_env(TURNSTILE_NATS_URL=servers.nats_url, HF_HUB_OFFLINE="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        response = asyncio.run(ask_when_ready(servers.nats_url, policy))
+        assert response.consumer_id == "cli-1"
+        assert len(response.completion_token_ids) == len(response.completion_logprobs) > 0
+    finally:
+        consumer.send_signal(signal.SIGTERM)
+        assert consumer.wait(60) == 0, consumer.stderr.read() if consumer.stderr else ""
+
+
+async def ask_when_ready(nats_url: str, policy: str) -> LLMResponse:
+    client = await NatsLLMClient.connect(nats_url, wait_for_consumer=120)
+    try:
+        request = LLMRequest(policy=policy, messages=[ChatMessage(role="user", content="hi")])
+        return await client(request)
+    finally:
+        await client.close()

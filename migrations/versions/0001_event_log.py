@@ -36,8 +36,8 @@ def upgrade() -> None:
         )
         """
     )
-    op.execute("CREATE INDEX events_category_position_idx ON events (category, position)")
-    op.execute("CREATE INDEX events_type_position_idx ON events (type, position)")
+    # No further indexes: every index is paid on each append; readers that need one (by category or
+    # type) add it in their own migration.
     op.execute(
         "COMMENT ON COLUMN events.tokens IS "
         "'token arrays of the event, packed by pipeline/tokens.py: prompt ids, completion ids (int32), "
