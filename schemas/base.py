@@ -7,6 +7,7 @@ at every level of nesting, so an old reader can read what a newer writer recorde
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, ModelWrapValidatorHandler, ValidationInfo, model_validator
@@ -23,6 +24,12 @@ class Contract(BaseModel):
         cls, data: Any, handler: ModelWrapValidatorHandler[Any], info: ValidationInfo
     ) -> Any:
         if info.context is not None and info.context.get("tolerant") and isinstance(data, dict):
-            known = cls.model_fields.keys()
-            data = {key: value for key, value in data.items() if key in known}
+            known = _known_fields(cls)
+            if not data.keys() <= known:  # rebuild only when there is something to drop
+                data = {key: value for key, value in data.items() if key in known}
         return handler(data)
+
+
+@cache
+def _known_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(model.__pydantic_fields__)
