@@ -60,13 +60,34 @@ def _stop_process(process: subprocess.Popen[bytes] | None, sig: int, timeout: fl
         process.wait()
 
 
-class EmbeddedPostgres:
-    """A PostgreSQL server owned by this process: ``start()``, ``url``, ``stop()``."""
+class _ServerProcess:
+    """A server process owned by this process, on a free loopback port unless one is given."""
+
+    stop_signal = signal.SIGTERM
 
     def __init__(self, data_dir: Path, *, port: int | None = None) -> None:
         self.data_dir = Path(data_dir).absolute()
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        _stop_process(self.process, self.stop_signal, timeout)
+        self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL, as in a crash."""
+        _stop_process(self.process, signal.SIGKILL, 10)
+        self.process = None
+
+
+class EmbeddedPostgres(_ServerProcess):
+    """A PostgreSQL server owned by this process: ``start()``, ``url``, ``stop()``, ``kill()``.
+
+    ``stop`` is a fast shutdown (SIGINT: open transactions roll back, committed data stays); after ``kill``,
+    ``start()`` again recovers from the WAL.
+    """
+
+    stop_signal = signal.SIGINT
 
     @property
     def url(self) -> str:
@@ -168,24 +189,9 @@ class EmbeddedPostgres:
                     ) from None
                 time.sleep(0.1)
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Fast shutdown (SIGINT): open transactions roll back, committed data stays."""
-        _stop_process(self.process, signal.SIGINT, timeout)
-        self.process = None
 
-    def kill(self) -> None:
-        """SIGKILL, as in a crash; ``start()`` again recovers from the WAL."""
-        _stop_process(self.process, signal.SIGKILL, 10)
-        self.process = None
-
-
-class EmbeddedNats:
-    """A nats-server with JetStream owned by this process: ``start()``, ``url``, ``stop()``."""
-
-    def __init__(self, data_dir: Path, *, port: int | None = None) -> None:
-        self.data_dir = Path(data_dir).absolute()
-        self.port = port or free_port()
-        self.process: subprocess.Popen[bytes] | None = None
+class EmbeddedNats(_ServerProcess):
+    """A nats-server with JetStream owned by this process: ``start()``, ``url``, ``stop()``, ``kill()``."""
 
     @property
     def url(self) -> str:
@@ -236,14 +242,6 @@ class EmbeddedNats:
                     f"nats-server not ready within {timeout:.0f} s; log:\n{_log_tail(log_path)}"
                 )
             time.sleep(0.05)
-
-    def stop(self, timeout: float = 15.0) -> None:
-        _stop_process(self.process, signal.SIGTERM, timeout)
-        self.process = None
-
-    def kill(self) -> None:
-        _stop_process(self.process, signal.SIGKILL, 10)
-        self.process = None
 
 
 class EmbeddedServers:

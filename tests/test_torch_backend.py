@@ -20,6 +20,7 @@ from pipeline.inference import InferenceService
 from pipeline.llm import NatsLLMClient, versions_subject
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished, SamplingParams, TokenPrefix
 from tests.conftest import Servers
+from tests.reference import recomputed_logprobs
 
 
 def ask(content: str, *, policy: str = "p", episode: str | None = None, **sampling: Any) -> LLMRequest:
@@ -29,15 +30,6 @@ def ask(content: str, *, policy: str = "p", episode: str | None = None, **sampli
         messages=[ChatMessage(role="user", content=content)],
         sampling=SamplingParams(**{"max_tokens": 12, **sampling}),
     )
-
-
-def recomputed_logprobs(model_dir: Path, prompt: list[int], completion: list[int]) -> list[float]:
-    """Logprobs of the completion tokens from one plain forward pass over prompt + completion (fp32)."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + completion])).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return [float(logprobs[len(prompt) - 1 + i, token]) for i, token in enumerate(completion)]
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from pipeline.backends.vllm_backend import VllmBackend
 from pipeline.chat import ChatRenderer
 from pipeline.llm import RequestRejected
 from schemas import ChatMessage, LLMRequest, SamplingParams, TokenPrefix
+from tests.reference import recomputed_logprobs
 
 pytestmark = pytest.mark.vllm
 
@@ -37,15 +38,6 @@ def ask(content: str, **sampling: Any) -> LLMRequest:
         messages=[ChatMessage(role="user", content=content)],
         sampling=SamplingParams(**{"max_tokens": 12, **sampling}),
     )
-
-
-def recomputed_logprobs(model_dir: Path, prompt: list[int], completion: list[int]) -> list[float]:
-    """Logprobs of the completion tokens from one plain forward pass over prompt + completion (fp32)."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + completion])).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return [float(logprobs[len(prompt) - 1 + i, token]) for i, token in enumerate(completion)]
 
 
 def max_difference(a: list[float], b: list[float]) -> float:

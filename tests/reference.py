@@ -1,0 +1,17 @@
+"""What the engines' numbers are checked against: one plain transformers forward pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def recomputed_logprobs(model_dir: Path, prompt: list[int], completion: list[int]) -> list[float]:
+    """Logprobs of the completion tokens from one plain forward pass over prompt + completion (fp32)."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[len(prompt) - 1 + i, token]) for i, token in enumerate(completion)]
