@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from pipeline.backends import Backend
+from pipeline.errors import ConfigError
 from pipeline.inference import InferenceService
 from pipeline.llm import QUEUE_GROUP, request_subject, versions_subject
 
@@ -50,7 +51,7 @@ def create_backend(config: InferenceConfig) -> Backend:
 
         return ScriptedBackend()
     if config.model is None:
-        raise ValueError(
+        raise ConfigError(
             f"the {config.backend} backend needs --model DIR (build one with `turnstile model init-tiny`)"
         )
     if config.backend == "vllm":

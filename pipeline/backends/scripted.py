@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from pipeline.backends import Generation
@@ -19,8 +20,6 @@ class ScriptedBackend:
         self.requests_seen = 0
 
     async def generate(self, request: LLMRequest) -> Generation:
-        import asyncio
-
         self.requests_seen += 1
         started = time.monotonic()
         if self.delay:
