@@ -36,12 +36,16 @@ class StoreUnavailable(TurnstileError):
     """PostgreSQL could not be reached for longer than the store is willing to retry."""
 
 
+def field_path(location: tuple[int | str, ...]) -> str:
+    """``messages.0.role`` for a pydantic error location (validator wrappers left out)."""
+    return ".".join(str(part) for part in location if not str(part).startswith("function-"))
+
+
 def describe_validation_error(error: ValidationError, limit: int = 5) -> str:
     """``field a.b.0: message; ...`` for the first few problems of a pydantic error."""
     parts = []
     for item in error.errors()[:limit]:
-        location = ".".join(str(part) for part in item["loc"] if not str(part).startswith("function-"))
-        parts.append(f"field {location or '<root>'}: {item['msg']}")
+        parts.append(f"field {field_path(item['loc']) or '<root>'}: {item['msg']}")
     more = len(error.errors()) - limit
     if more > 0:
         parts.append(f"and {more} more")

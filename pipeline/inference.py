@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from pipeline.backends import Backend, Generation
 from pipeline.chat import split_tool_calls
-from pipeline.errors import describe_validation_error
+from pipeline.errors import describe_validation_error, field_path
 from pipeline.llm import CONSUMER_HEADER, HEARTBEAT_HEADER, RequestRejected
 from schemas import TOLERANT, LLMError, LLMRequest, LLMResponse, PolicyVersionPublished, Timings
 
@@ -172,8 +172,4 @@ class InferenceService:
 
 
 def _first_field(error: ValidationError) -> str | None:
-    for item in error.errors():
-        location = ".".join(str(part) for part in item["loc"] if not str(part).startswith("function-"))
-        if location:
-            return location
-    return None
+    return next((path for item in error.errors() if (path := field_path(item["loc"]))), None)

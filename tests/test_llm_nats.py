@@ -9,17 +9,18 @@ import sys
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 
 import pytest
 
-from consumers.inference import InferenceConfig, create_app
+from consumers.inference import InferenceConfig
 from pipeline.backends import Backend
 from pipeline.backends.scripted import ScriptedBackend
 from pipeline.inference import InferenceService
 from pipeline.llm import NatsLLMClient, NoInferenceConsumer, QueueLLMClient, RequestRejected
 from schemas import ChatMessage, LLMRequest, LLMResponse
 from tests.conftest import Servers
+from tests.serving import serving
 
 
 def new_policy() -> str:
@@ -30,22 +31,13 @@ def ask(policy: str, episode: str | None = None, content: str = "hi") -> LLMRequ
     return LLMRequest(policy=policy, episode_id=episode, messages=[ChatMessage(role="user", content=content)])
 
 
-@asynccontextmanager
-async def consumer(
-    nats_url: str,
-    policy: str,
-    consumer_id: str,
-    backend: Backend | None = None,
-) -> AsyncIterator[InferenceService]:
+def consumer(
+    nats_url: str, policy: str, consumer_id: str, backend: Backend | None = None
+) -> AbstractAsyncContextManager[InferenceService]:
     config = InferenceConfig(
         nats_url, policy, backend="scripted", consumer_id=consumer_id, heartbeat_interval=0.2
     )
-    app, service = create_app(config, backend or ScriptedBackend())
-    await app.start()
-    try:
-        yield service
-    finally:
-        await app.stop()
+    return serving(config, backend or ScriptedBackend())
 
 
 @pytest.fixture
@@ -78,16 +70,16 @@ async def test_affinity_falls_back_to_the_queue_group_when_its_consumer_is_gone(
     servers: Servers, client: NatsLLMClient
 ) -> None:
     policy = new_policy()
-    async with consumer(servers.nats_url, policy, "stays"):
+    async with AsyncExitStack() as outlives:
         async with consumer(servers.nats_url, policy, "leaves") as leaving:
-            while client.consumer_for("e1") != "leaves":  # until the queue group picks "leaves" for e1
-                await client(ask(policy, f"e{uuid.uuid4().hex}"))
-                await client(ask(policy, "e1"))
+            assert (await client(ask(policy, "e1"))).consumer_id == "leaves"  # the only one: e1 sticks to it
+            await outlives.enter_async_context(consumer(servers.nats_url, policy, "stays"))
+            assert (await client(ask(policy, "e1"))).consumer_id == "leaves"
             served_before = leaving.requests_served
         response = await client(ask(policy, "e1"))
         assert response.consumer_id == "stays"
         assert client.consumer_for("e1") == "stays"
-        assert served_before >= 1
+        assert served_before == 2
 
 
 async def test_a_consumer_killed_mid_request_is_replaced_by_a_retry(

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from consumers.inference import InferenceConfig, create_app
+from consumers.inference import InferenceConfig
 from pipeline.backends.torch_backend import TorchBackend
 from pipeline.inference import InferenceService
 from pipeline.llm import NatsLLMClient, versions_subject
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished, SamplingParams, TokenPrefix
 from tests.conftest import Servers
 from tests.reference import recomputed_logprobs
+from tests.serving import serving
 
 
 def ask(content: str, *, policy: str = "p", episode: str | None = None, **sampling: Any) -> LLMRequest:
@@ -82,20 +82,11 @@ async def test_a_prompt_longer_than_the_context_is_rejected(backend: TorchBacken
         await backend.generate(ask("word " * 5000))
 
 
-@asynccontextmanager
-async def torch_consumer(
-    servers: Servers,
-    policy: str,
-    model_dir: Path,
-    consumer_id: str,
-) -> AsyncIterator[InferenceService]:
+def torch_consumer(
+    servers: Servers, policy: str, model_dir: Path, consumer_id: str
+) -> AbstractAsyncContextManager[InferenceService]:
     config = InferenceConfig(servers.nats_url, policy, model=model_dir, consumer_id=consumer_id, max_batch=8)
-    app, service = create_app(config)
-    await app.start()
-    try:
-        yield service
-    finally:
-        await app.stop()
+    return serving(config)
 
 
 async def test_concurrent_episodes_over_two_torch_consumers_continue_token_exactly(
