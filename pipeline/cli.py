@@ -9,10 +9,12 @@ import threading
 from pathlib import Path
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
-from pipeline.errors import TurnstileError
+from pipeline.errors import ConfigError, TurnstileError, describe_validation_error
 from pipeline.settings import Settings
+from schemas import SamplingParams
 
 app = typer.Typer(help="Turnstile: collect RL rollouts from LLM agents.", no_args_is_help=True)
 console = Console(stderr=True)
@@ -118,6 +120,159 @@ def serve_inference(
         f"inference consumer [bold]{service.consumer_id}[/bold] serving policy {policy!r} ({backend})"
     )
     asyncio.run(application.run())
+
+
+def _sampling(temperature: float, max_tokens: int, seed: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    except ValidationError as error:
+        raise ConfigError(f"sampling options: {describe_validation_error(error)}") from None
+
+
+def _tags(pairs: list[str]) -> dict[str, str]:
+    tags = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--tag {pair!r}: write it as key=value")
+        tags[key] = value
+    return tags
+
+
+AGENT_HELP = "the agent, as package.module:Name (e.g. pipeline.examples.calculator:CalculatorAgent)"
+
+
+@app.command()
+def run(
+    agent: str = typer.Option(..., help=AGENT_HELP),
+    tasks: Path = typer.Option(..., help="a JSONL file, one task object per line"),
+    policy: str = typer.Option(..., help="the policy: requests go to llm.<policy>.requests"),
+    group_size: int = typer.Option(1, help="episodes per task (one group, for group-relative advantages)"),
+    concurrency: int = typer.Option(64, help="episodes in flight at most"),
+    max_turns: int = typer.Option(None, help="LLM turns an episode may take [default: no limit]"),
+    retries: int = typer.Option(1, help="times an episode that ends in error is run again"),
+    timeout: float = typer.Option(None, help="seconds an episode may take [default: no limit]"),
+    reward: str = typer.Option(None, help="reward function package.module:name (task, episode) -> float"),
+    temperature: float = typer.Option(1.0, help="sampling temperature"),
+    max_tokens: int = typer.Option(256, help="completion tokens per turn at most"),
+    seed: int = typer.Option(None, help="sampling seed"),
+    tag: list[str] = typer.Option([], help="key=value recorded with every episode (repeatable)"),
+) -> None:
+    """Run AGENT on every task of a file, recording every episode; Ctrl-C cancels cleanly."""
+    import asyncio
+
+    from consumers.runner import Connections, run_task_file
+    from pipeline.episode import load_agent, load_reward_function
+    from pipeline.progress import stats_table
+    from pipeline.runner import RunnerConfig
+
+    settings = Settings()
+    connections = Connections(settings.require_database_url(), settings.require_nats_url())
+    loaded = load_agent(agent)
+    reward_fn = load_reward_function(reward) if reward else None
+    if not tasks.is_file():
+        raise ConfigError(f"task file {str(tasks)!r} does not exist")
+    config = RunnerConfig(
+        policy=policy,
+        agent_name=agent,
+        group_size=group_size,
+        concurrency=concurrency,
+        max_turns=max_turns,
+        retries=retries,
+        timeout=timeout,
+        sampling=_sampling(temperature, max_tokens, seed),
+        tags=_tags(tag),
+    )
+    result = asyncio.run(
+        run_task_file(connections, loaded, config, tasks, reward_fn=reward_fn, console=console)
+    )
+    console.print(stats_table(result.stats, "cancelled" if result.cancelled else "finished"))
+    if result.cancelled:
+        raise SystemExit(130)
+
+
+@app.command()
+def submit(
+    tasks: Path = typer.Argument(..., help="a JSONL file, one task object per line"),
+    policy: str = typer.Option(..., help="tasks go to the work queue subject tasks.<policy>"),
+    group_size: int = typer.Option(1, help="episodes per task"),
+) -> None:
+    """Put every task of a file on the JetStream work queue TASKS for `turnstile serve runner`."""
+    import asyncio
+
+    import nats
+
+    from pipeline.runner import TaskLineError, TaskSpec, read_tasks
+    from pipeline.taskqueue import submit_tasks
+
+    if group_size < 1:
+        raise ConfigError(f"--group-size must be at least 1, got {group_size}")
+    specs: list[TaskSpec] = []
+    for item in read_tasks(tasks):
+        if isinstance(item, TaskLineError):
+            console.print(f"[red]task file {tasks}, {item}[/red] (skipped; the other tasks are submitted)")
+        else:
+            specs.append(item)
+
+    async def send() -> int:
+        connection = await nats.connect(Settings().require_nats_url())
+        try:
+            return len(await submit_tasks(connection, policy, specs, group_size=group_size))
+        finally:
+            await connection.drain()
+
+    console.print(f"submitted {asyncio.run(send())} tasks to tasks.{policy} (group size {group_size})")
+
+
+@serve.command("runner")
+def serve_runner(
+    agent: str = typer.Option(..., help=AGENT_HELP),
+    policy: str = typer.Option(..., help="take tasks from tasks.<policy>, send requests to llm.<policy>"),
+    concurrency: int = typer.Option(64, help="episodes in flight at most"),
+    max_turns: int = typer.Option(None, help="LLM turns an episode may take [default: no limit]"),
+    retries: int = typer.Option(1, help="times an episode that ends in error is run again"),
+    timeout: float = typer.Option(None, help="seconds an episode may take [default: no limit]"),
+    reward: str = typer.Option(None, help="reward function package.module:name (task, episode) -> float"),
+    temperature: float = typer.Option(1.0, help="sampling temperature"),
+    max_tokens: int = typer.Option(256, help="completion tokens per turn at most"),
+    ack_wait: float = typer.Option(
+        60.0, help="seconds without progress before a task goes to another runner"
+    ),
+    lease_timeout: float = typer.Option(
+        30.0, help="seconds after which a silent runner's episodes are aborted"
+    ),
+    heartbeat_timeout: float = typer.Option(15.0, help="seconds an LLM call waits for a silent consumer"),
+) -> None:
+    """Take tasks from the TASKS work queue and run AGENT on them, on as many machines as you like."""
+    import asyncio
+    import logging
+
+    from consumers.runner import Connections
+    from consumers.runner import serve_runner as serve
+    from pipeline.episode import load_agent, load_reward_function
+    from pipeline.runner import RunnerConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings()
+    connections = Connections(
+        settings.require_database_url(),
+        settings.require_nats_url(),
+        heartbeat_timeout=heartbeat_timeout,
+        lease_timeout=lease_timeout,
+    )
+    loaded = load_agent(agent)
+    reward_fn = load_reward_function(reward) if reward else None
+    config = RunnerConfig(
+        policy=policy,
+        agent_name=agent,
+        concurrency=concurrency,
+        max_turns=max_turns,
+        retries=retries,
+        timeout=timeout,
+        sampling=_sampling(temperature, max_tokens, None),
+    )
+    asyncio.run(serve(connections, loaded, config, reward_fn=reward_fn, ack_wait=ack_wait, console=console))
+    console.print("runner stopped")
 
 
 @model.command("init-tiny")

@@ -30,3 +30,14 @@ checkpoints = sa.Table(
     sa.Column("position", sa.BigInteger, nullable=False),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
 )
+
+runners = sa.Table(
+    "runners",
+    metadata,
+    sa.Column("runner_id", sa.Text, primary_key=True),
+    sa.Column("host", sa.Text, nullable=False),
+    sa.Column("pid", sa.Integer, nullable=False),
+    sa.Column("started_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+    sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+    sa.Column("stopped_at", sa.DateTime(timezone=True)),
+)

@@ -28,6 +28,7 @@ from schemas.episode import (
     TurnRequest,
 )
 from schemas.policy import PolicyEvent, PolicyVersionPublished
+from schemas.task import TaskSubmitted
 from schemas.wire import LLMError, LLMReply, LLMRequest, LLMResponse, TokenPrefix, WireMessage
 
 Event = Annotated[
@@ -77,7 +78,8 @@ def parse_wire(data: dict[str, Any] | str | bytes, *, tolerant: bool = True) -> 
 def json_schemas() -> dict[str, dict[str, Any]]:
     """JSON Schema of every event and wire message, keyed by file name, for agents in other languages."""
     schemas: dict[str, dict[str, Any]] = {}
-    for name, model in {**EVENT_TYPES, **WIRE_TYPES}.items():
+    models: dict[str, type[BaseModel]] = {**EVENT_TYPES, **WIRE_TYPES, "TaskSubmitted": TaskSubmitted}
+    for name, model in models.items():
         schemas[f"{name}.json"] = model.model_json_schema()
     schemas["Event.json"] = event_adapter.json_schema()
     schemas["WireMessage.json"] = wire_adapter.json_schema()
@@ -106,6 +108,7 @@ __all__ = [
     "PolicyVersionPublished",
     "RewardAssigned",
     "SamplingParams",
+    "TaskSubmitted",
     "Termination",
     "Timings",
     "TokenPrefix",

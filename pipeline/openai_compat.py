@@ -1,0 +1,497 @@
+"""The OpenAI chat.completions API on top of Turnstile, in process.
+
+``parse_chat_request`` turns an OpenAI request body into a ``ChatCall``; ``completion_body`` and
+``completion_chunks`` turn choices back into OpenAI response objects (whole, or as the chunks of a stream).
+``InProcessTransport`` is an httpx transport that serves ``/chat/completions`` and ``/models`` from a
+``ChatHandler`` with no network, and ``openai_client`` wraps it in an ``openai.AsyncOpenAI``, so an agent
+written for the OpenAI SDK runs unchanged. An HTTP gateway can reuse the same translation.
+
+Choices made where the OpenAI API leaves room:
+
+- ``developer`` messages are ``system`` messages; text content parts are joined with ``"\\n"`` (as vLLM does);
+  any other part kind is refused.
+- ``max_completion_tokens`` wins over ``max_tokens``; ``top_k`` (a vLLM extension) is read, -1 or 0 meaning
+  off. ``null`` for any top-level field means "not given".
+- Turnstile's ``abort`` and ``error`` finish reasons read as ``"length"``: the reply was cut short and is not
+  what the model would have finished with. The exact reason stays in Turnstile's own record.
+- Logprob entries carry ``top_logprobs: []`` (the engines return the sampled token's logprob only).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar, cast
+
+import httpx
+import openai
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline.errors import TurnstileError
+from schemas import ChatMessage, FinishReason, SamplingParams, ToolCall, ToolSpec
+from schemas.base import TOLERANT
+
+BASE_URL: Final = "http://turnstile.invalid/v1"
+OPENAI_FINISH_REASONS: Final[Mapping[FinishReason, str]] = {
+    "stop": "stop",
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "abort": "length",
+    "error": "length",
+}
+_ROLES: Final[Mapping[str, str]] = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
+_TOP_K_OFF: Final = (-1, 0)
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+class OpenAIRequestError(TurnstileError):
+    """A request the OpenAI API would refuse; ``body()`` is the error object an OpenAI server sends."""
+
+    def __init__(
+        self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
+        self.message, self.param, self.status, self.code = message, param, status, code
+        super().__init__(message)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": "invalid_request_error",
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    messages: list[ChatMessage]
+    tools: list[ToolSpec]
+    sampling: SamplingParams
+    n: int
+    logprobs: bool
+    top_logprobs: int
+    stream: bool
+    include_usage: bool
+    model: str
+    tool_choice: str | dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class ChoiceData:
+    text: str
+    tool_calls: list[ToolCall]
+    finish_reason: FinishReason
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    token_texts: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        tokens = len(self.completion_token_ids)
+        if len(self.completion_logprobs) != tokens:
+            raise ValueError(f"{len(self.completion_logprobs)} logprobs for {tokens} completion tokens")
+        if self.token_texts is not None and len(self.token_texts) != tokens:
+            raise ValueError(f"{len(self.token_texts)} token texts for {tokens} completion tokens")
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    choices: list[ChoiceData]
+    prompt_tokens: int
+    extra: dict[str, Any] | None = None
+
+
+ChatHandler = Callable[[ChatCall], Awaitable[ChatResult]]
+
+
+# ---- requests ----------------------------------------------------------------------------------------
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _CallOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str = ""
+    n: int = Field(default=1, ge=1)
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+
+
+def parse_chat_request(body: object, *, defaults: SamplingParams | None = None) -> ChatCall:
+    """An OpenAI chat.completions request body -> ``ChatCall``; unknown top-level keys are ignored.
+
+    Raises ``OpenAIRequestError`` whose ``param`` is the path of the offending field
+    (``messages[2].content[0].type``). ``defaults`` fill the sampling fields the request leaves out.
+    """
+    if not isinstance(body, dict):
+        raise OpenAIRequestError(f"the request body must be a JSON object, got {_shown(body)}")
+    given = {key: value for key, value in body.items() if value is not None}
+    options = _validated(_CallOptions, given, "")
+    if options.top_logprobs and not options.logprobs:
+        raise _invalid("top_logprobs", "needs logprobs set to true", options.top_logprobs)
+    tools = _parse_tools(given.get("tools", []))
+    return ChatCall(
+        messages=_parse_messages(given.get("messages")),
+        tools=tools,
+        sampling=_parse_sampling(given, defaults or SamplingParams()),
+        n=options.n,
+        logprobs=options.logprobs,
+        top_logprobs=options.top_logprobs,
+        stream=options.stream,
+        include_usage=options.stream_options is not None and options.stream_options.include_usage,
+        model=options.model,
+        tool_choice=_parse_tool_choice(given.get("tool_choice"), tools),
+    )
+
+
+def _parse_messages(raw: object) -> list[ChatMessage]:
+    if not isinstance(raw, list) or not raw:
+        raise _invalid("messages", "must be a non-empty list of message objects", raw)
+    return [_parse_message(item, f"messages[{index}]") for index, item in enumerate(raw)]
+
+
+def _parse_message(raw: object, path: str) -> ChatMessage:
+    if not isinstance(raw, dict):
+        raise _invalid(path, "must be a message object", raw)
+    role = raw.get("role")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise _invalid(f"{path}.role", f"must be one of {', '.join(_ROLES)}", role)
+    content = raw.get("content")
+    if content is None and role != "assistant":
+        raise _invalid(f"{path}.content", "is required: a string or a list of text parts", content)
+    fields: dict[str, Any] = {"role": _ROLES[role], "content": _content_text(content, f"{path}.content")}
+    if raw.get("name") is not None:
+        fields["name"] = raw["name"]
+    if role == "assistant":
+        if raw.get("tool_calls"):
+            fields["tool_calls"] = raw["tool_calls"]
+        if raw.get("reasoning_content") is not None:
+            fields["reasoning_content"] = raw["reasoning_content"]
+    if role == "tool":
+        tool_call_id = raw.get("tool_call_id")
+        if not isinstance(tool_call_id, str) or not tool_call_id:
+            raise _invalid(
+                f"{path}.tool_call_id", "must be the id of the tool call this message answers", tool_call_id
+            )
+        fields["tool_call_id"] = tool_call_id
+    return _validated(ChatMessage, fields, path)
+
+
+def _content_text(content: object, path: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _invalid(path, "must be a string or a list of text parts", content)
+    texts = []
+    for index, part in enumerate(content):
+        part_path = f"{path}[{index}]"
+        if not isinstance(part, dict):
+            raise _invalid(part_path, 'must be a content part object {"type": "text", "text": ...}', part)
+        if part.get("type") != "text":
+            raise _invalid(f"{part_path}.type", "only 'text' content parts are accepted", part.get("type"))
+        if not isinstance(part.get("text"), str):
+            raise _invalid(f"{part_path}.text", "must be a string", part.get("text"))
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _parse_tools(raw: object) -> list[ToolSpec]:
+    if not isinstance(raw, list):
+        raise _invalid("tools", "must be a list of function tools", raw)
+    return [_validated(ToolSpec, tool, f"tools[{index}]") for index, tool in enumerate(raw)]
+
+
+def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> str | dict[str, Any] | None:
+    accepted = "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+    if raw is None or raw in ("none", "auto"):
+        return raw
+    if raw == "required":
+        if not tools:
+            raise _invalid("tool_choice", "'required' needs tools", raw)
+        return "required"
+    if not isinstance(raw, dict) or raw.get("type") != "function":
+        raise _invalid("tool_choice", accepted, raw)
+    function = raw.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    names = [tool.function.name for tool in tools]
+    if name not in names:
+        raise _invalid("tool_choice.function.name", f"must name one of the tools {names}", name)
+    return {"type": "function", "function": {"name": name}}
+
+
+def _parse_sampling(given: Mapping[str, Any], defaults: SamplingParams) -> SamplingParams:
+    fields = defaults.model_dump()
+    for key in ("temperature", "top_p", "seed"):
+        if key in given:
+            fields[key] = given[key]
+    if "top_k" in given:
+        fields["top_k"] = None if given["top_k"] in _TOP_K_OFF else given["top_k"]
+    max_tokens_param = "max_completion_tokens" if "max_completion_tokens" in given else "max_tokens"
+    if max_tokens_param in given:
+        fields["max_tokens"] = given[max_tokens_param]
+    if "stop" in given:
+        fields["stop"] = [given["stop"]] if isinstance(given["stop"], str) else given["stop"]
+    return _validated(SamplingParams, fields, "", renames={"max_tokens": max_tokens_param})
+
+
+def _validated(
+    model: type[_Model], data: object, path: str, renames: Mapping[str, str] | None = None
+) -> _Model:
+    try:
+        return model.model_validate(data, context=TOLERANT)
+    except ValidationError as error:
+        first = error.errors()[0]
+        location = [(renames or {}).get(str(part), part) for part in first["loc"]]
+        more = error.error_count() - 1
+        problem = first["msg"] + (f" ({more} more problems in this request)" if more else "")
+        raise _invalid(_param_path(path, location), problem, first["input"]) from None
+
+
+def _param_path(path: str, location: Iterable[int | str]) -> str:
+    for part in location:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not part.startswith("function-"):
+            path = f"{path}.{part}" if path else part
+    return path
+
+
+def _invalid(param: str, problem: str, got: object) -> OpenAIRequestError:
+    return OpenAIRequestError(f"invalid {param}: {problem}, got {_shown(got)}", param=param)
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---- responses ---------------------------------------------------------------------------------------
+
+
+def completion_body(
+    *,
+    completion_id: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChoiceData],
+    prompt_tokens: int,
+    logprobs: bool,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """An OpenAI ``chat.completion`` object; ``extra`` keys are added at the top level."""
+    body: dict[str, Any] = {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": index,
+                "message": _message(choice),
+                "logprobs": {"content": _logprob_entries(choice), "refusal": None} if logprobs else None,
+                "finish_reason": OPENAI_FINISH_REASONS[choice.finish_reason],
+            }
+            for index, choice in enumerate(choices)
+        ],
+        "usage": _usage(prompt_tokens, choices),
+    }
+    return _with_extra(body, extra)
+
+
+def completion_chunks(
+    *,
+    completion_id: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChoiceData],
+    prompt_tokens: int,
+    logprobs: bool,
+    include_usage: bool = False,
+    extra: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """The ``chat.completion.chunk`` objects of a streamed response, choice after choice.
+
+    Per choice: the role, the content (one delta per token when the token texts spell the content,
+    else one delta), one delta per tool call, the finish reason. Then the usage chunk when
+    ``include_usage``. Logprob entries ride on the content deltas (on the finish chunk when there is no
+    content), so joining them over the chunks gives the non-streamed list. ``extra`` goes on the last chunk.
+    """
+
+    header = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    def chunk(
+        index: int, delta: dict[str, Any], entries: list[dict[str, Any]] | None, finish: str | None
+    ) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": {"content": entries, "refusal": None} if logprobs and entries is not None else None,
+            "finish_reason": finish,
+        }
+        return {**header, "choices": [choice], **({"usage": None} if include_usage else {})}
+
+    chunks: list[dict[str, Any]] = []
+    for index, choice in enumerate(choices):
+        content = _content(choice)
+        chunks.append(
+            chunk(index, {"role": "assistant", "content": "" if content is not None else None}, None, None)
+        )
+        entries = _logprob_entries(choice)
+        if choice.token_texts is not None and "".join(choice.token_texts) == choice.text != "":
+            for text, entry in zip(choice.token_texts, entries, strict=True):
+                chunks.append(chunk(index, {"content": text}, [entry], None))
+            entries = []
+        elif content:
+            chunks.append(chunk(index, {"content": content}, entries, None))
+            entries = []
+        for call_index, call in enumerate(choice.tool_calls):
+            tool_call = {"index": call_index, **call.model_dump(mode="json")}
+            chunks.append(chunk(index, {"tool_calls": [tool_call]}, None, None))
+        finish = OPENAI_FINISH_REASONS[choice.finish_reason]
+        chunks.append(chunk(index, {}, entries or None, finish))
+    if include_usage:
+        chunks.append({**header, "choices": [], "usage": _usage(prompt_tokens, choices)})
+    chunks[-1] = _with_extra(chunks[-1], extra)
+    return chunks
+
+
+def sse(chunks: Iterable[Mapping[str, Any]]) -> bytes:
+    """Server-sent events as OpenAI streams them: ``data: {json}`` per chunk, then ``data: [DONE]``."""
+    events = [b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n" for chunk in chunks]
+    return b"".join([*events, b"data: [DONE]\n\n"])
+
+
+def _content(choice: ChoiceData) -> str | None:
+    return None if choice.tool_calls and not choice.text else choice.text
+
+
+def _message(choice: ChoiceData) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": _content(choice), "refusal": None}
+    if choice.tool_calls:
+        message["tool_calls"] = [call.model_dump(mode="json") for call in choice.tool_calls]
+    return message
+
+
+def _logprob_entries(choice: ChoiceData) -> list[dict[str, Any]]:
+    texts = choice.token_texts or [f"<{token_id}>" for token_id in choice.completion_token_ids]
+    return [
+        {
+            "token": text,
+            "logprob": logprob,
+            "bytes": list(text.encode()) if choice.token_texts is not None else None,
+            "top_logprobs": [],
+        }
+        for text, logprob in zip(texts, choice.completion_logprobs, strict=True)
+    ]
+
+
+def _usage(prompt_tokens: int, choices: Sequence[ChoiceData]) -> dict[str, int]:
+    completion_tokens = sum(len(choice.completion_token_ids) for choice in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _with_extra(body: dict[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    if not extra:
+        return body
+    if clash := body.keys() & extra.keys():
+        raise ValueError(f"extra keys {sorted(clash)} would replace OpenAI response fields")
+    return {**body, **extra}
+
+
+# ---- in-process transport ----------------------------------------------------------------------------
+
+
+class InProcessTransport(httpx.AsyncBaseTransport):
+    """Serves ``POST .../chat/completions`` and ``GET .../models`` from a ``ChatHandler``, in process.
+
+    Request errors (and ``OpenAIRequestError`` raised by the handler) answer with their status and the
+    OpenAI error body; any other ``TurnstileError`` answers 500 ``server_error``. Other exceptions are bugs
+    and propagate (the SDK raises ``APIConnectionError`` from them).
+    """
+
+    def __init__(self, handler: ChatHandler, *, model: str, defaults: SamplingParams | None = None) -> None:
+        self.handler, self.model, self.defaults = handler, model, defaults
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path.rstrip("/")
+        try:
+            if path.endswith("/chat/completions") and request.method == "POST":
+                return await self._chat_completion(await request.aread())
+            if path.endswith("/models") and request.method == "GET":
+                return httpx.Response(200, json={"object": "list", "data": [self._model_object()]})
+            if path.endswith(f"/models/{self.model}") and request.method == "GET":
+                return httpx.Response(200, json=self._model_object())
+            raise OpenAIRequestError(f"Invalid URL ({request.method} {request.url.path})", status=404)
+        except OpenAIRequestError as error:
+            return httpx.Response(error.status, json=error.body())
+        except TurnstileError as error:
+            server_error = {"message": str(error), "type": "server_error", "param": None, "code": None}
+            return httpx.Response(500, json={"error": server_error})
+
+    async def _chat_completion(self, content: bytes) -> httpx.Response:
+        try:
+            body = json.loads(content)
+        except ValueError as error:
+            raise OpenAIRequestError(f"the request body is not valid JSON: {error}") from None
+        call = parse_chat_request(body, defaults=self.defaults)
+        result = await self.handler(call)
+        completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if call.stream:
+            chunks = completion_chunks(
+                completion_id=completion_id,
+                created=created,
+                model=self.model,
+                choices=result.choices,
+                prompt_tokens=result.prompt_tokens,
+                logprobs=call.logprobs,
+                include_usage=call.include_usage,
+                extra=result.extra,
+            )
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=sse(chunks))
+        body = completion_body(
+            completion_id=completion_id,
+            created=created,
+            model=self.model,
+            choices=result.choices,
+            prompt_tokens=result.prompt_tokens,
+            logprobs=call.logprobs,
+            extra=result.extra,
+        )
+        return httpx.Response(200, json=body)
+
+    def _model_object(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "turnstile"}
+
+
+def openai_client(
+    handler: ChatHandler, *, model: str, defaults: SamplingParams | None = None
+) -> openai.AsyncOpenAI:
+    """An ``AsyncOpenAI`` whose every call is served by ``handler`` in process (no retries, no timeout:
+    the handler's own LLM client owns those)."""
+    http_client = httpx.AsyncClient(
+        transport=InProcessTransport(handler, model=model, defaults=defaults), timeout=None
+    )
+    # openai>=3 annotates http_client as an httpx2 client but accepts an httpx one as well.
+    return openai.AsyncOpenAI(
+        base_url=BASE_URL, api_key="in-process", max_retries=0, http_client=cast(Any, http_client)
+    )
