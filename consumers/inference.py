@@ -83,6 +83,9 @@ class RequestSubscriptions:
         self._connection = connection
         for subject, queue in self.subjects:
             self._subscriptions.append(await connection.subscribe(subject, queue=queue, cb=self._on_message))
+        # A round trip to the server: once it returns, the server has the subscriptions, so a request sent
+        # from any connection after start() finds this consumer (no "no responders" race).
+        await connection.flush()
 
     async def stop(self) -> None:
         for subscription in self._subscriptions:

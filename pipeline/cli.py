@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from pipeline.errors import ConfigError, TurnstileError, describe_validation_error
-from pipeline.settings import Settings
+from pipeline.settings import SERVERS_FILE, Settings
 from schemas import SamplingParams
 
 app = typer.Typer(help="Turnstile: collect RL rollouts from LLM agents.", no_args_is_help=True)
@@ -38,22 +38,27 @@ def up(
     with EmbeddedServers(directory) as servers:
         migrate(servers.postgres.url)
         exports = servers.exports()
-        (servers.data_dir / "servers.env").write_text(exports)
+        servers_file = servers.data_dir / SERVERS_FILE
+        servers_file.write_text(exports)
         sys.stdout.write(exports)
         sys.stdout.flush()
         console.print(
             "[green]ready[/green]: paste the lines above into other shells (also in "
-            f"{servers.data_dir / 'servers.env'}); Ctrl-C stops both servers, the data stays."
+            f"{servers_file}, which other turnstile commands in this directory read); Ctrl-C stops both "
+            "servers, the data stays."
         )
-        while not stop.wait(0.5):
-            if servers.postgres.process is None or servers.postgres.process.poll() is not None:
-                raise TurnstileError(
-                    "PostgreSQL exited unexpectedly; see its log in " + str(servers.postgres.data_dir)
-                )
-            if servers.nats.process is None or servers.nats.process.poll() is not None:
-                raise TurnstileError(
-                    "nats-server exited unexpectedly; see its log in " + str(servers.nats.data_dir)
-                )
+        try:
+            while not stop.wait(0.5):
+                if servers.postgres.process is None or servers.postgres.process.poll() is not None:
+                    raise TurnstileError(
+                        "PostgreSQL exited unexpectedly; see its log in " + str(servers.postgres.data_dir)
+                    )
+                if servers.nats.process is None or servers.nats.process.poll() is not None:
+                    raise TurnstileError(
+                        "nats-server exited unexpectedly; see its log in " + str(servers.nats.data_dir)
+                    )
+        finally:
+            servers_file.unlink(missing_ok=True)
         console.print("stopping ...")
     console.print("stopped.")
 

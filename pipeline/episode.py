@@ -337,6 +337,12 @@ class EpisodeSession:
                 "({'role': 'user', 'content': '...'}), tools OpenAI function tools, sampling keywords "
                 f"are {', '.join(SamplingParams.model_fields)}"
             ) from None
+        for index, message in enumerate(request.messages):
+            if "\x00" in (message.content or ""):
+                raise InvalidLLMCall(
+                    f"llm.chat: messages.{index}.content holds a NUL character (\\x00), which the event log "
+                    "(PostgreSQL jsonb) cannot store; remove or replace it"
+                )
         parent = self._parent(request)
         if parent is None:
             return request, None

@@ -31,6 +31,12 @@ Publish = Callable[[str, bytes, dict[str, str]], Awaitable[None]]
 RECENT_REPLIES: Final = 4096
 
 
+def printable(text: str) -> str:
+    """The text with NUL characters as U+FFFD. A model can emit the byte 0 (the token ids keep it exactly);
+    PostgreSQL's jsonb cannot hold it, and the text is only a rendering of those tokens."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
 class InferenceService:
     def __init__(
         self,
@@ -122,7 +128,7 @@ class InferenceService:
 
     def _response(self, request: LLMRequest, generation: Generation, received: float) -> LLMResponse:
         if generation.tool_calls is None:
-            content, tool_calls = split_tool_calls(generation.text)
+            content, tool_calls = split_tool_calls(printable(generation.text))
         else:
             content, tool_calls = generation.text, generation.tool_calls
         finish_reason = (

@@ -133,11 +133,15 @@ class NatsLLMClient:
         return cls(connection, owns_connection=True, **options)
 
     async def close(self) -> None:
-        if self._subscription is not None:
-            await self._subscription.unsubscribe()
-            self._subscription = None
-        if self._owns_connection:
-            await self.connection.drain()
+        """Unsubscribe (and drain a connection we opened); while the server is away, just close."""
+        subscription, self._subscription = self._subscription, None
+        try:
+            if subscription is not None:
+                await subscription.unsubscribe()
+            if self._owns_connection:
+                await self.connection.drain()
+        except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError):
+            await self.connection.close()
 
     def consumer_for(self, episode_id: str) -> str | None:
         """The consumer this episode is sticky to, if any."""

@@ -145,6 +145,8 @@ class TaskWorker:
             for task in self._working:
                 task.cancel()
             await asyncio.gather(*self._working, return_exceptions=True)
+            with contextlib.suppress(Exception):  # else draining the connection waits on its pull requests
+                await subscription.unsubscribe()
 
     async def _work(self, message: Msg) -> None:
         try:

@@ -70,8 +70,15 @@ def test_up_starts_migrated_servers_keeps_data_and_stops_on_sigterm(tmp_path: Pa
             connection.execute("INSERT INTO checkpoints (name, position) VALUES ('kept-across-restarts', 42)")
         assert asyncio.run(nats_has_jetstream(nats_url))
         assert (tmp_path / "data" / "servers.env").read_text().count("export ") == 2
+        # other commands run in that directory find the servers without any TURNSTILE_*_URL set
+        migrated = subprocess.run(
+            [*TURNSTILE, "migrate"], env=clean_env(TURNSTILE_DATA_DIR=str(tmp_path / "data")),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert migrated.returncode == 0, migrated.stderr
     finally:
         assert stop(process) == 0
+    assert not (tmp_path / "data" / "servers.env").exists()
     with pytest.raises(psycopg.OperationalError):
         psycopg.connect(database_url, connect_timeout=2)
 

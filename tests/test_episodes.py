@@ -213,6 +213,8 @@ async def test_bad_llm_calls_are_refused_with_what_was_wrong(
         await episode.llm.chat([{"role": "robot", "content": "hi"}])
     with pytest.raises(InvalidLLMCall, match="max_tokens"):
         await episode.llm.chat([{"role": "user", "content": "hi"}], max_tokens=0)
+    with pytest.raises(InvalidLLMCall, match=r"messages\.0\.content holds a NUL character"):
+        await episode.llm.chat([{"role": "user", "content": "binary \x00 junk"}])
     with pytest.raises(InvalidLLMCall, match="no such turn"):
         await episode.reward(1.0, uuid.uuid4())
     reply = await episode.llm.chat([{"role": "user", "content": "still fine"}])
@@ -293,3 +295,18 @@ def test_unknown_agent_paths_say_what_is_wrong(spec: str, message: str) -> None:
 def test_fold_episode_requires_a_start() -> None:
     with pytest.raises(Exception, match="must begin with EpisodeStarted"):
         fold_episode([EpisodeFinished(termination="done")])
+
+
+async def test_a_nul_character_from_the_model_is_recorded_as_the_replacement_character(
+    servers: Servers, store: EventStore, llm: NatsLLMClient
+) -> None:
+    policy = new_policy()
+    config = InferenceConfig(servers.nats_url, policy, backend="scripted", heartbeat_interval=0.5)
+    async with serving(config, RuleBackend(lambda request: "a\x00b")):
+        episode = session(store, llm, policy)
+        outcome = await run_episode(load_agent("tests.agents:function_agent"), episode)
+    assert outcome.termination == "done"
+    turn = (await events_of(store, episode.episode_id))[1]
+    assert isinstance(turn, TurnCompleted)
+    assert turn.reply.text == "a\ufffdb"
+    assert turn.completion_token_ids[1] == 3  # the tokens keep the byte 0 (RuleBackend: 3 + byte)
