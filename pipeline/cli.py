@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from pydantic import ValidationError
@@ -15,6 +16,9 @@ from rich.console import Console
 from pipeline.errors import ConfigError, TurnstileError, describe_validation_error
 from pipeline.settings import SERVERS_FILE, Settings
 from schemas import SamplingParams
+
+if TYPE_CHECKING:
+    from pipeline.materializer import MaterializerConfig
 
 app = typer.Typer(help="Turnstile: collect RL rollouts from LLM agents.", no_args_is_help=True)
 console = Console(stderr=True)
@@ -278,6 +282,189 @@ def serve_runner(
     )
     asyncio.run(serve(connections, loaded, config, reward_fn=reward_fn, ack_wait=ack_wait, console=console))
     console.print("runner stopped")
+
+
+def _materializer_config(
+    name: str,
+    discount: float,
+    style: str,
+    advantage: str,
+    batch_samples: int,
+    batch_tokens: int | None,
+    max_staleness: int | None,
+    stale: str,
+    group_timeout: float,
+    step_events: int,
+) -> MaterializerConfig:
+    from pipeline.materializer import MaterializerConfig
+
+    return MaterializerConfig(
+        name=name,
+        discount=discount,
+        style=style,  # type: ignore[arg-type]
+        advantage=advantage,  # type: ignore[arg-type]
+        batch_samples=batch_samples,
+        batch_tokens=batch_tokens,
+        max_staleness=max_staleness,
+        stale=stale,  # type: ignore[arg-type]
+        group_timeout_s=group_timeout,
+        step_events=step_events,
+    )
+
+
+DISCOUNT = typer.Option(1.0, help="reward backprop: a turn's value = its reward + discount x its child's")
+STYLE = typer.Option("individual", help="individual (a sample per turn) | concat (a sample per path)")
+ADVANTAGE = typer.Option("grpo", help="grpo (r - mean) / std over the group | mean (r - mean) | none (r)")
+BATCH_SAMPLES = typer.Option(64, help="samples per batch (groups are kept whole)")
+BATCH_TOKENS = typer.Option(None, help="tokens per batch instead of a sample count")
+MAX_STALENESS = typer.Option(None, help="samples older than newest version - N are stale [default: never]")
+STALE = typer.Option("drop", help="drop stale samples from batches, or flag them")
+GROUP_TIMEOUT = typer.Option(600.0, help="log seconds a group waits for missing members before it goes out")
+STEP_EVENTS = typer.Option(2000, help="events folded per transaction")
+
+
+@serve.command("materializer")
+def serve_materializer(
+    name: str = typer.Option("main", help="the read models' name (main: the public tables)"),
+    discount: float = DISCOUNT,
+    style: str = STYLE,
+    advantage: str = ADVANTAGE,
+    batch_samples: int = BATCH_SAMPLES,
+    batch_tokens: int = BATCH_TOKENS,
+    max_staleness: int = MAX_STALENESS,
+    stale: str = STALE,
+    group_timeout: float = GROUP_TIMEOUT,
+    step_events: int = STEP_EVENTS,
+) -> None:
+    """Fold the log into read models and training batches as events arrive (exactly once)."""
+    import asyncio
+    import logging
+
+    from consumers.materializer import serve_materializer as serve_it
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = _materializer_config(
+        name, discount, style, advantage, batch_samples, batch_tokens, max_staleness, stale, group_timeout,
+        step_events,
+    )  # fmt: skip
+    console.print(f"materializer {name!r} running ({config.semantics()})")
+    done = asyncio.run(serve_it(Settings().require_database_url(), config))
+    console.print(f"materializer stopped at position {done.position}")
+
+
+@app.command()
+def rematerialize(
+    name: str = typer.Option(..., help="the rebuild's name: its tables go to schema rm_<name>"),
+    discount: float = DISCOUNT,
+    style: str = STYLE,
+    advantage: str = ADVANTAGE,
+    batch_samples: int = BATCH_SAMPLES,
+    batch_tokens: int = BATCH_TOKENS,
+    max_staleness: int = MAX_STALENESS,
+    stale: str = STALE,
+    group_timeout: float = GROUP_TIMEOUT,
+    step_events: int = STEP_EVENTS,
+    replace: bool = typer.Option(False, help="drop an earlier rebuild of that name first"),
+) -> None:
+    """Rebuild read models and batches from position 0 into schema rm_NAME; the log and the live
+    materializer are untouched. The same options give byte-identical batches."""
+    import asyncio
+    import logging
+
+    from consumers.materializer import rematerialize as rebuild
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if name == "main":
+        raise ConfigError("'main' is the live materializer; give the rebuild another --name")
+    config = _materializer_config(
+        name, discount, style, advantage, batch_samples, batch_tokens, max_staleness, stale, group_timeout,
+        step_events,
+    )  # fmt: skip
+    done = asyncio.run(rebuild(Settings().require_database_url(), config, replace=replace))
+    console.print(
+        f"rebuilt [bold]{name}[/bold] up to position {done.position} in schema {config.schema}; "
+        f'query it with turnstile sql --schema {name} "SELECT ..."'
+    )
+
+
+@serve.command("relay")
+def serve_relay(
+    schema: str = typer.Option("public", help="the schema whose batch_outbox is published"),
+    poll_interval: float = typer.Option(
+        1.0, help="seconds between passes when no NOTIFY wakes the relay sooner"
+    ),
+) -> None:
+    """Publish the materializer's batches to JetStream BATCHES (batches.<policy>), each once."""
+    import asyncio
+    import logging
+
+    from consumers.relay import RelayConfig
+    from consumers.relay import serve_relay as serve
+
+    if poll_interval <= 0:
+        raise ConfigError(f"--poll-interval must be more than 0, got {poll_interval}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings()
+    config = RelayConfig(
+        settings.require_database_url(),
+        settings.require_nats_url(),
+        schema=schema,
+        poll_interval=poll_interval,
+    )
+    asyncio.run(serve(config, console=console))
+    console.print("relay stopped")
+
+
+# ignore_unknown_options: a query may begin with a comment ("-- reward by version ..."), which click would
+# otherwise take for an option.
+@app.command(context_settings={"ignore_unknown_options": True})
+def sql(
+    query: str = typer.Argument(
+        ..., help="one query (SELECT, WITH, VALUES, TABLE, EXPLAIN or SHOW); '-' reads it from stdin"
+    ),
+    as_csv: bool = typer.Option(False, "--csv", help="print CSV: a header line, NULL as an empty field"),
+    as_json: bool = typer.Option(False, "--json", help="print a JSON array with an object per row"),
+    schema: str | None = typer.Option(
+        None,
+        help="read the tables of the rebuild NAME (schema rm_NAME) before the live ones; the views stay live",
+    ),
+    limit: int | None = typer.Option(None, help="fetch at most N rows"),
+    timeout: float = typer.Option(60.0, help="seconds the query may run before it is cancelled"),
+) -> None:
+    """Run one read-only query (as role turnstile_reader) and print its rows as a table, CSV or JSON.
+
+    Views: episode_stats, reward_by_policy_version, group_rewards, turn_latency_by_consumer,
+    prefix_break_rate_by_agent, batch_staleness, terminations; worked queries in docs/queries.sql.
+    """
+    from rich.markup import escape
+
+    from pipeline.sql import SqlError, run_readonly, to_csv, to_json, to_table
+
+    if as_csv and as_json:
+        raise ConfigError("--csv and --json: choose one")
+    if limit is not None and limit < 0:
+        raise ConfigError(f"--limit must be 0 or more, got {limit}")
+    if timeout <= 0:
+        raise ConfigError(f"--timeout must be more than 0 seconds, got {timeout:g}")
+    text = sys.stdin.read() if query == "-" else query
+    search_path = None if schema in (None, "main", "public") else f"rm_{schema}"
+    database_url = Settings().require_database_url()
+    try:
+        result = run_readonly(
+            database_url, text, search_path=search_path, limit_rows=limit, timeout_s=timeout
+        )
+    except SqlError as error:
+        # main() prints errors as rich markup; PostgreSQL's words and the query may hold [brackets].
+        raise TurnstileError(escape(str(error))) from None
+    if as_csv:
+        sys.stdout.write(to_csv(result))
+    elif as_json:
+        sys.stdout.write(to_json(result))
+    elif result.columns:
+        # In a terminal the table fits its width; piped, it keeps its natural width rather than folding at 80.
+        Console(width=None if sys.stdout.isatty() else 100_000).print(to_table(result))
+    shown = f"{len(result.rows)} row{'' if len(result.rows) == 1 else 's'}"
+    console.print(f"{shown} (more not fetched: --limit {limit})" if result.truncated else shown)
 
 
 @model.command("init-tiny")

@@ -172,10 +172,12 @@ class Runner:
         group = group_id or uuid.uuid4().hex
         size = group_size or self.config.group_size
         return list(
-            await asyncio.gather(*(self._run_slot(spec, group, slot, resume) for slot in range(size)))
+            await asyncio.gather(*(self._run_slot(spec, group, slot, resume, size) for slot in range(size)))
         )
 
-    async def _run_slot(self, spec: TaskSpec, group_id: str, slot: int, resume: bool) -> EpisodeOutcome:
+    async def _run_slot(
+        self, spec: TaskSpec, group_id: str, slot: int, resume: bool, size: int
+    ) -> EpisodeOutcome:
         attempt, retries_left, retry_of = 0, self.config.retries, None
         if resume:
             while True:
@@ -200,6 +202,7 @@ class Runner:
                 agent=self.config.agent_name,
                 episode_id=slot_episode_id(group_id, slot, attempt),
                 group_id=group_id,
+                group_size=size,
                 sampling=self.config.sampling,
                 tags=self.config.tags,
                 retry_of=retry_of,

@@ -30,6 +30,7 @@ class EpisodeStarted(Contract):
     task: dict[str, Any] = Field(default_factory=dict)
     task_id: str
     group_id: str | None = None
+    group_size: int = Field(default=1, ge=1, description="episodes in the group (GRPO-style advantages)")
     agent: str
     policy: str = Field(min_length=1)
     sampling: SamplingParams = Field(default_factory=SamplingParams)

@@ -1,0 +1,389 @@
+"""The materializer on real PostgreSQL: hand-computed trajectories, groups and batches; exactly once
+across restarts at every position and across kill -9; rebuilds byte-identical to the live read models."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from pipeline.batches import decode_batch
+from pipeline.errors import ConfigError
+from pipeline.eventstore import EventStore
+from pipeline.materializer import Fold, LogRow, Materializer, MaterializerConfig
+from pipeline.settings import libpq_url
+from schemas import (
+    ChatMessage,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    PolicyVersionPublished,
+    RewardAssigned,
+    TurnCompleted,
+    TurnReply,
+    TurnRequest,
+)
+
+TURNSTILE = [sys.executable, "-m", "pipeline.cli"]
+
+
+def turn(prompt: list[int], completion: list[int], *, version: int = 0, tool: bool = False) -> TurnCompleted:
+    return TurnCompleted(
+        request=TurnRequest(messages=[ChatMessage(role="user", content="q")]),
+        reply=TurnReply(text="a", finish_reason="tool_calls" if tool else "stop"),
+        prompt_token_ids=prompt,
+        completion_token_ids=completion,
+        completion_logprobs=[-0.5] * len(completion),
+        policy_version=version,
+        engine_id="engine-a",
+    )
+
+
+def started(
+    episode_id: str, *, group: str | None = None, size: int = 1, policy: str = "main"
+) -> EpisodeStarted:
+    return EpisodeStarted(
+        episode_id=episode_id, task_id="t", agent="tests", policy=policy, group_id=group, group_size=size
+    )
+
+
+async def record(store: EventStore, episode_id: str, events: list[Event]) -> None:
+    await store.append(f"episode-{episode_id}", events, 0)
+
+
+def rows(database_url: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        return connection.execute(query, params).fetchall()  # type: ignore[arg-type]
+
+
+async def materialize(database_url: str, config: MaterializerConfig, *, create: bool = False) -> Materializer:
+    materializer = Materializer(database_url, config)
+    await materializer.open(create=create)
+    await materializer.catch_up()
+    await materializer.close()
+    return materializer
+
+
+async def test_branching_tool_episode_and_a_group_of_four_hand_computed(
+    store: EventStore, database_url: str
+) -> None:
+    # Episode A: t1, then two children of t1 (a branch) whose prompts add tool-output tokens.
+    t1 = turn([1, 10, 11, 2], [20, 21, 2], tool=True)
+    t2 = turn([1, 10, 11, 2, 20, 21, 2, 1, 30, 2], [22, 2])
+    t3 = turn([1, 10, 11, 2, 20, 21, 2, 1, 31, 2], [23, 2])
+    await record(
+        store,
+        "a",
+        [started("a"), t1, t2, RewardAssigned(turn_id=t2.turn_id, value=0.5), t3,
+         RewardAssigned(value=1.0), EpisodeFinished(termination="done")],
+    )  # fmt: skip
+    # A group of four one-turn episodes with rewards 1, 0, 0, 0; and an episode that failed.
+    for n, value in enumerate([1.0, 0.0, 0.0, 0.0]):
+        await record(
+            store,
+            f"g{n}",
+            [started(f"g{n}", group="g", size=4), turn([1, 40 + n, 2], [50, 2]), RewardAssigned(value=value),
+             EpisodeFinished(termination="done")],
+        )  # fmt: skip
+    await record(store, "bad", [started("bad"), turn([1, 2], [3]), EpisodeFinished(termination="error")])
+
+    config = MaterializerConfig(discount=0.9, batch_samples=4)
+    await materialize(database_url, config)
+
+    returns = dict(rows(database_url, "SELECT turn_id, discounted_return FROM turns WHERE episode_id = 'a'"))
+    # t2: own 0.5; t3: own 1.0 (the episode's reward goes to its last turn)
+    # t1: 0 + 0.9 * mean(0.5, 1.0) = 0.675
+    assert returns[t2.turn_id] == pytest.approx(0.5)
+    assert returns[t3.turn_id] == pytest.approx(1.0)
+    assert returns[t1.turn_id] == pytest.approx(0.675)
+    parents = dict(rows(database_url, "SELECT turn_id, parent_turn_id FROM turns WHERE episode_id = 'a'"))
+    assert parents == {t1.turn_id: None, t2.turn_id: t1.turn_id, t3.turn_id: t1.turn_id}
+
+    episodes = dict(rows(database_url, "SELECT episode_id, termination FROM episodes"))
+    assert episodes == {"a": "done", "g0": "done", "g1": "done", "g2": "done", "g3": "done", "bad": "error"}
+    assert rows(database_url, "SELECT count(*) FROM samples WHERE episode_id = 'bad'") == [(0,)]
+
+    batches = rows(database_url, "SELECT batch_id, samples, groups FROM batches ORDER BY position")
+    # A's 3 samples are ready first (a group of its own); 3 + 4 > 4, so the group of four is the next batch
+    assert [(n, g) for _, n, g in batches] == [(3, 1), (4, 1)]
+    payloads = dict(rows(database_url, "SELECT batch_id, payload FROM batch_outbox"))
+    first, second = (decode_batch(bytes(payloads[b])) for b, _, _ in batches)
+
+    # A's samples: rewards (values) 0.675, 0.5, 1.0; mean 0.725, population std sqrt(0.0425 / 3) = 0.119024
+    by_turn = {s.turn_ids[0]: s for s in first.samples}
+    std = math.sqrt(((0.675 - 0.725) ** 2 + (0.5 - 0.725) ** 2 + (1.0 - 0.725) ** 2) / 3)
+    assert by_turn[str(t1.turn_id)].advantage == pytest.approx((0.675 - 0.725) / (std + 1e-6))
+    sample = by_turn[str(t2.turn_id)]
+    assert sample.input_ids == (*t2.prompt_token_ids, 22, 2)
+    assert sample.loss_mask == (0,) * 10 + (1, 1)
+    assert sample.logprobs == (0.0,) * 10 + (-0.5, -0.5)
+
+    # The group: rewards 1, 0, 0, 0: mean 0.25, population std 0.4330 -> 1.7320, -0.5773 x 3
+    advantages = sorted(s.advantage for s in second.samples)
+    assert advantages == pytest.approx([-1 / math.sqrt(3)] * 3 + [math.sqrt(3)], abs=1e-5)
+    assert {s.group_id for s in second.samples} == {"g"}
+
+
+async def test_concat_style_gives_one_sample_per_path_with_tool_tokens_masked(
+    store: EventStore, database_url: str
+) -> None:
+    t1 = turn([1, 10, 2], [20, 2], tool=True)
+    t2 = turn([1, 10, 2, 20, 2, 1, 30, 2], [21, 2])
+    await record(
+        store, "c", [started("c"), t1, t2, RewardAssigned(value=1.0), EpisodeFinished(termination="done")]
+    )
+    await materialize(database_url, MaterializerConfig(style="concat", advantage="none", batch_samples=1))
+
+    [(payload,)] = rows(database_url, "SELECT payload FROM batch_outbox")
+    [sample] = decode_batch(bytes(payload)).samples
+    assert sample.input_ids == (1, 10, 2, 20, 2, 1, 30, 2, 21, 2)
+    assert sample.loss_mask == (0, 0, 0, 1, 1, 0, 0, 0, 1, 1)  # the model's tokens only; tool output masked
+    assert sample.reward == pytest.approx(1.0)  # discount 1: the path's first turn carries the whole return
+    assert sample.advantage == pytest.approx(1.0)  # advantage "none": the reward itself
+
+
+async def test_staleness_drops_or_flags_old_samples(store: EventStore, database_url: str) -> None:
+    await store.append("policy-main", [PolicyVersionPublished(policy="main", version=5, checkpoint="c5")])
+    for n, version in enumerate([1, 4]):
+        await record(
+            store,
+            f"s{n}",
+            [started(f"s{n}"), turn([1, n], [2], version=version), RewardAssigned(value=1.0),
+             EpisodeFinished(termination="done")],
+        )  # fmt: skip
+    await materialize(database_url, MaterializerConfig(max_staleness=2, batch_samples=2, advantage="none"))
+    [(samples, stale, newest, payload)] = rows(
+        database_url,
+        "SELECT b.samples, b.stale_samples, b.newest_version, o.payload FROM batches b JOIN batch_outbox o "
+        "USING (batch_id)",
+    )
+    assert (samples, stale, newest) == (1, 1, 5)  # version 1 < 5 - 2: dropped; version 4 kept
+    assert [s.policy_version for s in decode_batch(bytes(payload)).samples] == [4]
+
+    flagged = MaterializerConfig(
+        name="flagged", max_staleness=2, stale="flag", batch_samples=2, advantage="none"
+    )
+    await materialize(database_url, flagged, create=True)
+    [(payload,)] = rows(database_url, "SELECT payload FROM rm_flagged.batch_outbox")
+    assert [(s.policy_version, s.stale) for s in decode_batch(bytes(payload)).samples] == [
+        (1, True),
+        (4, False),
+    ]
+
+
+async def test_a_group_missing_members_goes_out_after_the_group_timeout_in_log_time(
+    store: EventStore, database_url: str
+) -> None:
+    await record(store, "m0", [started("m0", group="m", size=2), turn([1], [2]), RewardAssigned(value=1.0),
+                               EpisodeFinished(termination="done")])  # fmt: skip
+    config = MaterializerConfig(group_timeout_s=0.2, batch_samples=1, advantage="none")
+    await materialize(database_url, config)
+    assert rows(database_url, "SELECT count(*) FROM batches") == [(0,)]  # still waiting for its second member
+    await asyncio.sleep(0.3)
+    await record(store, "later", [started("later")])  # any later event: its recorded_at is past the timeout
+    await materialize(database_url, config)
+    assert rows(database_url, "SELECT samples, groups FROM batches") == [(1, 1)]
+
+
+def fold_rows(events: list[tuple[str, Event]]) -> list[LogRow]:
+    from datetime import UTC, datetime, timedelta
+
+    from pipeline.eventstore import encode_event
+
+    out = []
+    for position, (stream, event) in enumerate(events, start=1):
+        encoded = encode_event(event)
+        import json
+
+        out.append(
+            LogRow(
+                position, stream, event.type, json.loads(encoded.data), encoded.tokens,
+                datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=position),
+            )
+        )  # fmt: skip
+    return out
+
+
+def test_events_delivered_twice_are_folded_once() -> None:
+    log = fold_rows(
+        [("episode-x", started("x")), ("episode-x", turn([1], [2])), ("episode-x", RewardAssigned(value=1.0)),
+         ("episode-x", EpisodeFinished(termination="done"))]
+    )  # fmt: skip
+    fold = Fold(MaterializerConfig(batch_samples=1))
+    for row in [*log, *log, log[1], log[3]]:
+        fold.apply(row)
+    assert len(fold.writes.episodes) == 1
+    assert len(fold.writes.turns) == 1
+    assert len(fold.writes.samples) == 1
+    assert len(fold.writes.batches) == 1
+
+
+async def random_log(store: EventStore, groups: int, seed: int = 7) -> None:
+    """``groups`` groups of 4 episodes, 1-3 turns each, interleaved as a busy runner records them."""
+    rng = random.Random(seed)
+    streams: list[tuple[str, list[Event]]] = []
+    for g in range(groups):
+        for slot in range(4):
+            episode_id = f"e{g}-{slot}"
+            events: list[Event] = [started(episode_id, group=f"g{g}", size=4)]
+            prompt = [1, g % 900, slot, 2]
+            for _ in range(rng.randint(1, 3)):
+                completion = [rng.randrange(3, 999) for _ in range(rng.randint(1, 5))] + [2]
+                events.append(turn(prompt, completion, version=g // 10))
+                prompt = [*prompt, *completion, 1, rng.randrange(3, 999), 2]
+            events += [RewardAssigned(value=rng.random()), EpisodeFinished(termination="done")]
+            streams.append((episode_id, events))
+    cursors = {episode_id: 0 for episode_id, _ in streams}
+    pending = dict(streams)
+    while pending:
+        episode_id = rng.choice(sorted(pending))
+        events = pending[episode_id]
+        version = cursors[episode_id]
+        await store.append(f"episode-{episode_id}", [events[version]], version)
+        cursors[episode_id] += 1
+        if cursors[episode_id] == len(events):
+            del pending[episode_id]
+
+
+def read_models(database_url: str, schema: str) -> dict[str, list[tuple[Any, ...]]]:
+    return {
+        "samples": rows(
+            database_url,
+            f"SELECT sample_id, advantage, stale, arrays, ready_position, batch_id FROM {schema}.samples "
+            "ORDER BY sample_id",
+        ),
+        "batches": rows(
+            database_url,
+            f"SELECT batch_id, samples, groups, tokens, position, created_at FROM {schema}.batches "
+            "ORDER BY batch_id",
+        ),
+        "outbox": rows(
+            database_url, f"SELECT batch_id, payload FROM {schema}.batch_outbox ORDER BY batch_id"
+        ),
+        "turns": rows(
+            database_url, f"SELECT turn_id, discounted_return FROM {schema}.turns ORDER BY turn_id"
+        ),
+    }
+
+
+async def test_restarting_at_every_position_gives_what_one_uninterrupted_run_gives(
+    store: EventStore, database_url: str
+) -> None:
+    await random_log(store, groups=6)
+    config = dict(discount=0.8, batch_samples=5)
+    await materialize(database_url, MaterializerConfig(name="whole", **config), create=True)  # type: ignore[arg-type]
+
+    stepwise = Materializer(database_url, MaterializerConfig(name="steps", step_events=1, **config))  # type: ignore[arg-type]
+    await stepwise.open(create=True)
+    while await stepwise.step():
+        await stepwise.close()  # a restart after every event: state comes back from the tables
+        stepwise = Materializer(database_url, MaterializerConfig(name="steps", step_events=1, **config))  # type: ignore[arg-type]
+        await stepwise.open()
+    await stepwise.close()
+
+    whole, steps = read_models(database_url, "rm_whole"), read_models(database_url, "rm_steps")
+    assert len(whole["batches"]) >= 5
+    assert whole == steps
+
+
+async def test_a_materializer_killed_20_times_ends_with_the_batches_of_an_uninterrupted_run(
+    store: EventStore, database_url: str
+) -> None:
+    await random_log(store, groups=60)
+    options = ["--discount", "0.9", "--batch-samples", "8", "--step-events", "2"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    env["TURNSTILE_DATABASE_URL"] = database_url
+    head = rows(database_url, "SELECT max(position) FROM events")[0][0]
+
+    def checkpoint() -> int:
+        found = rows(database_url, "SELECT position FROM checkpoints WHERE name = 'materializer:main'")
+        return int(found[0][0]) if found else 0
+
+    rng = random.Random(3)
+    kills, positions = 0, []
+    while kills < 20:
+        process = await asyncio.create_subprocess_exec(
+            *TURNSTILE, "serve", "materializer", *options, env=env,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        before = checkpoint()
+        deadline = asyncio.get_running_loop().time() + 60
+        while checkpoint() == before < head:  # let it commit something first
+            assert asyncio.get_running_loop().time() < deadline, "the materializer made no progress"
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(rng.uniform(0.0, 0.05))
+        process.send_signal(signal.SIGKILL)
+        await process.wait()
+        kills += 1
+        positions.append(checkpoint())
+    assert positions[-1] < head, "the run ended before the 20th kill: make the log longer"
+
+    survivor = Materializer(database_url, MaterializerConfig(discount=0.9, batch_samples=8, step_events=2))
+    await survivor.open()
+    await survivor.catch_up()
+    await survivor.close()
+    await materialize(
+        database_url, MaterializerConfig(name="reference", discount=0.9, batch_samples=8), create=True
+    )
+
+    live, reference = read_models(database_url, "public"), read_models(database_url, "rm_reference")
+    assert len(live["batches"]) >= 10
+    assert live == reference
+    assert len(set(positions)) > 5  # killed at many different points
+
+
+async def test_rebuilds_are_byte_identical_and_a_config_change_is_refused(
+    store: EventStore, database_url: str
+) -> None:
+    await random_log(store, groups=3)
+    await materialize(database_url, MaterializerConfig(name="one", batch_samples=4), create=True)
+    await materialize(
+        database_url, MaterializerConfig(name="two", batch_samples=4, step_events=7), create=True
+    )
+    await materialize(
+        database_url, MaterializerConfig(name="other", batch_samples=4, discount=0.5), create=True
+    )
+    one, two = read_models(database_url, "rm_one"), read_models(database_url, "rm_two")
+    assert one["outbox"] == two["outbox"]
+    assert one["outbox"]
+    other = read_models(database_url, "rm_other")
+    assert {b for b, _ in other["outbox"]}.isdisjoint({b for b, _ in one["outbox"]})
+
+    with pytest.raises(ConfigError, match="cannot go on with"):
+        await materialize(database_url, MaterializerConfig(name="one", batch_samples=5))
+    with pytest.raises(ConfigError, match="exists already"):
+        await materialize(database_url, MaterializerConfig(name="one", batch_samples=4), create=True)
+    with pytest.raises(ConfigError, match="--discount"):
+        MaterializerConfig(discount=2.0)
+
+
+def test_rematerialize_command_and_its_bad_options(database_url: str, tmp_path: Path) -> None:
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    env["TURNSTILE_DATABASE_URL"] = database_url
+    done = subprocess.run(
+        [*TURNSTILE, "rematerialize", "--name", "cli", "--style", "concat"], env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "schema rm_cli" in " ".join(done.stderr.split())
+    bad = subprocess.run(
+        [*TURNSTILE, "rematerialize", "--name", "x", "--style", "zigzag"], env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert "--style must be individual or concat" in " ".join(bad.stderr.split())
+    main = subprocess.run(
+        [*TURNSTILE, "rematerialize", "--name", "main"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert main.returncode == 2
+    assert "live materializer" in main.stderr
