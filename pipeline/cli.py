@@ -467,6 +467,319 @@ def sql(
     console.print(f"{shown} (more not fetched: --limit {limit})" if result.truncated else shown)
 
 
+@serve.command("trainer")
+def serve_trainer(
+    policy: str = typer.Option(..., help="train on batches.<policy>; publish policy.<policy>.versions"),
+    model_dir: Path = typer.Option(..., "--model", help="the starting weights (a local model directory)"),
+    checkpoints: Path = typer.Option(..., help="where checkpoints v000001, v000002, ... are written"),
+    durable: str = typer.Option("trainer", help="this trainer's name (its JetStream consumer and record)"),
+    lr: float = typer.Option(3e-3, help="Adam learning rate"),
+    clip: float = typer.Option(0.2, help="PPO ratio clip"),
+    version_every: int = typer.Option(1, help="batches per published policy version"),
+    max_staleness: int = typer.Option(None, help="skip batches more than N versions behind [default: never]"),
+    ack_wait: float = typer.Option(120.0, help="seconds before an unfinished batch is delivered again"),
+    seed: int = typer.Option(0, help="torch seed"),
+    threads: int = typer.Option(1, help="torch CPU threads"),
+) -> None:
+    """PPO-clip on the batch stream; checkpoints and publishes new policy versions (exactly once)."""
+    import asyncio
+    import logging
+
+    from consumers.trainer import TrainerConfig
+    from consumers.trainer import serve_trainer as serve_it
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings()
+    config = TrainerConfig(
+        database_url=settings.require_database_url(),
+        nats_url=settings.require_nats_url(),
+        policy=policy,
+        model=model_dir,
+        checkpoints=checkpoints,
+        durable=durable,
+        lr=lr,
+        clip=clip,
+        version_every=version_every,
+        max_staleness=max_staleness,
+        ack_wait=ack_wait,
+        seed=seed,
+        threads=threads,
+    )
+    stats = asyncio.run(serve_it(config))
+    console.print(f"trainer stopped at policy version {stats.version} ({stats.trained} batches trained)")
+
+
+@app.command()
+def demo(
+    minutes: float = typer.Option(3.0, help="how long the loop runs"),
+    data_dir: Path = typer.Option(
+        None, help="servers, model, checkpoints and logs [default: $TURNSTILE_DATA_DIR or .turnstile]"
+    ),
+    seed: int = typer.Option(0, help="trainer seed"),
+    concurrency: int = typer.Option(64, help="episodes in flight"),
+) -> None:
+    """The closed loop on this machine: embedded servers, tiny model, inference, materializer, relay,
+    trainer and a runner on a task the model learns; live progress, then a summary and a reward curve."""
+    from consumers.demo import DemoConfig, report, run_demo
+
+    if minutes <= 0:
+        raise ConfigError(f"--minutes must be positive, got {minutes}")
+    config = DemoConfig(
+        data_dir=data_dir or Settings().data_dir, minutes=minutes, seed=seed, concurrency=concurrency
+    )
+    summary = run_demo(config, console)
+    report(summary, config, Console())
+
+
+@app.command()
+def replay(
+    episode_id: str = typer.Argument(
+        None, help="the episode's id, or enough of its beginning to be unambiguous"
+    ),
+    until: int = typer.Option(None, help="show the state as of turn N (the fold of the events up to it)"),
+    tokens: bool = typer.Option(False, "--tokens", help="show completion tokens shaded by logprob"),
+    model_dir: Path = typer.Option(
+        None, "--model", help="a local tokenizer directory: --tokens shows decoded token texts, not ids"
+    ),
+    as_json: bool = typer.Option(False, "--json", help="print the folded episode (or the rerun) as JSON"),
+    discount: float = typer.Option(1.0, help="discounted returns: a turn's reward + discount x its child's"),
+    rerun: bool = typer.Option(
+        False, "--rerun", help="run the agent again on the recorded replies and report the first divergence"
+    ),
+    agent: str = typer.Option(None, help="--rerun: this agent instead of the recorded one (pkg.mod:Name)"),
+    all_episodes: bool = typer.Option(False, "--all", help="--rerun every episode --where selects"),
+    where: str = typer.Option(
+        None, help="--all: an SQL condition over the episodes read model, e.g. \"policy = 'main'\""
+    ),
+    timeout: float = typer.Option(60.0, help="--rerun: seconds the agent may take per episode"),
+) -> None:
+    """Show a recorded episode as a transcript, or rerun its agent on the recorded replies.
+
+    Reads the log itself (no materializer needed). --rerun writes nothing and exits 1 when one diverged.
+
+    --all --where selects the episodes from the episodes read model (read-only SQL).
+    """
+    import asyncio
+
+    from rich.markup import escape
+
+    from pipeline.eventstore import EventStore
+    from pipeline.replay import (
+        RerunSummary,
+        episode_json,
+        load_episode,
+        load_tokenizer,
+        render_rerun,
+        render_transcript,
+        rerun_by_id,
+        resolve_episode_id,
+    )
+
+    if not rerun and (agent or all_episodes or where):
+        raise ConfigError("--agent, --all and --where rerun episodes: add --rerun")
+    if rerun and (tokens or model_dir):
+        raise ConfigError("--tokens and --model show a transcript; they do not combine with --rerun")
+    if where is not None and not all_episodes:
+        raise ConfigError("--where selects the episodes of --all; add --all (or give one EPISODE_ID)")
+    if all_episodes == (episode_id is not None):
+        raise ConfigError("give one EPISODE_ID, or --rerun --all [--where CONDITION], not both")
+    if all_episodes and until is not None:
+        raise ConfigError("--until is for one episode; it does not combine with --all")
+    if not 0.0 <= discount <= 1.0:
+        raise ConfigError(f"--discount must be within [0, 1], got {discount}")
+    if timeout <= 0:
+        raise ConfigError(f"--timeout must be more than 0 seconds, got {timeout:g}")
+    database_url = Settings().require_database_url()
+    # In a terminal the output fits its width; piped (a file, CI) it is 120 columns, without colour.
+    out = Console(width=None if sys.stdout.isatty() else 120)
+    tokenizer = load_tokenizer(model_dir) if model_dir else None
+
+    async def one() -> int:
+        store = await EventStore.connect(database_url)
+        try:
+            found = await resolve_episode_id(store, episode_id)
+            if rerun:
+                result = await rerun_by_id(store, found, agent=agent, until=until, timeout=timeout)
+                if as_json:
+                    sys.stdout.write(json.dumps(result.to_json(), indent=2) + "\n")
+                else:
+                    out.print(render_rerun(result))
+                return 0 if result.identical else 1
+            replayed = await load_episode(store, found, until=until)
+            if as_json:
+                sys.stdout.write(json.dumps(episode_json(replayed, discount), indent=2) + "\n")
+            else:
+                shaded = tokens or tokenizer is not None
+                out.print(render_transcript(replayed, discount=discount, tokens=shaded, tokenizer=tokenizer))
+            return 0
+        finally:
+            await store.close()
+
+    async def many(ids: list[str]) -> RerunSummary:
+        from pipeline.episode import load_agent
+
+        summary = RerunSummary()
+        loaded = {agent: load_agent(agent)} if agent else {}
+        store = await EventStore.connect(database_url)
+        try:
+            for selected in ids:
+                try:
+                    result = await rerun_by_id(store, selected, agent=agent, timeout=timeout, agents=loaded)
+                except TurnstileError as error:
+                    summary.errors.append((selected, str(error)))
+                    if not as_json:
+                        out.print(f"[bold red]failed[/bold red]    {escape(selected)}  {escape(str(error))}")
+                    continue
+                summary.results.append(result)
+                if not as_json:
+                    out.print(render_rerun(result))
+        finally:
+            await store.close()
+        return summary
+
+    if not all_episodes:
+        raise SystemExit(asyncio.run(one()))
+    from pipeline.sql import SqlError, run_readonly
+
+    try:
+        rows = run_readonly(
+            database_url, f"SELECT episode_id FROM episodes WHERE ({where or 'true'}) ORDER BY started_at"
+        ).rows
+    except SqlError as error:
+        raise TurnstileError(f"--where: {escape(str(error))}") from None
+    if not rows:
+        console.print(
+            "no episode matched (--all --where reads the episodes read model, which "
+            "`turnstile serve materializer` fills)"
+        )
+        return
+    summary = asyncio.run(many([str(row[0]) for row in rows]))
+    if as_json:
+        results = [result.to_json() for result in summary.results]
+        errors = [{"episode_id": episode, "error": error} for episode, error in summary.errors]
+        sys.stdout.write(json.dumps({"results": results, "errors": errors}, indent=2) + "\n")
+    else:
+        out.print(summary.line())
+    if summary.diverged or summary.errors:
+        raise SystemExit(1)
+
+
+@app.command()
+def episodes(
+    policy: str = typer.Option(None, help="only this policy"),
+    status: str = typer.Option(None, help="running | finished"),
+    termination: str = typer.Option(
+        None, help="only episodes ended so: done, max_turns, truncated, error, cancelled, timeout, aborted"
+    ),
+    agent: str = typer.Option(None, help="only this agent (as recorded: package.module:Name)"),
+    min_reward: float = typer.Option(None, help="only episodes whose rewards sum to at least this"),
+    max_reward: float = typer.Option(None, help="only episodes whose rewards sum to at most this"),
+    since: str = typer.Option(None, help="started since: 30m, 1h, 2d, 1w ago, or a date/time (local)"),
+    limit: int = typer.Option(20, help="show at most N episodes"),
+    as_json: bool = typer.Option(False, "--json", help="print a JSON array with an object per episode"),
+) -> None:
+    """List recorded episodes, newest first, from the log itself (no materializer needed)."""
+    import asyncio
+
+    from pipeline.eventstore import EventStore
+    from pipeline.replay import (
+        EpisodeFilter,
+        EpisodeRow,
+        episode_row_json,
+        episodes_table,
+        list_episodes,
+        parse_since,
+    )
+
+    if status not in (None, "running", "finished"):
+        raise ConfigError(f"--status {status!r}: use running or finished")
+    if limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {limit}")
+    filters = EpisodeFilter(
+        policy=policy,
+        status=status,  # type: ignore[arg-type]
+        termination=termination,
+        agent=agent,
+        min_reward=min_reward,
+        max_reward=max_reward,
+        since=parse_since(since) if since else None,
+        limit=limit,
+    )
+    database_url = Settings().require_database_url()
+
+    async def fetch() -> tuple[list[EpisodeRow], bool]:
+        store = await EventStore.connect(database_url)
+        try:
+            return await list_episodes(store, filters)
+        finally:
+            await store.close()
+
+    rows, more = asyncio.run(fetch())
+    if as_json:
+        sys.stdout.write(json.dumps([episode_row_json(row) for row in rows], indent=2) + "\n")
+    elif rows:
+        Console(width=None if sys.stdout.isatty() else 100_000).print(episodes_table(rows))
+    shown = f"{len(rows)} episode{'' if len(rows) == 1 else 's'}, newest first"
+    console.print(f"{shown} (more: --limit {limit * 2})" if more else shown)
+
+
+@serve.command("gateway")
+def serve_gateway(
+    policy_default: str = typer.Option(None, help="the policy of sessions that name none"),
+    host: str = typer.Option("127.0.0.1", help="the address to listen on (0.0.0.0: every interface)"),
+    port: int = typer.Option(8000, help="the port to listen on (0: a free one)"),
+    admin_key_env: str = typer.Option(
+        "TURNSTILE_ADMIN_KEY", help="the environment variable that holds the admin key (required)"
+    ),
+    max_open_sessions: int = typer.Option(
+        None, help="open sessions at most; starting one more gets 429 [default: no limit]"
+    ),
+    max_staleness: int = typer.Option(
+        None,
+        help="starting a session gets 429 while the newest published policy version is more than N ahead "
+        "of the version the inference consumers answer with [default: never]",
+    ),
+    idle_timeout: float = typer.Option(
+        3600.0, help="seconds without a call before a session ends as timeout (0: never)"
+    ),
+    public_url: str = typer.Option(
+        None, help="the URL clients reach the gateway at, for the base_url it hands out [default: Host]"
+    ),
+    heartbeat_timeout: float = typer.Option(15.0, help="seconds an LLM call waits for a silent consumer"),
+) -> None:
+    """Serve the OpenAI- and Anthropic-compatible gateway: every call of a session is a recorded turn."""
+    import asyncio
+    import logging
+    import os
+
+    from consumers.gateway import GatewayConfig
+    from consumers.gateway import serve_gateway as serve_it
+
+    admin_key = os.environ.get(admin_key_env, "").strip()
+    if not admin_key:
+        raise ConfigError(
+            f"no admin key: set {admin_key_env} to a secret (e.g. `export {admin_key_env}=$(openssl rand "
+            "-hex 32)`); it protects session creation, and the gateway does not start without one"
+        )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings()
+    config = GatewayConfig(
+        database_url=settings.require_database_url(),
+        nats_url=settings.require_nats_url(),
+        admin_key=admin_key,
+        policy_default=policy_default,
+        host=host,
+        port=port,
+        capacity=max_open_sessions,
+        max_staleness=max_staleness,
+        idle_timeout=idle_timeout or None,
+        public_url=public_url,
+        heartbeat_timeout=heartbeat_timeout,
+    )
+    asyncio.run(serve_it(config, console=console))
+    console.print("gateway stopped")
+
+
 @model.command("init-tiny")
 def model_init_tiny(directory: Path = typer.Argument(..., help="where to write the model")) -> None:
     """Build a tiny random-init causal LM with a locally trained tokenizer (offline, byte-identical)."""

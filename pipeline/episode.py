@@ -470,18 +470,24 @@ def import_object(spec: str, what: str) -> Any:
 
 def load_agent(spec: str) -> Agent:
     """``package.module:Name``: a class (made with no arguments), an object with ``async run``, or an
-    ``async def run(task, llm)`` function."""
+    ``async def run(task, llm)`` function. One whose ``run`` takes ``base_url`` and ``api_key`` instead of
+    ``llm`` (the proxy style, for agents written for any framework) runs through an in-process gateway."""
+    from pipeline.proxy import proxy_agent_adapter  # here: pipeline.proxy imports this module
+
     found = import_object(spec, "agent")
     if inspect.isclass(found):
         try:
             found = found()
         except TypeError as error:
             raise ConfigError(f"agent {spec!r}: the class must take no arguments ({error})") from None
+    if (proxy := proxy_agent_adapter(found)) is not None:
+        return proxy
     if inspect.iscoroutinefunction(found):
         return _FunctionAgent(found)
     if not inspect.iscoroutinefunction(getattr(found, "run", None)):
         raise ConfigError(
-            f"agent {spec!r}: expected an object with `async def run(task, llm)`, got {found!r}"
+            f"agent {spec!r}: expected an object with `async def run(task, llm)` (or "
+            f"`async def run(task, base_url, api_key)`), got {found!r}"
         )
     agent: Agent = found
     return agent

@@ -139,6 +139,7 @@ class ReadySample:
     reward: float
     arrays: bytes
     position: int
+    slot: int = 0
     advantage: float | None = None
 
 
@@ -180,8 +181,8 @@ TURN_COLUMNS: Final = (
     "position",
 )  # fmt: skip
 SAMPLE_COLUMNS: Final = (
-    "sample_id", "episode_id", "policy", "group_id", "turn_ids", "policy_version", "tokens", "model_tokens",
-    "reward", "advantage", "stale", "arrays", "ready_position", "batch_id", "position",
+    "sample_id", "episode_id", "policy", "group_id", "slot", "turn_ids", "policy_version", "tokens",
+    "model_tokens", "reward", "advantage", "stale", "arrays", "ready_position", "batch_id", "position",
 )  # fmt: skip
 BATCH_COLUMNS: Final = (
     "batch_id", "policy", "samples", "groups", "tokens", "stale_samples", "min_policy_version",
@@ -279,7 +280,7 @@ class Fold:
         self.pending.move_to_end(key)
         group.last_time = row.recorded_at
         group.episodes.add(episode_id)
-        for sample in samples:
+        for slot, sample in enumerate(samples):
             ready = ReadySample(
                 sample_id=sample.sample_id,
                 episode_id=episode_id,
@@ -291,12 +292,13 @@ class Fold:
                 reward=sample.reward,
                 arrays=pack_arrays(sample.input_ids, sample.loss_mask, sample.logprobs),
                 position=row.position,
+                slot=slot,
             )
             group.samples.append(ready)
             self.writes.samples[ready.sample_id] = [
-                ready.sample_id, episode_id, policy, group_id, list(ready.turn_ids), ready.policy_version,
-                ready.tokens, sum(sample.loss_mask), ready.reward, None, False, ready.arrays, None, None,
-                row.position,
+                ready.sample_id, episode_id, policy, group_id, slot, list(ready.turn_ids),
+                ready.policy_version, ready.tokens, sum(sample.loss_mask), ready.reward, None, False,
+                ready.arrays, None, None, row.position,
             ]  # fmt: skip
         if len(group.episodes) >= group.size:
             self._make_ready([group], row)
@@ -366,14 +368,18 @@ class Fold:
         for group in sorted(groups, key=lambda g: g.group_id):
             del self.pending[(group.policy, group.group_id)]
             members = sorted(group.samples, key=lambda s: (s.position, s.sample_id))
-            rewards = [s.reward for s in members]
-            if self.config.advantage == "none":
-                advantages = rewards
-            else:
-                advantages = group_advantages(rewards, mode=self.config.advantage)
-            for sample, advantage in zip(members, advantages, strict=True):
-                sample.advantage = advantage
-                self._update_sample(sample.sample_id, {_S_ADVANTAGE: advantage, _S_READY: row.position})
+            # Group-relative per slot: the k-th turn (or path) of each episode against the k-th of the others,
+            # so a turn is not judged against the group's other turns, which face other requests.
+            for slot in sorted({s.slot for s in members}):
+                peers = [s for s in members if s.slot == slot]
+                rewards = [s.reward for s in peers]
+                if self.config.advantage == "none":
+                    advantages = rewards
+                else:
+                    advantages = group_advantages(rewards, mode=self.config.advantage)
+                for sample, advantage in zip(peers, advantages, strict=True):
+                    sample.advantage = advantage
+                    self._update_sample(sample.sample_id, {_S_ADVANTAGE: advantage, _S_READY: row.position})
             self.queues.setdefault(group.policy, deque()).append(members)
         for policy in sorted({g.policy for g in groups}):
             self._form_batches(policy, row)
@@ -567,7 +573,8 @@ class Materializer:
     async def _load_samples(self, connection: psycopg.AsyncConnection[Any]) -> None:
         query = sql.SQL(
             "SELECT s.sample_id, s.episode_id, s.group_id, s.policy, s.turn_ids, s.policy_version, s.tokens, "
-            "s.reward, s.arrays, s.position, s.advantage, s.ready_position, e.group_size, e.finished_at "
+            "s.reward, s.arrays, s.position, s.advantage, s.ready_position, e.group_size, e.finished_at, "
+            "s.slot "
             "FROM {} s JOIN {} e USING (episode_id) WHERE s.batch_id IS NULL "
             "ORDER BY s.ready_position NULLS LAST, s.group_id, s.position, s.sample_id"
         ).format(self._table("samples"), self._table("episodes"))
@@ -579,7 +586,7 @@ class Materializer:
             sample = ReadySample(
                 sample_id=r[0], episode_id=r[1], group_id=r[2], policy=r[3],
                 turn_ids=tuple(str(t) for t in r[4]), policy_version=r[5], tokens=r[6], reward=r[7],
-                arrays=bytes(r[8]), position=r[9], advantage=r[10],
+                arrays=bytes(r[8]), position=r[9], advantage=r[10], slot=r[14],
             )  # fmt: skip
             if r[11] is not None:
                 ready.setdefault((r[3], r[11], r[2]), []).append(sample)

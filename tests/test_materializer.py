@@ -117,10 +117,10 @@ async def test_branching_tool_episode_and_a_group_of_four_hand_computed(
     payloads = dict(rows(database_url, "SELECT batch_id, payload FROM batch_outbox"))
     first, second = (decode_batch(bytes(payloads[b])) for b, _, _ in batches)
 
-    # A's samples: rewards (values) 0.675, 0.5, 1.0; mean 0.725, population std sqrt(0.0425 / 3) = 0.119024
+    # A is a group of one: each of its samples is alone in its slot (turn 1, 2, 3), so GRPO gives 0
     by_turn = {s.turn_ids[0]: s for s in first.samples}
-    std = math.sqrt(((0.675 - 0.725) ** 2 + (0.5 - 0.725) ** 2 + (1.0 - 0.725) ** 2) / 3)
-    assert by_turn[str(t1.turn_id)].advantage == pytest.approx((0.675 - 0.725) / (std + 1e-6))
+    assert [by_turn[str(t.turn_id)].reward for t in (t1, t2, t3)] == pytest.approx([0.675, 0.5, 1.0])
+    assert [s.advantage for s in first.samples] == [0.0, 0.0, 0.0]
     sample = by_turn[str(t2.turn_id)]
     assert sample.input_ids == (*t2.prompt_token_ids, 22, 2)
     assert sample.loss_mask == (0,) * 10 + (1, 1)
@@ -191,6 +191,26 @@ async def test_a_group_missing_members_goes_out_after_the_group_timeout_in_log_t
     await record(store, "later", [started("later")])  # any later event: its recorded_at is past the timeout
     await materialize(database_url, config)
     assert rows(database_url, "SELECT samples, groups FROM batches") == [(1, 1)]
+
+
+async def test_advantages_compare_the_same_turn_across_the_group(
+    store: EventStore, database_url: str
+) -> None:
+    # Two episodes of one group, two turns each; turn rewards (a) 1.0, 0.2 and (b) 0.0, 0.6.
+    for name, (first, second) in {"a": (1.0, 0.2), "b": (0.0, 0.6)}.items():
+        t1, t2 = turn([1, 5], [6, 2]), turn([1, 5, 6, 2, 1, 7], [8, 2])
+        await record(
+            store,
+            name,
+            [started(name, group="pair", size=2), t1, RewardAssigned(turn_id=t1.turn_id, value=first), t2,
+             RewardAssigned(turn_id=t2.turn_id, value=second), EpisodeFinished(termination="done")],
+        )  # fmt: skip
+    await materialize(database_url, MaterializerConfig(discount=0.0, advantage="mean", batch_samples=4))
+    [(payload,)] = rows(database_url, "SELECT payload FROM batch_outbox")
+    got = {(s.episode_id, round(s.reward, 6)): s.advantage for s in decode_batch(bytes(payload)).samples}
+    # turn 1: 1.0 and 0.0, mean 0.5 -> +0.5, -0.5; turn 2: 0.2 and 0.6, mean 0.4 -> -0.2, +0.2
+    # (across all four samples the mean would be 0.45 and turn 2 of "a" would get -0.25 instead)
+    assert got == pytest.approx({("a", 1.0): 0.5, ("b", 0.0): -0.5, ("a", 0.2): -0.2, ("b", 0.6): 0.2})
 
 
 def fold_rows(events: list[tuple[str, Event]]) -> list[LogRow]:

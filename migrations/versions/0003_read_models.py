@@ -98,6 +98,7 @@ def upgrade() -> None:
             episode_id     text             NOT NULL,
             policy         text             NOT NULL,
             group_id       text             NOT NULL,
+            slot           integer          NOT NULL DEFAULT 0,
             turn_ids       uuid[]           NOT NULL,
             policy_version integer          NOT NULL,
             tokens         integer          NOT NULL,
@@ -111,6 +112,10 @@ def upgrade() -> None:
             position       bigint           NOT NULL
         )
         """
+    )
+    op.execute(
+        "COMMENT ON COLUMN samples.slot IS 'the sample''s place in its episode (turn index; path index for "
+        "concat samples): advantages compare samples of the same slot across the group'"
     )
     op.execute(
         "COMMENT ON COLUMN samples.arrays IS 'input ids (int32), loss mask (uint8), logprobs (float32)'"

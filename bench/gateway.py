@@ -1,0 +1,500 @@
+"""Per-turn cost of the HTTP gateway beside the in-process clients, on the same instant backend.
+
+Every path records every turn the same way (``EpisodeSession.chat``: the request over NATS to a scripted
+consumer in a process of its own, the ``TurnCompleted`` appended to PostgreSQL before the reply returns);
+what differs is how the agent's call reaches the session:
+
+- ``llm.chat`` (the baseline): ``await session.chat(messages)`` in the benchmark process.
+- ``llm.openai()``: the OpenAI SDK served in process (``pipeline/openai_compat.py``'s httpx transport):
+  the SDK and the OpenAI translation on top of the baseline.
+- ``gateway``: the OpenAI SDK in the benchmark process, over HTTP (keep-alive connections, one pooled
+  client) to the gateway app (``pipeline/gateway.py`` on uvicorn) in a process of its own, which holds the
+  sessions, their NATS client and the event store; sessions are started with ``POST /admin/sessions``.
+
+At each concurrency level (``--levels``, default 1 and 16) that many workers run episodes back to back,
+each episode ``--turns-per-episode`` turns that extend the conversation (reply + a new user message, so
+turns continue token-exactly), until ``--turns`` timed turns are done; ``--warmup`` turns go first. A
+turn's latency runs from the call to the parsed reply; turns/s is timed turns over wall-clock time
+(starting and ending episodes included). "x chat" divides by the baseline at the same level: latency
+(p50) and throughput. "CPU us/turn" is the user + system CPU each process spent per timed turn (from
+/proc, Linux only, 10 ms ticks: meaningful over a second or more); on a small machine the processes
+compete for cores, so read the ratios, measured side by side in one run.
+
+Servers: ``TURNSTILE_DATABASE_URL`` and ``TURNSTILE_NATS_URL``, or embedded ones in a temporary directory;
+the run gets a migrated scratch database of its own, dropped at the end.
+
+    python bench/gateway.py                       # defaults: --levels 1,16 --turns 600 (about a minute)
+    python bench/gateway.py --levels 1 --turns 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import psycopg
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.engine import make_url
+
+from pipeline.backends.scripted import ScriptedBackend
+from pipeline.db import migrate
+from pipeline.embedded import EmbeddedServers
+from pipeline.episode import EpisodeSession
+from pipeline.eventstore import EventStore
+from pipeline.llm import NatsLLMClient
+from pipeline.settings import libpq_url
+
+POLICY = "bench"
+ADMIN_KEY = "bench-admin-" + uuid.uuid4().hex
+PATHS = ("llm.chat", "llm.openai()", "gateway")
+BASELINE = "llm.chat"
+MAX_TOKENS = 6
+READY_TIMEOUT_S = 60.0
+SCRIPT = str(Path(__file__).resolve())
+
+Processes = dict[str, int | None]
+"""The processes whose CPU time a measurement reports: name -> pid (None: this process)."""
+console = Console(width=None if sys.stdout.isatty() else 150)
+
+
+def note(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    path: str
+    concurrency: int
+    latencies_ms: list[float]
+    seconds: float
+    cpu_us: dict[str, float]
+
+    @property
+    def rate(self) -> float:
+        return len(self.latencies_ms) / self.seconds
+
+    def percentile(self, q: float) -> float:
+        """Nearest-rank percentile, q in (0, 100]."""
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered), max(1, math.ceil(q / 100 * len(ordered)))) - 1]
+
+    def cpu_text(self) -> str:
+        return "  ".join(f"{name} {value:,.0f}" for name, value in self.cpu_us.items())
+
+
+# --- an episode on each path ---------------------------------------------------------------------
+
+
+class Episode:
+    """One episode on one path: ``start()``, ``turn(messages) -> assistant message``, ``end()``."""
+
+    async def start(self) -> None: ...
+
+    async def turn(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def end(self) -> None: ...
+
+
+class ChatEpisode(Episode):
+    def __init__(self, store: EventStore, llm: NatsLLMClient) -> None:
+        self.session = EpisodeSession(store, llm, policy=POLICY, agent="bench.gateway")
+
+    async def start(self) -> None:
+        await self.session.start()
+
+    async def turn(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        reply = await self.session.chat(messages, sampling={"max_tokens": MAX_TOKENS})
+        return reply.message.model_dump(exclude_none=True)
+
+    async def end(self) -> None:
+        await self.session.finish("done")
+
+
+class InProcessOpenAIEpisode(ChatEpisode):
+    async def start(self) -> None:
+        await super().start()
+        self.client = self.session.llm.openai()
+
+    async def turn(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        completion = await self.client.chat.completions.create(
+            model=POLICY, messages=messages, max_tokens=MAX_TOKENS
+        )
+        return completion.choices[0].message.model_dump(exclude_none=True)
+
+
+class GatewayEpisode(Episode):
+    def __init__(self, admin: httpx.AsyncClient, client: openai.AsyncOpenAI) -> None:
+        self.admin, self.base_client = admin, client
+
+    async def start(self) -> None:
+        response = await self.admin.post("/admin/sessions", json={"policy": POLICY, "agent": "bench.gateway"})
+        response.raise_for_status()
+        session = response.json()
+        self.session_id = session["session_id"]
+        self.client = self.base_client.with_options(api_key=session["api_key"])
+
+    async def turn(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        completion = await self.client.chat.completions.create(
+            model=POLICY, messages=messages, max_tokens=MAX_TOKENS
+        )
+        return completion.choices[0].message.model_dump(exclude_none=True)
+
+    async def end(self) -> None:
+        (await self.admin.post(f"/admin/sessions/{self.session_id}/end", json={})).raise_for_status()
+
+
+MakeEpisode = Callable[[], Episode]
+
+
+async def run_turns(
+    make: MakeEpisode, concurrency: int, turns: int, per_episode: int
+) -> tuple[list[float], float]:
+    """``turns`` turns by ``concurrency`` workers, each running episodes back to back; latencies (ms) and
+    wall time."""
+    latencies: list[float] = []
+    remaining = [turns]
+
+    async def worker(index: int) -> None:
+        while remaining[0] > 0:
+            episode = make()
+            await episode.start()
+            messages: list[dict[str, Any]] = [{"role": "user", "content": f"worker {index}: count to ten"}]
+            for n in range(per_episode):
+                if remaining[0] <= 0:
+                    break
+                remaining[0] -= 1
+                started = time.perf_counter()
+                reply = await episode.turn(messages)
+                latencies.append((time.perf_counter() - started) * 1000)
+                messages += [reply, {"role": "user", "content": f"now say {n + 2}"}]
+            await episode.end()
+
+    started = time.perf_counter()
+    async with asyncio.TaskGroup() as group:
+        for index in range(concurrency):
+            group.create_task(worker(index))
+    return latencies, time.perf_counter() - started
+
+
+async def measure_path(
+    path: str, make: MakeEpisode, args: argparse.Namespace, processes: Processes
+) -> list[Result]:
+    results = []
+    for level in args.levels:
+        await run_turns(make, level, max(args.warmup, level), args.turns_per_episode)
+        before = cpu_snapshot(processes)
+        latencies, seconds = await run_turns(make, level, args.turns, args.turns_per_episode)
+        result = Result(
+            path, level, latencies, seconds, cpu_per_turn(before, cpu_snapshot(processes), len(latencies))
+        )
+        note(
+            f"{path} x{level}: p50 {result.percentile(50):.2f} ms, p99 {result.percentile(99):.2f} ms, "
+            f"{result.rate:,.0f} turns/s; CPU us/turn: {result.cpu_text()}"
+        )
+        results.append(result)
+    return results
+
+
+# --- CPU time ------------------------------------------------------------------------------------
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def cpu_seconds(pid: int | None, children: bool = False) -> float | None:
+    """User + system CPU of a process (or this one); with ``children``, of its children too (PostgreSQL's
+    backends)."""
+    if pid is None:
+        return time.process_time()
+    fields = proc_stat(pid)
+    if fields is None:
+        return None
+    ticks = int(fields[11]) + int(fields[12])
+    if children:
+        ticks += int(fields[13]) + int(fields[14])
+        for task in Path(f"/proc/{pid}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                for child_pid in task.read_text().split():
+                    child = proc_stat(int(child_pid))
+                    if child is not None:
+                        ticks += int(child[11]) + int(child[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(processes: Processes) -> dict[str, float | None]:
+    return {name: cpu_seconds(pid, children=name == "postgres") for name, pid in processes.items()}
+
+
+def cpu_per_turn(
+    before: dict[str, float | None], after: dict[str, float | None], turns: int
+) -> dict[str, float]:
+    spent = {name: (after[name] or 0.0) - start for name, start in before.items() if start is not None}
+    return {name: seconds / turns * 1e6 for name, seconds in spent.items() if after[name] is not None}
+
+
+# --- servers and child processes -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Servers:
+    database_url: str
+    nats_url: str
+    pids: Processes
+
+
+@contextlib.contextmanager
+def servers() -> Iterator[Servers]:
+    """TURNSTILE_DATABASE_URL and TURNSTILE_NATS_URL, or embedded servers for the block."""
+    database_url = os.environ.get("TURNSTILE_DATABASE_URL")
+    nats_url = os.environ.get("TURNSTILE_NATS_URL")
+    if database_url and nats_url:
+        note("servers from TURNSTILE_DATABASE_URL and TURNSTILE_NATS_URL (their CPU time is not reported)")
+        yield Servers(database_url, nats_url, {})
+        return
+    with (
+        tempfile.TemporaryDirectory(prefix="turnstile-bench-") as data_dir,
+        EmbeddedServers(Path(data_dir)) as embedded,
+    ):
+        pids: Processes = {}
+        if embedded.postgres.process is not None:
+            pids["postgres"] = embedded.postgres.process.pid
+        if embedded.nats.process is not None:
+            pids["nats"] = embedded.nats.process.pid
+        yield Servers(embedded.postgres.url, embedded.nats.url, pids)
+
+
+@contextlib.contextmanager
+def scratch_database(server_url: str) -> Iterator[str]:
+    name = f"bench_{uuid.uuid4().hex[:12]}"
+    admin_url = libpq_url(server_url)
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        url = libpq_url(make_url(admin_url).set(database=name).render_as_string(hide_password=False))
+        migrate(url)
+        yield url
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextlib.asynccontextmanager
+async def child(*role: str) -> AsyncIterator[tuple[int, str]]:
+    """This script in a server role in a process of its own; its pid and what it printed after ``ready``.
+    It stops when its stdin closes, so it also goes away if this process dies."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, SCRIPT, "--serve", *role, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    try:
+        line = await asyncio.wait_for(process.stdout.readline(), READY_TIMEOUT_S)
+        if not line.startswith(b"ready"):
+            raise RuntimeError(f"the {role[0]} process did not start (exit status {await process.wait()})")
+        yield process.pid, line.decode().removeprefix("ready").strip()
+    finally:
+        if process.stdin is not None:
+            process.stdin.close()
+        try:
+            await asyncio.wait_for(process.wait(), 30)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+        if process.returncode not in (0, -signal.SIGKILL):
+            note(f"the {role[0]} process exited with status {process.returncode}")
+
+
+async def wait_for_stdin_eof() -> None:
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.buffer.read)
+
+
+async def serve_consumer(nats_url: str) -> None:
+    from consumers.inference import InferenceConfig, create_app
+
+    app, _ = create_app(
+        InferenceConfig(nats_url, POLICY, backend="scripted", consumer_id="bench"), ScriptedBackend()
+    )
+    await app.start()
+    print("ready", flush=True)
+    await wait_for_stdin_eof()
+    await app.stop()
+
+
+async def serve_gateway(database_url: str, nats_url: str, admin_key: str) -> None:
+    from pipeline.gateway import HttpServer, create_gateway
+
+    store = await EventStore.connect(database_url)
+    llm = await NatsLLMClient.connect(nats_url)
+    server = HttpServer(create_gateway(store, llm, admin_key=admin_key, policy_default=POLICY))
+    await server.start()
+    print(f"ready {server.url}", flush=True)
+    await wait_for_stdin_eof()
+    await server.stop()
+    await llm.close()
+    await store.close()
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+async def measure(args: argparse.Namespace, found: Servers, database_url: str) -> list[Result]:
+    results: list[Result] = []
+    async with child("consumer", found.nats_url) as (consumer_pid, _):
+        processes: Processes = {"bench": None, "consumer": consumer_pid, **found.pids}
+        store = await EventStore.connect(database_url)
+        llm = await NatsLLMClient.connect(found.nats_url)
+        try:
+            if "llm.chat" in args.paths:
+                results += await measure_path("llm.chat", lambda: ChatEpisode(store, llm), args, processes)
+            if "llm.openai()" in args.paths:
+                make = lambda: InProcessOpenAIEpisode(store, llm)  # noqa: E731
+                results += await measure_path("llm.openai()", make, args, processes)
+            if "gateway" in args.paths:
+                async with child("gateway", database_url, found.nats_url, ADMIN_KEY) as (gateway_pid, url):
+                    note(f"gateway on {url} (uvicorn, its own process), client openai {openai.__version__}")
+                    http_client = openai.DefaultAsyncHttpxClient(limits=sdk_limits(max(args.levels)))
+                    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+                    async with (
+                        httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as admin,
+                        openai.AsyncOpenAI(
+                            base_url=f"{url}/v1", api_key="-", max_retries=0, http_client=http_client
+                        ) as client,
+                    ):
+                        gateway_processes = {**processes, "gateway": gateway_pid}
+                        results += await measure_path(
+                            "gateway", lambda: GatewayEpisode(admin, client), args, gateway_processes
+                        )
+        finally:
+            await llm.close()
+            await store.close()
+    return results
+
+
+def sdk_limits(connections: int) -> Any:
+    """Connection limits for the SDK's own HTTP client (openai >= 3 ships httpx2; older ones httpx)."""
+    try:
+        import httpx2
+
+        return httpx2.Limits(max_connections=connections, max_keepalive_connections=connections)
+    except ImportError:
+        return httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+
+
+def print_report(results: Sequence[Result], args: argparse.Namespace) -> None:
+    baselines = {r.concurrency: r for r in results if r.path == BASELINE}
+    table = Table(
+        title=f"recorded turns ({args.turns_per_episode} per episode), instant scripted backend",
+        caption="x chat: p50 latency and turns/s ÷ llm.chat's at the same concurrency, same run",
+    )
+    for column in [
+        "path",
+        "concurrency",
+        "turns",
+        "p50 ms",
+        "p99 ms",
+        "turns/s",
+        "p50 x chat",
+        "turns/s x chat",
+        "+p50 ms",
+    ]:
+        table.add_column(column, justify="right")
+    table.add_column("CPU us/turn", justify="left")
+    for result in results:
+        base = baselines.get(result.concurrency)
+        table.add_row(
+            result.path,
+            str(result.concurrency),
+            f"{len(result.latencies_ms):,}",
+            f"{result.percentile(50):.2f}",
+            f"{result.percentile(99):.2f}",
+            f"{result.rate:,.0f}",
+            f"{result.percentile(50) / base.percentile(50):.2f}" if base else "-",
+            f"{result.rate / base.rate:.2f}" if base else "-",
+            f"{result.percentile(50) - base.percentile(50):+.2f}" if base else "-",
+            result.cpu_text(),
+        )
+    console.print(table)
+    by_key = {(r.path, r.concurrency): r for r in results}
+    for level, base in baselines.items():
+        gateway, in_process = by_key.get(("gateway", level)), by_key.get(("llm.openai()", level))
+        if gateway is None:
+            continue
+        line = f"x{level}: gateway vs llm.chat {versus(gateway, base)}"
+        if in_process is not None:
+            line += f"; vs llm.openai() {versus(gateway, in_process)}"
+        print(line)
+
+
+def versus(result: Result, other: Result) -> str:
+    p50, other_p50 = result.percentile(50), other.percentile(50)
+    return f"p50 {p50 - other_p50:+.2f} ms ({p50 / other_p50:.2f}x), turns/s {result.rate / other.rate:.2f}x"
+
+
+def parse_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    add = parser.add_argument
+    add("--levels", type=lambda t: [int(p) for p in parse_list(t)], default=[1, 16], help="default 1,16")
+    add("--turns", type=int, default=600, help="timed turns per path and level (default 600)")
+    add("--warmup", type=int, default=100, help="untimed turns first (default 100)")
+    add("--turns-per-episode", type=int, default=5, help="turns of each episode (default 5)")
+    add("--paths", type=parse_list, default=list(PATHS), help=f"default {','.join(PATHS)}")
+    add("--serve", nargs="+", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if (
+        not args.levels
+        or min(args.levels) < 1
+        or min(args.turns, args.turns_per_episode) < 1
+        or args.warmup < 0
+    ):
+        parser.error("--levels, --turns and --turns-per-episode must be at least 1, --warmup 0 or more")
+    if unknown := set(args.paths) - set(PATHS):
+        parser.error(f"--paths are some of {','.join(PATHS)}, not {','.join(sorted(unknown))}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.serve:
+        role: dict[str, Callable[..., Awaitable[None]]] = {
+            "consumer": serve_consumer,
+            "gateway": serve_gateway,
+        }
+        asyncio.run(role[args.serve[0]](*args.serve[1:]))
+        return 0
+    note(
+        f"Python {platform.python_version()}, {os.cpu_count()} CPUs; {args.turns:,} turns per path and level "
+        f"after {args.warmup:,} warm-up; load average {os.getloadavg()[0]:.2f} (other work skews the numbers)"
+    )
+    with servers() as found, scratch_database(found.database_url) as database_url:
+        results = asyncio.run(measure(args, found, database_url))
+    print_report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,810 @@
+"""Rebuild throughput of the materializer: turns/s folding a recorded log of 1,000,000 turns into read
+models and training batches, against a raw sequential SELECT of the same rows in the same run; and the
+rebuild's peak memory.
+
+What it measures, in one run on one PostgreSQL server:
+
+1. The log (not timed as a result). ``--turns`` turns of realistic episodes, written straight into
+   ``events`` with binary COPY, in position order (``EventStore.append`` would take longer than all the
+   rest): groups of four episodes (``EpisodeStarted`` with ``group_id`` and ``group_size`` 4), each with
+   one to three ``TurnCompleted`` whose prompts (about 200-400 token ids) extend the previous turn's
+   prompt and completion token for token, so the turn tree has parents; completions of 20-60 ids with
+   float32 logprobs; chat messages of about 4 characters per token; then ``RewardAssigned`` and
+   ``EpisodeFinished``. ``--open`` episodes are open at any time, their events interleaved as a busy
+   runner records them. Data, tokens and content hash come from ``encode_event``; positions 1..N, stream
+   versions and event ids are what appends would give; ``recorded_at`` is a clock of 2 ms per event (group
+   timeouts are judged by it). Worker processes build and encode the events, this process COPYs them;
+   then ``VACUUM ANALYZE`` and ``CHECKPOINT``, so no timed reader pays for hint bits or the load's writes.
+2. ``SELECT`` (the baseline): the materializer's own query, ``SELECT position, stream, type, data, tokens,
+   recorded_at FROM events WHERE position > %s ORDER BY position LIMIT <step>``, page after page until the
+   log ends, into Python tuples with psycopg (async, autocommit, jsonb parsed), as the materializer pages.
+   It runs before and after each rebuild; the faster of the two is the baseline.
+3. ``rebuild``: what ``turnstile rematerialize`` does, in this process: ``Materializer(url,
+   MaterializerConfig(name=..., step_events=<step>))`` (defaults otherwise: individual samples, GRPO
+   advantages, batches of 64), ``open(create=True)``, then ``catch_up()``, timed: reading the log, folding
+   it (turn trees, discounted returns, samples, advantages, batches) and writing episodes, turns, samples,
+   batches and the outbox, one transaction per step. Its schema is dropped after counting what it made.
+   (It runs as a subclass that only counts the rows of each step's writes, for the lines under the table:
+   rows COPYed, and rows UPDATEd one statement each because they were inserted in an earlier step.)
+
+Reading the table: "x SELECT" is turns/s ÷ the baseline's turns/s at the same step size: 1.00 would mean
+folding and writing cost nothing over reading the log; the target is at least 0.50. "peak RSS" is this
+process's resident high-water mark during the timed part, and in brackets how far it rose over the RSS
+just before (VmHWM, reset through /proc/self/clear_refs; Linux). "CPU s": CPU seconds of this process
+("py") and of the PostgreSQL server with all its processes ("pg"; embedded server only) in the timed
+part: py close to "seconds" means the Python side is the bottleneck. ``--profile FILE`` runs one more
+rebuild (untimed) under cProfile, saves the stats to FILE and prints the top functions by cumulative and
+by own time.
+
+Server: ``TURNSTILE_DATABASE_URL`` if set, else an embedded PostgreSQL in a temporary directory (under
+``--tmp-dir``). Either way the run works in a scratch database ``bench_<random>``, dropped at the end.
+A 1,000,000-turn log takes about 5 GB, and each rebuild about as much again while it exists.
+
+    python bench/materialize.py                     # 1,000,000 turns, step 2000
+    python bench/materialize.py --quick             # 50,000 turns
+    python bench/materialize.py --quick --step-events 500,2000,10000 --profile /tmp/rebuild.prof
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import gc
+import inspect
+import os
+import platform
+import pstats
+import random
+import re
+import resource
+import string
+import struct
+import sys
+import tempfile
+import time
+import uuid
+from array import array
+from collections import deque
+from collections.abc import Container, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from functools import cache
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.engine import make_url
+
+from pipeline.db import migrate
+from pipeline.embedded import EmbeddedPostgres
+from pipeline.eventstore import COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper, encode_event
+from pipeline.materializer import READ_MODEL_TABLES, Materializer, MaterializerConfig, Writes
+from pipeline.settings import libpq_url
+from schemas import (
+    ChatMessage,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    FunctionCall,
+    RewardAssigned,
+    ToolCall,
+    TurnCompleted,
+    TurnReply,
+    TurnRequest,
+)
+from schemas.common import Timings
+
+TARGET_RATIO = 0.50
+VOCAB_SIZE = 151_936
+GROUP_SIZE = 4
+MAX_TURNS = 3
+FIRST_PROMPT = (180, 260)
+COMPLETION = (20, 60)
+GLUE = (10, 40)
+"""Token ids between a turn's completion and the next prompt's end: the tool result and chat template."""
+CHARS_PER_TOKEN = 4
+GROUPS_PER_VERSION = 200
+POLICY = "bench"
+EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
+TICK = timedelta(milliseconds=2)
+COLUMNS = (*COPY_COLUMNS, "recorded_at")
+TYPES = [*COPY_TYPES, "timestamptz"]
+TOKENS_HEADER = struct.Struct("<4sIII")
+MATERIALIZER_QUERY = (
+    "SELECT position, stream, type, data, tokens, recorded_at FROM events WHERE position > %s "
+    "ORDER BY position LIMIT {step}"
+)
+"""What ``Materializer._read`` sends for a step (the baseline must read exactly as it does)."""
+
+
+def check_baseline_query() -> None:
+    """Warn when ``Materializer._read`` no longer reads what the baseline reads."""
+    with suppress(OSError, TypeError):
+        source = inspect.getsource(Materializer._read)
+        if (
+            "position, stream, type, data, tokens, recorded_at" not in source
+            or "ORDER BY position" not in source
+        ):
+            note("WARNING: Materializer._read changed; make MATERIALIZER_QUERY read what it reads")
+
+
+console = Console(width=None if sys.stdout.isatty() else 132)
+
+
+def note(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+# --- the schedule: which event of which episode each position holds ------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    episode_at: array[int]
+    """Per position - 1: the episode whose event it is."""
+    index_at: array[int]
+    """Per position - 1: that event's index in its episode (its stream version - 1)."""
+    turns_of: array[int]
+    """Per episode: its turns. An episode's events: started, its turns, reward, finished."""
+
+    @property
+    def events(self) -> int:
+        return len(self.episode_at)
+
+    @property
+    def episodes(self) -> int:
+        return len(self.turns_of)
+
+    @property
+    def turns(self) -> int:
+        return sum(self.turns_of)
+
+
+def make_schedule(turns: int, open_episodes: int, seed: int) -> Schedule:
+    """Episodes start in order (a group's four one after another) whenever one finishes, so that
+    ``open_episodes`` are open at once; each position records the next event of a random open one. At
+    least ``turns`` turns: the last group is completed."""
+    rng = random.Random(seed)
+    episode_at, index_at, turns_of = array("l"), array("B"), array("B")
+    running: list[list[int]] = []  # [episode, next event index, events]
+    planned = 0
+
+    def start() -> None:
+        nonlocal planned
+        if planned >= turns and len(turns_of) % GROUP_SIZE == 0:
+            return
+        count = rng.randint(1, MAX_TURNS)
+        turns_of.append(count)
+        planned += count
+        running.append([len(turns_of) - 1, 0, count + 3])
+
+    while len(running) < open_episodes and (planned < turns or len(turns_of) % GROUP_SIZE):
+        start()
+    while running:
+        slot = rng.randrange(len(running))
+        episode = running[slot]
+        episode_at.append(episode[0])
+        index_at.append(episode[1])
+        episode[1] += 1
+        if episode[1] == episode[2]:
+            running[slot] = running[-1]
+            running.pop()
+            start()
+    return Schedule(episode_at, index_at, turns_of)
+
+
+# --- the events of one episode (pure: a function of the seed and the episode number) ---------------
+
+
+@cache
+def corpus() -> str:
+    """Made-up prose to cut message texts from: compresses somewhat, like prose, but not trivially."""
+    rng = random.Random(0)
+    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 10))) for _ in range(4_000)]
+    return " ".join(rng.choices(words, k=50_000))
+
+
+def text(rng: random.Random, chars: int) -> str:
+    source = corpus()
+    start = rng.randrange(len(source) - chars)
+    return source[start : start + chars]
+
+
+def token_ids(rng: random.Random, count: int) -> list[int]:
+    return [value % VOCAB_SIZE for value in array("I", rng.randbytes(4 * count))]
+
+
+def random_uuid(rng: random.Random) -> uuid.UUID:
+    return uuid.UUID(int=rng.getrandbits(128), version=4)
+
+
+def episode_id(seed: int, episode: int) -> str:
+    return f"b{seed}-{episode // GROUP_SIZE:07d}-{episode % GROUP_SIZE}"
+
+
+def episode_events(seed: int, episode: int, turns: int, wanted: Container[int]) -> dict[int, Event]:
+    """The events of one episode at the indexes in ``wanted`` (the rest are drawn but not built, so an
+    episode split between chunks is the same in each)."""
+    rng = random.Random(seed * 1_000_003 + episode)
+    group = episode // GROUP_SIZE
+    event_ids = [random_uuid(rng) for _ in range(turns + 3)]
+    events: dict[int, Event] = {}
+    if 0 in wanted:
+        events[0] = EpisodeStarted(
+            event_id=event_ids[0], episode_id=episode_id(seed, episode), task={"id": f"task-{group}"},
+            task_id=f"task-{group}", group_id=f"g{seed}-{group}", group_size=GROUP_SIZE, agent="bench.agent",
+            policy=POLICY,
+        )  # fmt: skip
+    prompt = token_ids(rng, rng.randint(*FIRST_PROMPT))
+    messages = [
+        ChatMessage(role="system", content=text(rng, 600)),
+        ChatMessage(role="user", content=text(rng, CHARS_PER_TOKEN * len(prompt) - 600)),
+    ]
+    for index in range(1, turns + 1):
+        completion = token_ids(rng, rng.randint(*COMPLETION))
+        logprobs = [-rng.expovariate(2.0) for _ in completion]
+        reply_text = text(rng, CHARS_PER_TOKEN * len(completion))
+        call = ToolCall(
+            id=f"call_{rng.getrandbits(48):012x}",
+            function=FunctionCall(name="search_docs", arguments=f'{{"query": "{text(rng, 40)}"}}'),
+        )
+        calls = [call] if index < turns else []
+        queued, first, total = rng.uniform(0, 50), rng.uniform(20, 200), rng.uniform(300, 3000)
+        turn_id = random_uuid(rng)
+        if index in wanted:
+            events[index] = TurnCompleted(
+                event_id=event_ids[index], turn_id=turn_id, request=TurnRequest(messages=list(messages)),
+                reply=TurnReply(
+                    text=reply_text, tool_calls=calls, finish_reason="tool_calls" if calls else "stop"
+                ),
+                prompt_token_ids=prompt, completion_token_ids=completion, completion_logprobs=logprobs,
+                policy_version=group // GROUPS_PER_VERSION, engine_id="bench-engine-0",
+                timings=Timings(queued_ms=queued, first_token_ms=first, total_ms=queued + total),
+            )  # fmt: skip
+        glue = token_ids(rng, rng.randint(*GLUE))
+        messages += [
+            ChatMessage(role="assistant", content=reply_text, tool_calls=calls or None),
+            ChatMessage(role="tool", tool_call_id=call.id, content=text(rng, CHARS_PER_TOKEN * len(glue))),
+        ]
+        prompt = prompt + completion + glue
+    value = rng.random()
+    if turns + 1 in wanted:
+        events[turns + 1] = RewardAssigned(event_id=event_ids[turns + 1], value=value)
+    if turns + 2 in wanted:
+        events[turns + 2] = EpisodeFinished(event_id=event_ids[turns + 2], termination="done")
+    return events
+
+
+# --- writing the log -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    seed: int
+    first: int
+    """The position of its first event."""
+    episode_at: array[int]
+    index_at: array[int]
+    turns: dict[int, int]
+    """The turns of each episode it holds events of."""
+
+
+def chunks(schedule: Schedule, seed: int, size: int) -> Iterator[Chunk]:
+    for start in range(0, schedule.events, size):
+        episode_at = schedule.episode_at[start : start + size]
+        index_at = schedule.index_at[start : start + size]
+        turns = {episode: schedule.turns_of[episode] for episode in set(episode_at)}
+        yield Chunk(seed, start + 1, episode_at, index_at, turns)
+
+
+def encode_chunk(chunk: Chunk) -> list[tuple[Any, ...]]:
+    """The chunk's rows for ``events`` (``COLUMNS``), in position order. Runs in a worker process."""
+    wanted: dict[int, set[int]] = {}
+    for episode, index in zip(chunk.episode_at, chunk.index_at, strict=True):
+        wanted.setdefault(episode, set()).add(index)
+    built = {
+        episode: episode_events(chunk.seed, episode, chunk.turns[episode], indexes)
+        for episode, indexes in wanted.items()
+    }
+    rows = []
+    for offset, (episode, index) in enumerate(zip(chunk.episode_at, chunk.index_at, strict=True)):
+        item = encode_event(built[episode][index])
+        position = chunk.first + offset
+        stream = f"episode-{episode_id(chunk.seed, episode)}"
+        rows.append(
+            (position, stream, index + 1, item.event_id, item.type, item.data, item.tokens, "{}",
+             item.content_hash, EPOCH + position * TICK)
+        )  # fmt: skip
+    return rows
+
+
+@dataclass(slots=True)
+class LogStats:
+    events: int = 0
+    seconds: float = 0.0
+    prompt_ids: int = 0
+    completion_ids: int = 0
+    bytes: int = 0
+
+
+def write_log(url: str, schedule: Schedule, args: argparse.Namespace) -> LogStats:
+    """Worker processes build and encode chunks of events; this process COPYs them in position order, so
+    the table's pages are in position order as the store's appends leave them."""
+    stats = LogStats()
+    started = time.perf_counter()
+    statement = f"COPY events ({', '.join(COLUMNS)}) FROM STDIN (FORMAT BINARY)"
+    work = chunks(schedule, args.seed, args.chunk_events)
+    with ProcessPoolExecutor(args.workers) as pool, psycopg.connect(url) as connection:
+        connection.adapters.register_dumper(JsonText, JsonTextBinaryDumper)
+        # At most two chunks a worker in flight: the encoded rows of the whole log would not fit in memory.
+        pending: deque[Future[list[tuple[Any, ...]]]] = deque(
+            pool.submit(encode_chunk, chunk) for chunk in islice(work, 2 * args.workers)
+        )
+        while pending:
+            rows = pending.popleft().result()
+            chunk = next(work, None)
+            if chunk is not None:
+                pending.append(pool.submit(encode_chunk, chunk))
+            with connection.transaction(), connection.cursor().copy(statement) as copy:
+                copy.set_types(TYPES)
+                for row in rows:
+                    copy.write_row(row)
+            for row in rows:
+                if row[6] is not None:
+                    _, prompt, completion, _ = TOKENS_HEADER.unpack_from(row[6])
+                    stats.prompt_ids += prompt
+                    stats.completion_ids += completion
+            stats.events += len(rows)
+            if stats.events // args.chunk_events % 25 == 0:
+                note(f"log: {stats.events:,} of {schedule.events:,} events written")
+    stats.seconds = time.perf_counter() - started
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute("VACUUM (ANALYZE) events")
+        checkpoint(connection)
+        size = connection.execute("SELECT pg_total_relation_size('events')").fetchone()
+        stats.bytes = int(size[0]) if size else 0
+    return stats
+
+
+def checkpoint(connection: psycopg.Connection[Any]) -> None:
+    try:  # so that no measurement pays for writing out what came before it
+        connection.execute("CHECKPOINT")
+    except psycopg.errors.InsufficientPrivilege:
+        note("no CHECKPOINT between measurements (needs superuser or pg_checkpoint)")
+
+
+# --- server, scratch database, process figures ---------------------------------------------------
+
+
+@contextmanager
+def postgres_server(tmp_dir: Path | None) -> Iterator[tuple[str, int | None]]:
+    """TURNSTILE_DATABASE_URL's server (no pid), or an embedded one (its pid) that lives for the block."""
+    url = os.environ.get("TURNSTILE_DATABASE_URL")
+    if url:
+        yield url, None
+        return
+    with tempfile.TemporaryDirectory(prefix="turnstile-bench-", dir=tmp_dir) as data_dir:
+        server = EmbeddedPostgres(Path(data_dir) / "postgres")
+        server.start()
+        try:
+            yield server.url, server.process.pid if server.process else None
+        finally:
+            server.stop()
+
+
+@contextmanager
+def scratch_database(server_url: str) -> Iterator[str]:
+    """A migrated database of this run's own on the server; dropped at the end."""
+    name = f"bench_{uuid.uuid4().hex[:12]}"
+    admin_url = libpq_url(server_url)
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        url = libpq_url(make_url(admin_url).set(database=name).render_as_string(hide_password=False))
+        migrate(url)
+        yield url
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def describe_server(url: str) -> str:
+    with psycopg.connect(url) as connection:
+        version, buffers = connection.execute(
+            "SELECT current_setting('server_version'), current_setting('shared_buffers')"
+        ).fetchone() or ("?", "?")
+    return f"PostgreSQL {version}, shared_buffers={buffers}"
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def server_cpu(pid: int | None) -> float | None:
+    """User + system CPU seconds of a server and all its processes, live and reaped (Linux /proc)."""
+    fields = proc_stat(pid) if pid is not None else None
+    if pid is None or fields is None:
+        return None
+    ticks = sum(int(value) for value in fields[11:15])
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with suppress(OSError, ValueError):
+            for child in task.read_text().split():
+                child_fields = proc_stat(int(child))
+                if child_fields is not None:
+                    ticks += int(child_fields[11]) + int(child_fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def memory_kb(name: str) -> int | None:
+    """A field of /proc/self/status in kB (VmRSS, VmHWM), or None off Linux."""
+    try:
+        found = re.search(rf"^{name}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(found[1]) if found else None
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux 4.0+); False where that cannot be done."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+# --- the measurements ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    label: str
+    step: int
+    events: int
+    turns: int
+    seconds: float
+    py_cpu: float
+    pg_cpu: float | None
+    rss_mb: float | None = None
+    """The peak resident memory of this process during the timed part."""
+    rss_growth_mb: float | None = None
+    """That peak over the resident memory just before."""
+
+    @property
+    def turn_rate(self) -> float:
+        return self.turns / self.seconds
+
+    @property
+    def event_rate(self) -> float:
+        return self.events / self.seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Produced:
+    turns: int
+    with_parent: int
+    episodes: int
+    samples: int
+    batches: int
+    batched_samples: int
+    outbox: int
+    megabytes: float
+    tally: WriteTally
+
+
+@dataclass(slots=True)
+class WriteTally:
+    """What the rebuild's steps wrote, by kind of statement."""
+
+    steps: int = 0
+    copied: int = 0
+    """Rows COPYed: new episodes, turns, samples, batches and outbox rows."""
+    episode_updates: int = 0
+    """Episodes finished in a later step than they started in: one UPDATE each."""
+    sample_updates: int = 0
+    """Samples inserted in an earlier step than their group became ready, or than their batch."""
+
+
+class TallyingMaterializer(Materializer):
+    """The materializer, counting the rows of each step's writes (a few ``len`` calls a step)."""
+
+    def __init__(self, database_url: str, config: MaterializerConfig) -> None:
+        super().__init__(database_url, config)
+        self.tally = WriteTally()
+
+    async def _commit(self, writes: Writes, position: int) -> None:
+        tally = self.tally
+        tally.steps += 1
+        tally.copied += sum(
+            len(rows)
+            for rows in (writes.episodes, writes.turns, writes.samples, writes.batches, writes.outbox)
+        )
+        tally.episode_updates += len(writes.finished)
+        tally.sample_updates += len(writes.ready) + len(writes.batched)
+        await super()._commit(writes, position)
+
+
+@dataclass(slots=True)
+class StepResult:
+    step: int
+    measurements: list[Measurement] = field(default_factory=list)
+    """In the order they ran: SELECT, rebuild, SELECT, ..."""
+    produced: list[Produced] = field(default_factory=list)
+
+    @property
+    def baseline(self) -> Measurement:
+        return max((m for m in self.measurements if m.label == "SELECT"), key=lambda scan: scan.turn_rate)
+
+    @property
+    def rebuilds(self) -> list[tuple[Measurement, Produced]]:
+        timed = [m for m in self.measurements if m.label == "rebuild"]
+        return list(zip(timed, self.produced, strict=True))
+
+
+async def scan(url: str, step: int, schedule: Schedule, server_pid: int | None) -> Measurement:
+    """The baseline: the materializer's read, page after page, into tuples; nothing else."""
+    query = MATERIALIZER_QUERY.format(step=int(step))
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
+        py_cpu, pg_cpu = time.process_time(), server_cpu(server_pid)
+        started = time.perf_counter()
+        position, events = 0, 0
+        while True:
+            rows = await (await connection.execute(query, (position,))).fetchall()
+            if not rows:
+                break
+            events += len(rows)
+            position = rows[-1][0]
+        seconds = time.perf_counter() - started
+        pg_after = server_cpu(server_pid)
+    if events != schedule.events:
+        raise RuntimeError(f"the SELECT read {events:,} events; the log holds {schedule.events:,}")
+    pg = None if pg_cpu is None or pg_after is None else pg_after - pg_cpu
+    measurement = Measurement(
+        "SELECT", step, events, schedule.turns, seconds, time.process_time() - py_cpu, pg
+    )
+    note(
+        f"SELECT, step {step:,}: {events:,} rows in {seconds:.1f} s: {measurement.event_rate:,.0f} rows/s, "
+        f"{measurement.turn_rate:,.0f} turns/s"
+    )
+    return measurement
+
+
+async def rebuild(
+    url: str,
+    step: int,
+    schedule: Schedule,
+    server_pid: int | None,
+    name: str,
+    profiler: cProfile.Profile | None = None,
+) -> tuple[Measurement, Produced]:
+    """``turnstile rematerialize --name NAME`` in this process; only ``catch_up()`` is timed."""
+    materializer = TallyingMaterializer(url, MaterializerConfig(name=name, step_events=step))
+    await materializer.open(create=True)
+    try:
+        gc.collect()
+        rss_before = memory_kb("VmRSS")
+        exact_peak = reset_peak_rss()
+        py_cpu, pg_cpu = time.process_time(), server_cpu(server_pid)
+        started = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        events = await materializer.catch_up()
+        if profiler is not None:
+            profiler.disable()
+        seconds = time.perf_counter() - started
+        py_cpu, pg_after = time.process_time() - py_cpu, server_cpu(server_pid)
+        peak = memory_kb("VmHWM") if exact_peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    finally:
+        await materializer.close()
+    if events != schedule.events:
+        raise RuntimeError(f"the rebuild folded {events:,} events; the log holds {schedule.events:,}")
+    peak_mb = None if peak is None else peak / 1024
+    growth_mb = None if peak is None or rss_before is None else (peak - rss_before) / 1024
+    pg = None if pg_cpu is None or pg_after is None else pg_after - pg_cpu
+    measurement = Measurement(
+        "rebuild", step, events, schedule.turns, seconds, py_cpu, pg, peak_mb, growth_mb
+    )
+    produced = await count_and_drop(url, MaterializerConfig(name=name).schema, name, materializer.tally)
+    note(
+        f"rebuild, step {step:,}: {events:,} events in {seconds:.1f} s: {measurement.event_rate:,.0f} "
+        f"events/s, {measurement.turn_rate:,.0f} turns/s; {produced.samples:,} samples, "
+        f"{produced.batches:,} batches"
+    )
+    return measurement, produced
+
+
+async def count_and_drop(url: str, schema: str, name: str, tally: WriteTally) -> Produced:
+    """What a rebuild made; then its schema, registration and checkpoint go (they take gigabytes)."""
+
+    def table(relation: str) -> sql.Composed:
+        return sql.SQL("{}.{}").format(sql.Identifier(schema), sql.Identifier(relation))
+
+    counts = sql.SQL(
+        "SELECT (SELECT count(*) FROM {turns}), "
+        "(SELECT count(*) FROM {turns} WHERE parent_turn_id IS NOT NULL), (SELECT count(*) FROM {episodes}), "
+        "(SELECT count(*) FROM {samples}), (SELECT count(*) FROM {batches}), "
+        "(SELECT coalesce(sum(samples), 0) FROM {batches}), (SELECT count(*) FROM {outbox})"
+    ).format(
+        turns=table("turns"),
+        episodes=table("episodes"),
+        samples=table("samples"),
+        batches=table("batches"),
+        outbox=table("batch_outbox"),
+    )
+    sizes = sql.SQL(" + ").join(
+        sql.SQL("pg_total_relation_size({})").format(sql.Literal(f"{schema}.{t}")) for t in READ_MODEL_TABLES
+    )
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
+        row = await (await connection.execute(counts)).fetchone()
+        size = await (await connection.execute(sql.SQL("SELECT {}").format(sizes))).fetchone()
+        async with connection.transaction():
+            await connection.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+            await connection.execute("DELETE FROM materializers WHERE name = %s", (name,))
+            await connection.execute("DELETE FROM checkpoints WHERE name = %s", (f"materializer:{name}",))
+        with suppress(psycopg.errors.InsufficientPrivilege):
+            await connection.execute("CHECKPOINT")
+    assert row is not None
+    assert size is not None
+    turns, with_parent, episodes, samples, batches, batched, outbox = (int(value) for value in row)
+    megabytes = int(size[0]) / 2**20
+    return Produced(turns, with_parent, episodes, samples, batches, batched, outbox, megabytes, tally)
+
+
+async def measure(
+    url: str, schedule: Schedule, server_pid: int | None, args: argparse.Namespace
+) -> list[StepResult]:
+    results = []
+    for step in args.step_events:
+        result = StepResult(step)
+        for round_ in range(args.repeat):
+            result.measurements.append(await scan(url, step, schedule, server_pid))
+            measurement, produced = await rebuild(url, step, schedule, server_pid, f"bench_{step}_{round_}")
+            result.measurements.append(measurement)
+            result.produced.append(produced)
+        result.measurements.append(await scan(url, step, schedule, server_pid))
+        results.append(result)
+    if args.profile:
+        step = args.step_events[0]
+        profiler = cProfile.Profile()
+        await rebuild(url, step, schedule, server_pid, "bench_profile", profiler)
+        profiler.dump_stats(args.profile)
+        for order in ("cumulative", "tottime"):
+            print(f"\n--- cProfile of the rebuild at step {step:,}, top {args.profile_top} by {order} ---")
+            stats = pstats.Stats(profiler, stream=sys.stdout)
+            stats.strip_dirs().sort_stats(order).print_stats(args.profile_top)
+        note(f"profile saved to {args.profile} (python -m pstats {args.profile})")
+    return results
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def print_report(results: Sequence[StepResult], schedule: Schedule) -> None:
+    table = Table(
+        title=f"rebuild of {schedule.turns:,} turns ({schedule.events:,} events) against a raw SELECT",
+        caption="x SELECT: turns/s ÷ the faster SELECT's turns/s at the same step; (+): over the RSS before",
+    )
+    columns = ["measurement", "step", "seconds", "events/s", "turns/s", "x SELECT", "peak RSS MB (+)"]
+    for column in [*columns, "CPU s py", "CPU s pg"]:
+        table.add_column(column, justify="right")
+    for result in results:
+        baseline = result.baseline
+        for item in result.measurements:
+            table.add_row(
+                item.label,
+                f"{item.step:,}",
+                f"{item.seconds:.1f}",
+                f"{item.event_rate:,.0f}",
+                f"{item.turn_rate:,.0f}",
+                f"{item.turn_rate / baseline.turn_rate:.2f}",
+                rss_text(item),
+                f"{item.py_cpu:.1f}",
+                "-" if item.pg_cpu is None else f"{item.pg_cpu:.1f}",
+            )
+    console.print(table)
+    for result in results:
+        for measurement, made in result.rebuilds:
+            print(
+                f"rebuild at step {result.step:,} made {made.episodes:,} episodes, {made.turns:,} turns "
+                f"({made.with_parent:,} with a parent), {made.samples:,} samples, {made.batches:,} batches "
+                f"holding {made.batched_samples:,} samples, {made.outbox:,} outbox rows; read models "
+                f"{made.megabytes:,.0f} MB ({made.megabytes * 2**20 / measurement.seconds / 1e6:,.1f} MB/s)"
+            )
+            tally = made.tally
+            print(
+                f"  its {tally.steps:,} steps COPYed {tally.copied:,} rows and UPDATEd "
+                f"{tally.episode_updates:,} episodes and {tally.sample_updates:,} samples row by row"
+            )
+    print(f"target: rebuild >= {TARGET_RATIO:.2f} x SELECT turns/s")
+    for result in results:
+        for measurement, _ in result.rebuilds:
+            ratio = measurement.turn_rate / result.baseline.turn_rate
+            verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
+            print(
+                f"measured: {ratio:.2f} x SELECT at step {result.step:,} "
+                f"({measurement.turn_rate:,.0f} vs {result.baseline.turn_rate:,.0f} turns/s): {verdict}"
+            )
+
+
+def rss_text(item: Measurement) -> str:
+    if item.rss_mb is None:
+        return "-"
+    growth = "" if item.rss_growth_mb is None else f" (+{item.rss_growth_mb:,.0f})"
+    return f"{item.rss_mb:,.0f}{growth}"
+
+
+def describe_log(schedule: Schedule, log: LogStats) -> str:
+    return (
+        f"log: {schedule.events:,} events, {schedule.episodes:,} episodes, {schedule.turns:,} turns "
+        f"(mean prompt {log.prompt_ids / schedule.turns:,.0f} ids, completion "
+        f"{log.completion_ids / schedule.turns:,.0f} ids); events table {log.bytes / 2**20:,.0f} MB; "
+        f"written in {log.seconds:.1f} s ({log.events / log.seconds:,.0f} events/s)"
+    )
+
+
+def parse_steps(text: str) -> list[int]:
+    steps = [int(part) for part in text.split(",") if part.strip()]
+    if not steps or min(steps) < 1:
+        raise argparse.ArgumentTypeError("step sizes are positive integers, e.g. 500,2000,10000")
+    return steps
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    add = parser.add_argument
+    add("--turns", type=int, default=1_000_000, help="turns in the log (default 1000000)")
+    add("--quick", action="store_true", help="a smaller run: 50000 turns")
+    default_step = MaterializerConfig().step_events
+    add(
+        "--step-events",
+        type=parse_steps,
+        default=[default_step],
+        help=f"the materializer's step sizes to measure, e.g. 500,2000,10000 (default {default_step})",
+    )
+    add("--repeat", type=int, default=1, help="rebuilds per step size (default 1)")
+    add("--open", type=int, default=256, help="episodes open at once as the log is recorded (default 256)")
+    add("--workers", type=int, default=os.cpu_count() or 1, help="processes encoding the log (default: CPUs)")
+    add("--chunk-events", type=int, default=20_000, help="events per encoded chunk and COPY (default 20000)")
+    add("--profile", type=Path, default=None, help="one more rebuild under cProfile; its stats go to FILE")
+    add("--profile-top", type=int, default=15, help="functions to print from the profile (default 15)")
+    add("--seed", type=int, default=1234, help="seed of the log (default 1234)")
+    add("--tmp-dir", type=Path, default=None, help="parent of the embedded server's temporary directory")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.turns = 50_000
+    if min(args.turns, args.repeat, args.open, args.workers, args.chunk_events, args.profile_top) < 1:
+        parser.error("--turns, --repeat, --open, --workers, --chunk-events and --profile-top must be >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    check_baseline_query()
+    note(
+        f"Python {platform.python_version()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} "
+        "(other work on the machine skews every number)"
+    )
+    started = time.perf_counter()
+    schedule = make_schedule(args.turns, args.open, args.seed)
+    note(f"scheduled {schedule.events:,} events in {time.perf_counter() - started:.1f} s")
+    with postgres_server(args.tmp_dir) as (server_url, server_pid), scratch_database(server_url) as url:
+        note(describe_server(url))
+        log = write_log(url, schedule, args)
+        note(describe_log(schedule, log))
+        results = asyncio.run(measure(url, schedule, server_pid, args))
+    print_report(results, schedule)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

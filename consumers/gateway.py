@@ -1,0 +1,122 @@
+"""Gateway service: the OpenAI- and Anthropic-compatible HTTP gateway (``turnstile serve gateway``).
+
+Wiring only: the store, a NATS LLM client and a runner lease (each session's EpisodeStarted records the
+lease's id, so if the gateway dies its open sessions are closed ``aborted`` by the next runner or gateway
+that starts), the app from ``pipeline.gateway`` on uvicorn, and a clean stop on Ctrl-C / SIGTERM that ends
+the open sessions as ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from consumers.runner import Connections, runner_services
+from pipeline.errors import ConfigError
+from pipeline.gateway import HttpServer, create_gateway
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    database_url: str
+    nats_url: str
+    admin_key: str
+    policy_default: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    capacity: int | None = None
+    max_staleness: int | None = None
+    idle_timeout: float | None = 3600.0
+    public_url: str | None = None
+    heartbeat_timeout: float = 15.0
+    lease_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.admin_key:
+            raise ConfigError("the gateway needs an admin key (it protects session creation)")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port must be 0 to 65535, got {self.port}")
+        if self.capacity is not None and self.capacity < 1:
+            raise ConfigError(f"--max-open-sessions must be at least 1, got {self.capacity}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ConfigError(f"--max-staleness must be 0 or more, got {self.max_staleness}")
+        if self.idle_timeout is not None and self.idle_timeout <= 0:
+            raise ConfigError(f"--idle-timeout must be more than 0 seconds, got {self.idle_timeout:g}")
+
+
+async def serve_gateway(
+    config: GatewayConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    ready: Callable[[str], object] | None = None,
+    console: Console | None = None,
+) -> None:
+    """Serve until Ctrl-C, SIGTERM or ``stop``; ``ready(url)`` once it listens."""
+    console = console or Console(stderr=True)
+    stop = stop or asyncio.Event()
+    with _stop_on_signals(stop):
+        await _serve(config, stop, ready, console)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    loop = asyncio.get_running_loop()
+    handled = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+            handled.append(sig)
+    try:
+        yield
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+
+
+async def _serve(
+    config: GatewayConfig, stop: asyncio.Event, ready: Callable[[str], object] | None, console: Console
+) -> None:
+    connections = Connections(
+        config.database_url,
+        config.nats_url,
+        heartbeat_timeout=config.heartbeat_timeout,
+        lease_timeout=config.lease_timeout,
+    )
+    async with runner_services(connections) as (store, _, llm, lease, recovered):
+        if recovered:
+            console.print(f"closed {len(recovered)} episodes left open by stopped runners as aborted")
+        app = create_gateway(
+            store,
+            llm,
+            admin_key=config.admin_key,
+            policy_default=config.policy_default,
+            capacity=config.capacity,
+            max_staleness=config.max_staleness,
+            idle_timeout=config.idle_timeout,
+            runner_id=lease.runner_id,
+            public_url=config.public_url,
+        )
+        server = HttpServer(app, host=config.host, port=config.port)
+        url = await server.start()
+        console.print(
+            f"gateway [bold]{lease.runner_id}[/bold] on {url}: OpenAI and Anthropic clients use "
+            f"base_url {config.public_url or url}/v1 with a session key from POST {url}/admin/sessions"
+        )
+        if ready is not None:
+            ready(url)
+        stopping = asyncio.create_task(stop.wait())
+        serving = asyncio.create_task(server.wait())
+        try:
+            await asyncio.wait({stopping, serving}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in (stopping, serving):
+                waiting.cancel()
+            await asyncio.gather(stopping, serving, return_exceptions=True)
+            await (
+                server.stop()
+            )  # the app's shutdown ends the open sessions as cancelled; raises if it crashed

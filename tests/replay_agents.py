@@ -1,0 +1,56 @@
+"""Agents for the replay tests (importable by `turnstile replay --rerun` as ``tests.replay_agents:Name``).
+
+``CountingAgent`` is the agent as recorded; the others are the same agent after a change: a reworded
+follow-up prompt (diverges at turn 2), one turn fewer, one turn more. ``TerseOpenAIAgent`` is the
+OpenAI SDK example agent with other sampling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.episode import EpisodeLLM
+from pipeline.examples.openai_agent import OpenAIAgent
+from pipeline.examples.tools import CALCULATOR, score
+from schemas import ChatMessage
+
+
+class CountingAgent:
+    """Three turns, each extending the last with a follow-up prompt."""
+
+    turns = 3
+    follow_up = "now say {n}"
+
+    async def run(self, task: dict[str, Any], llm: EpisodeLLM) -> float:
+        messages = [ChatMessage(role="user", content=f"task {task.get('id', '?')}: count to three")]
+        for n in range(self.turns):
+            reply = await llm.chat(messages, max_tokens=8)
+            messages += [reply.message, ChatMessage(role="user", content=self.follow_up.format(n=n + 2))]
+        return float(task.get("reward", 1.0))
+
+
+class RewordedCountingAgent(CountingAgent):
+    follow_up = "now please say {n}"
+
+
+class ShortCountingAgent(CountingAgent):
+    turns = 2
+
+
+class LongCountingAgent(CountingAgent):
+    turns = 4
+
+
+class TerseOpenAIAgent(OpenAIAgent):
+    """The OpenAI SDK calculator agent with a smaller max_tokens: its requests' sampling differs."""
+
+    async def run(self, task: dict[str, Any], llm: EpisodeLLM) -> float:
+        client = llm.openai()
+        tools: Any = [CALCULATOR.model_dump()]
+        completion = await client.chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": str(task["question"])}],
+            tools=tools,
+            max_tokens=16,
+        )
+        return score(completion.choices[0].message.content or "", task["answer"])

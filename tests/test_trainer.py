@@ -1,0 +1,197 @@
+"""The trainer on the batch stream: tensors, versions that inference consumers load, exactly-once training
+across a kill -9 mid-batch."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import nats
+import psycopg
+import pytest
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from consumers.inference import InferenceConfig
+from consumers.trainer import TrainerConfig, serve_trainer
+from pipeline.batches import BatchSample, TrainingBatch
+from pipeline.eventstore import EventStore
+from pipeline.materializer import Materializer, MaterializerConfig
+from pipeline.relay import OutboxRelay
+from pipeline.settings import libpq_url, sqlalchemy_url
+from pipeline.training import published_version, to_tensors
+from schemas import PolicyVersionPublished
+from tests.conftest import Servers
+from tests.serving import serving
+from tests.test_materializer import random_log
+
+TURNSTILE = [sys.executable, "-m", "pipeline.cli"]
+
+
+def rows(database_url: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        return connection.execute(query, params).fetchall()  # type: ignore[arg-type]
+
+
+def test_batches_become_right_padded_tensors_aligned_with_their_masks() -> None:
+    def sample(n: int, ids: tuple[int, ...], mask: tuple[int, ...]) -> BatchSample:
+        logprobs = tuple(-0.5 if m else 0.0 for m in mask)
+        return BatchSample(f"s{n}", "e", "g", ("t",), 3, 1.0, 0.5 * n, False, ids, mask, logprobs)
+
+    batch = TrainingBatch("b", "p", "h", 3, (sample(1, (5, 6, 7), (0, 1, 1)), sample(2, (8, 9), (0, 1))))
+    tensors = to_tensors(batch, pad_id=0)
+    assert tensors.input_ids.tolist() == [[5, 6, 7], [8, 9, 0]]
+    assert tensors.attention_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert tensors.loss_mask.tolist() == [[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]]
+    assert tensors.logprobs.tolist() == [[0.0, -0.5, -0.5], [0.0, -0.5, 0.0]]
+    assert tensors.advantages.tolist() == [0.5, 1.0]
+    assert tensors.sample_ids == ["s1", "s2"]
+
+
+def unique_policy_log(database_url: str) -> str:
+    """random_log records policy 'main'; tests share the NATS server, so each renames its policy."""
+    policy = f"p{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        connection.execute(
+            "UPDATE events SET data = jsonb_set(data, '{policy}', to_jsonb(%s::text)) "
+            "WHERE type = 'EpisodeStarted'",
+            (policy,),
+        )
+    return policy
+
+
+async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads_them(
+    servers: Servers, store: EventStore, database_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    await random_log(store, groups=4)
+    policy = unique_policy_log(database_url)
+    materializer = Materializer(database_url, MaterializerConfig(batch_samples=6))
+    await materializer.open()
+    await materializer.catch_up()
+    await materializer.close()
+    engine = create_async_engine(sqlalchemy_url(database_url))
+    connection = await nats.connect(servers.nats_url)
+    try:
+        published = await OutboxRelay(engine, connection).publish_pending()
+    finally:
+        await connection.drain()
+        await engine.dispose()
+    assert published >= 3
+
+    config = TrainerConfig(
+        database_url=database_url, nats_url=servers.nats_url, policy=policy, model=tiny_model_dir,
+        checkpoints=tmp_path / "checkpoints", durable=f"t{uuid.uuid4().hex[:8]}", version_every=1,
+    )  # fmt: skip
+    inference = InferenceConfig(servers.nats_url, policy, backend="torch", model=tiny_model_dir)
+    async with serving(inference) as service:
+        stop = asyncio.Event()
+        training = asyncio.create_task(serve_trainer(config, stop=stop))
+        deadline = asyncio.get_running_loop().time() + 120
+        while rows(database_url, "SELECT count(*) FROM trained_batches")[0][0] < published:
+            assert asyncio.get_running_loop().time() < deadline, "the trainer did not train every batch"
+            assert not training.done(), training.exception()
+            await asyncio.sleep(0.1)
+        while service.backend.policy_version < published:  # the consumer loads each version it hears of
+            assert asyncio.get_running_loop().time() < deadline, "the consumer did not load the last version"
+            await asyncio.sleep(0.1)
+        stop.set()
+        stats = await training
+
+    assert stats.version == published
+    assert stats.trained == published
+    newest = await published_version(store, policy)
+    assert isinstance(newest, PolicyVersionPublished)
+    assert newest.version == published
+    assert len(newest.batches_consumed) == 1  # version_every=1: one batch per version
+    assert Path(newest.checkpoint, "model.safetensors").is_file()  # noqa: ASYNC240
+    # every trained batch leads back to its samples, turns and episodes
+    traced = rows(
+        database_url,
+        "SELECT count(DISTINCT t.batch_id), count(DISTINCT s.sample_id), count(DISTINCT e.episode_id) "
+        "FROM trained_batches t JOIN batches b USING (batch_id) JOIN samples s ON s.batch_id = b.batch_id "
+        "JOIN turns u ON u.turn_id = ANY (s.turn_ids) JOIN episodes e ON e.episode_id = s.episode_id",
+    )[0]
+    assert traced[0] == published
+    assert traced[1] == rows(database_url, "SELECT count(*) FROM samples WHERE batch_id IS NOT NULL")[0][0]
+
+
+async def test_a_trainer_killed_mid_batch_trains_each_batch_once(
+    servers: Servers, store: EventStore, database_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    await random_log(store, groups=6)
+    policy = unique_policy_log(database_url)
+    materializer = Materializer(database_url, MaterializerConfig(batch_samples=4))
+    await materializer.open()
+    await materializer.catch_up()
+    await materializer.close()
+    engine = create_async_engine(sqlalchemy_url(database_url))
+    connection = await nats.connect(servers.nats_url)
+    try:
+        published = await OutboxRelay(engine, connection).publish_pending()
+    finally:
+        await connection.drain()
+        await engine.dispose()
+    assert published >= 6
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    env.update(TURNSTILE_DATABASE_URL=database_url, TURNSTILE_NATS_URL=servers.nats_url)
+    command = [
+        *TURNSTILE, "serve", "trainer", "--policy", policy, "--model", str(tiny_model_dir),
+        "--checkpoints", str(tmp_path / "checkpoints"), "--version-every", "3", "--ack-wait", "2",
+    ]  # fmt: skip
+
+    def trained() -> int:
+        return int(rows(database_url, "SELECT count(*) FROM trained_batches")[0][0])
+
+    first = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.DEVNULL)
+    deadline = asyncio.get_running_loop().time() + 120
+    while trained() < 3:  # its first version is recorded; it is now training the next batches
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+    first.send_signal(signal.SIGKILL)
+    await first.wait()
+    at_kill = trained()
+    assert at_kill < published
+
+    second = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
+    target = published - published % 3  # whole versions only: the rest waits for more batches
+    while trained() < target:
+        assert asyncio.get_running_loop().time() < deadline, "the restarted trainer did not catch up"
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)
+    second.send_signal(signal.SIGTERM)
+    _, log = await asyncio.wait_for(second.communicate(), 60)
+    assert second.returncode == 0, log.decode()
+
+    recorded = rows(
+        database_url, "SELECT batch_id, policy_version FROM trained_batches ORDER BY policy_version"
+    )
+    assert len(recorded) == target
+    assert len({batch for batch, _ in recorded}) == target  # each batch once
+    assert [version for _, version in recorded] == [v for v in range(1, target // 3 + 1) for _ in range(3)]
+    versions = rows(
+        database_url,
+        "SELECT (data->>'version')::int FROM events WHERE stream = %s ORDER BY position",
+        f"policy-{policy}",
+    )
+    assert sorted({v for (v,) in versions}) == list(range(1, target // 3 + 1))
+
+
+@pytest.mark.parametrize("bad", [["--version-every", "0"], ["--model", "/nonexistent"]])
+def test_serve_trainer_refuses_bad_options(bad: list[str], servers: Servers, database_url: str) -> None:
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    env.update(TURNSTILE_DATABASE_URL=database_url, TURNSTILE_NATS_URL=servers.nats_url)
+    options = {"--model": "/nonexistent", "--version-every": "1"}
+    options.update(dict(zip(bad[::2], bad[1::2], strict=True)))
+    done = subprocess.run(
+        [*TURNSTILE, "serve", "trainer", "--policy", "x", "--checkpoints", "/tmp/x",
+         *[part for item in options.items() for part in item]],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert ("--version-every" if bad[0] == "--version-every" else "not a model directory") in done.stderr
