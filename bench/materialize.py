@@ -723,7 +723,8 @@ def print_report(results: Sequence[StepResult], schedule: Schedule) -> None:
             tally = made.tally
             print(
                 f"  its {tally.steps:,} steps COPYed {tally.copied:,} rows and UPDATEd "
-                f"{tally.episode_updates:,} episodes and {tally.sample_updates:,} samples row by row"
+                f"{tally.episode_updates:,} episodes and {tally.sample_updates:,} samples (set-based: one "
+                "UPDATE per table and step)"
             )
     print(f"target: rebuild >= {TARGET_RATIO:.2f} x SELECT turns/s")
     for result in results:

@@ -82,17 +82,34 @@ def unpack_arrays(data: bytes | memoryview, offset: int = 0) -> tuple[list[int],
 
 
 def encode_batch(batch: TrainingBatch) -> bytes:
+    return encode_packed(
+        batch.batch_id,
+        batch.policy,
+        batch.config_hash,
+        batch.newest_version,
+        [sample.header() for sample in batch.samples],
+        [pack_arrays(s.input_ids, s.loss_mask, s.logprobs) for s in batch.samples],
+    )
+
+
+def encode_packed(
+    batch_id: str,
+    policy: str,
+    config_hash: str,
+    newest_version: int,
+    headers: list[dict[str, Any]],
+    arrays: list[bytes],
+) -> bytes:
+    """``encode_batch`` for samples whose arrays are already packed (``pack_arrays``): the same bytes."""
     header = {
-        "batch_id": batch.batch_id,
-        "policy": batch.policy,
-        "config_hash": batch.config_hash,
-        "newest_version": batch.newest_version,
-        "samples": [sample.header() for sample in batch.samples],
+        "batch_id": batch_id,
+        "policy": policy,
+        "config_hash": config_hash,
+        "newest_version": newest_version,
+        "samples": headers,
     }
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    parts = [MAGIC, struct.pack("<I", len(head)), head]
-    parts += [pack_arrays(s.input_ids, s.loss_mask, s.logprobs) for s in batch.samples]
-    return b"".join(parts)
+    return b"".join([MAGIC, struct.pack("<I", len(head)), head, *arrays])
 
 
 def decode_batch(data: bytes) -> TrainingBatch:

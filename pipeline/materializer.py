@@ -34,7 +34,7 @@ from typing import Any, Final, Literal
 import psycopg
 from psycopg import sql
 
-from pipeline.batches import BatchSample, TrainingBatch, encode_batch, pack_arrays, unpack_arrays
+from pipeline.batches import encode_packed, pack_arrays
 from pipeline.errors import ConfigError
 from pipeline.settings import libpq_url
 from pipeline.tokens import unpack_tokens
@@ -410,7 +410,8 @@ class Fold:
         batch_id = batch_id_for(self.config_hash, [s.sample_id for s in members])
         newest = self.newest.get(policy, 0)
         bound = None if self.config.max_staleness is None else newest - self.config.max_staleness
-        kept: list[BatchSample] = []
+        kept: list[ReadySample] = []
+        headers: list[dict[str, Any]] = []
         stale_count = 0
         for sample in members:
             stale = bound is not None and sample.policy_version < bound
@@ -418,32 +419,33 @@ class Fold:
             self._update_sample(sample.sample_id, {_S_STALE: stale, _S_BATCH: batch_id})
             if stale and self.config.stale == "drop":
                 continue
-            ids, mask, lps, _ = unpack_arrays(sample.arrays)
-            kept.append(
-                BatchSample(
-                    sample_id=sample.sample_id,
-                    episode_id=sample.episode_id,
-                    group_id=sample.group_id,
-                    turn_ids=sample.turn_ids,
-                    policy_version=sample.policy_version,
-                    reward=sample.reward,
-                    advantage=sample.advantage if sample.advantage is not None else 0.0,
-                    stale=stale,
-                    input_ids=tuple(ids),
-                    loss_mask=tuple(mask),
-                    logprobs=tuple(lps),
-                )
+            kept.append(sample)
+            # the same header as BatchSample.header(); the arrays are already packed (pack_arrays)
+            headers.append(
+                {
+                    "sample_id": sample.sample_id,
+                    "episode_id": sample.episode_id,
+                    "group_id": sample.group_id,
+                    "turn_ids": list(sample.turn_ids),
+                    "policy_version": sample.policy_version,
+                    "reward": sample.reward,
+                    "advantage": sample.advantage if sample.advantage is not None else 0.0,
+                    "stale": stale,
+                    "tokens": sample.tokens,
+                }
             )
         versions = [s.policy_version for s in members]
         self.writes.batches.append(
             (
-                batch_id, policy, len(kept), len(groups), sum(len(s.input_ids) for s in kept), stale_count,
+                batch_id, policy, len(kept), len(groups), sum(s.tokens for s in kept), stale_count,
                 min(versions), max(versions), newest, self.config_hash, row.position, row.recorded_at,
             )
         )  # fmt: skip
         if kept:
-            batch = TrainingBatch(batch_id, policy, self.config_hash, newest, tuple(kept))
-            self.writes.outbox.append((batch_id, f"batches.{policy}", encode_batch(batch), row.recorded_at))
+            payload = encode_packed(
+                batch_id, policy, self.config_hash, newest, headers, [s.arrays for s in kept]
+            )
+            self.writes.outbox.append((batch_id, f"batches.{policy}", payload, row.recorded_at))
 
     def _update_sample(self, sample_id: str, changes: dict[int, Any]) -> None:
         inserted = self.writes.samples.get(sample_id)
@@ -660,31 +662,48 @@ class Materializer:
             await copy("turns", TURN_COLUMNS, writes.turns)
         if writes.samples:
             await copy("samples", SAMPLE_COLUMNS, writes.samples.values())
-        async with connection.cursor() as cursor:
-            if writes.finished:
-                assignments = sql.SQL(", ").join(
-                    sql.SQL("{} = %s").format(sql.Identifier(c)) for c in FINISHED_COLUMNS
+
+        # Rows inserted by earlier steps change through one set-based UPDATE per table: the changes are
+        # COPYed into a temporary table (dropped at commit) and joined, instead of one UPDATE per row.
+        # A NULL in a change means "unchanged" (coalesce): no change ever sets a column back to NULL.
+        async def update(table: str, key: str, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
+            changes = sql.Identifier(f"changed_{table}")
+            await connection.execute(
+                sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} LIMIT 0").format(
+                    changes, sql.SQL(", ").join(map(sql.Identifier, [*columns, key])), self._table(table)
                 )
-                await cursor.executemany(
-                    sql.SQL("UPDATE {} SET {} WHERE episode_id = %s").format(
-                        self._table("episodes"), assignments
-                    ),
-                    writes.finished,
+            )
+            statement = sql.SQL("COPY {} FROM STDIN").format(changes)
+            async with connection.cursor() as cursor, cursor.copy(statement) as out:
+                for row in rows:
+                    await out.write_row(row)
+            assignments = sql.SQL(", ").join(
+                sql.SQL("{} = coalesce(c.{}, t.{})").format(
+                    sql.Identifier(c), sql.Identifier(c), sql.Identifier(c)
                 )
-            if writes.ready:
-                await cursor.executemany(
-                    sql.SQL("UPDATE {} SET advantage = %s, ready_position = %s WHERE sample_id = %s").format(
-                        self._table("samples")
-                    ),
-                    writes.ready,
+                for c in columns
+            )
+            await connection.execute(
+                sql.SQL("UPDATE {} t SET {} FROM {} c WHERE t.{} = c.{}").format(
+                    self._table(table), assignments, changes, sql.Identifier(key), sql.Identifier(key)
                 )
-            if writes.batched:
-                await cursor.executemany(
-                    sql.SQL("UPDATE {} SET stale = %s, batch_id = %s WHERE sample_id = %s").format(
-                        self._table("samples")
-                    ),
-                    writes.batched,
-                )
+            )
+
+        if writes.finished:
+            await update("episodes", "episode_id", FINISHED_COLUMNS, writes.finished)
+        if writes.ready or writes.batched:
+            # one table for both kinds: a sample made ready and batched in this step has both changes
+            merged: dict[str, list[Any]] = {}
+            for advantage, ready_position, sample_id in writes.ready:
+                merged.setdefault(sample_id, [None, None, None, None])[0:2] = [advantage, ready_position]
+            for stale, batch_id, sample_id in writes.batched:
+                merged.setdefault(sample_id, [None, None, None, None])[2:4] = [stale, batch_id]
+            await update(
+                "samples",
+                "sample_id",
+                ("advantage", "ready_position", "stale", "batch_id"),
+                [(*values, sample_id) for sample_id, values in merged.items()],
+            )
         if writes.batches:
             await copy("batches", BATCH_COLUMNS, writes.batches)
         if writes.outbox:
