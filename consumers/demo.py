@@ -214,8 +214,9 @@ async def _run_loop(config: DemoConfig, database_url: str, nats_url: str, stop: 
                 ),
                 runner_id=lease.runner_id,
             )
-            seed = config.seed * 1_000_003 + int(time.time())  # new tasks on every run
-            tasks: Iterator[TaskSpec] = (TaskSpec(task=task, task_id=task["id"]) for task in demo_tasks(seed))
+            # the same task stream for the same seed; sampling and the trainer take their own seeds
+            stream = demo_tasks(config.seed)
+            tasks: Iterator[TaskSpec] = (TaskSpec(task=task, task_id=task["id"]) for task in stream)
             work = asyncio.create_task(run_tasks(runner, tasks))
             stopping = asyncio.create_task(stop.wait())
             await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -13,6 +13,7 @@ function ``reward(task, episode) -> float`` (when one is given).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import time
@@ -299,9 +300,12 @@ class EpisodeSession:
         error: str | None = None,
         metrics: Mapping[str, float] | None = None,
     ) -> None:
-        """Close the stream. Appends still in flight (a turn whose agent was cancelled) land first."""
+        """Close the stream. Appends still in flight (a turn whose agent was cancelled) land first; if one
+        of them closed the stream already (a finish that was cancelled while appending), that one stands."""
         if self._appends:
             await asyncio.gather(*self._appends, return_exceptions=True)
+        if self.finished:
+            return
         episode = self.episode()
         summary = {
             "turns": float(len(episode.turns)),
@@ -522,8 +526,24 @@ async def run_episode(
 
     Termination: ``done``; ``max_turns`` (the agent hit the turn limit); ``truncated`` (its last reply was
     cut at max_tokens); ``timeout``; ``error`` (the agent raised: the traceback is recorded); ``cancelled``
-    (this coroutine was cancelled: the episode is closed, then the cancellation goes on).
+    (this coroutine was cancelled, at any await: the episode is closed, then the cancellation goes on).
     """
+    try:
+        return await _run_episode(agent, session, reward_fn, timeout)
+    except asyncio.CancelledError:
+        # Wherever it came (starting, in the agent, recording rewards, finishing): close the episode. The
+        # appends already under way land first, and a finish already under way wins (see finish()).
+        with contextlib.suppress(Exception):
+            await asyncio.shield(session.finish("cancelled"))
+        raise
+
+
+async def _run_episode(
+    agent: Agent,
+    session: EpisodeSession,
+    reward_fn: RewardFunction | None,
+    timeout: float | None,  # noqa: ASYNC109 - see run_episode
+) -> EpisodeOutcome:
     await session.start()
     task = session.started.task
     termination: Termination
@@ -540,9 +560,6 @@ async def run_episode(
         termination = "max_turns"
     except TimeoutError:
         termination, error = "timeout", f"the episode ran past its timeout of {timeout} s"
-    except asyncio.CancelledError:
-        await asyncio.shield(session.finish("cancelled"))
-        raise
     except Exception:
         termination, error = "error", traceback.format_exc()
     if termination != "error" and termination != "timeout":

@@ -118,14 +118,13 @@ class TaskWorker:
     async def run(self, stop: asyncio.Event) -> None:
         subscription = await self.subscribe()
         capacity = self.runner.config.concurrency
+        stopping = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
                 room = capacity - self._episodes_in_flight
                 if room < self.runner.config.group_size and self._working:
-                    await asyncio.wait(
-                        self._working | {asyncio.ensure_future(stop.wait())},
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
+                    # full: wait for a task to finish (or for the stop)
+                    await asyncio.wait(self._working | {stopping}, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 try:
                     messages = await subscription.fetch(
@@ -142,6 +141,7 @@ class TaskWorker:
                     self._working.add(task)
                     task.add_done_callback(self._working.discard)
         finally:
+            stopping.cancel()
             for task in self._working:
                 task.cancel()
             await asyncio.gather(*self._working, return_exceptions=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ def with_database(url: str, database: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+def servers() -> Iterator[Servers]:
     database_url = os.environ.get("TURNSTILE_DATABASE_URL")
     nats_url = os.environ.get("TURNSTILE_NATS_URL")
     if os.environ.get("TURNSTILE_TEST_SERVICES") == "docker":
@@ -50,8 +52,14 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     if database_url and nats_url:
         yield Servers(database_url, nats_url)
         return
-    with EmbeddedServers(tmp_path_factory.mktemp("servers")) as embedded:
-        yield Servers(database_url or embedded.postgres.url, nats_url or embedded.nats.url)
+    # Not under pytest's basetemp: a second pytest session on the machine prunes old basetemps, which
+    # would delete the data directory of a server this session still runs.
+    directory = Path(tempfile.mkdtemp(prefix="turnstile-test-servers-"))
+    try:
+        with EmbeddedServers(directory) as embedded:
+            yield Servers(database_url or embedded.postgres.url, nats_url or embedded.nats.url)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _docker_servers() -> Iterator[Servers]:
@@ -103,9 +111,14 @@ def repo_root() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny local model (random weights, locally trained tokenizer), built once per session."""
+def tiny_model_dir() -> Iterator[Path]:
+    """The tiny local model (random weights, locally trained tokenizer), built once per session (outside
+    pytest's basetemp, for the reason given in ``servers``)."""
     from pipeline.tinymodel import build_tiny_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+    directory = Path(tempfile.mkdtemp(prefix="turnstile-test-model-"))
+    try:
+        yield build_tiny_model(directory / "tiny")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -310,3 +310,28 @@ async def test_a_nul_character_from_the_model_is_recorded_as_the_replacement_cha
     assert isinstance(turn, TurnCompleted)
     assert turn.reply.text == "a\ufffdb"
     assert turn.completion_token_ids[1] == 3  # the tokens keep the byte 0 (RuleBackend: 3 + byte)
+
+
+async def test_cancelled_while_recording_rewards_the_episode_still_ends_cancelled(
+    store: EventStore, llm: NatsLLMClient, echo_policy: str
+) -> None:
+    scoring = asyncio.Event()
+
+    async def slow_reward(task: dict[str, Any], episode: Any) -> float:
+        scoring.set()
+        await asyncio.sleep(60)  # cancelled here: after the agent, before the reward and the finish
+        return 1.0
+
+    episode = session(store, llm, echo_policy)
+    running = asyncio.create_task(
+        run_episode(load_agent("tests.agents:function_agent"), episode, reward_fn=slow_reward)
+    )
+    await asyncio.wait_for(scoring.wait(), 10)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    events = await events_of(store, episode.episode_id)
+    assert [type(e).__name__ for e in events] == ["EpisodeStarted", "TurnCompleted", "EpisodeFinished"]
+    finished = events[-1]
+    assert isinstance(finished, EpisodeFinished)
+    assert finished.termination == "cancelled"
