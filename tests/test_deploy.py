@@ -1,0 +1,698 @@
+"""docker-compose.yml and the role rules it deploys, checked without Docker.
+
+- The compose file: every service's command parses with the real CLI (``deploy/check_compose.py``).
+- NATS: a nats-server started from ``deploy/nats.conf`` itself (its users and permissions), driven with each
+  role's credentials: what a role may do works, what it may not is refused by the server.
+- PostgreSQL: the group roles of migration 0006 (``SET ROLE``): ``events`` is append-only for all of them.
+- The whole compose file run as local processes (slow): its services, commands, environments, credentials,
+  init script and healthchecks, until the closed loop publishes a policy version that inference serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import nats
+import nats.errors
+import psycopg
+import pytest
+from nats.aio.client import Client as NatsConnection
+
+from consumers.inference import InferenceConfig
+from pipeline.db import create_engine
+from pipeline.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from pipeline.llm import NatsLLMClient
+from pipeline.relay import (
+    BATCHES_STREAM,
+    OBJECT_HEADER,
+    OutboxRelay,
+    batch_subject,
+    ensure_batches_stream,
+    read_batch_message,
+)
+from pipeline.settings import libpq_url
+from pipeline.taskqueue import ensure_tasks_stream
+from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
+from tests.backends import RuleBackend, echo_rule
+from tests.serving import serving
+from tests.test_relay import insert_batch
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+ROLES = ("runner", "gateway", "inference", "relay", "trainer", "admin")
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"deploy_{name}", DEPLOY / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+check_compose = _load("check_compose")
+
+
+# -- the compose file ------------------------------------------------------------------------------------
+
+
+def test_every_compose_command_parses_with_the_turnstile_cli() -> None:
+    compose = check_compose.load_compose(env={})  # the defaults, as a bare `docker compose up` has them
+    assert check_compose.problems(compose) == []
+    commands = {
+        name: args
+        for name, service in compose["services"].items()
+        for args in check_compose.turnstile_invocations(service)
+    }
+    assert set(commands) == {
+        "migrate", "model", "inference", "inference-gpu", "materializer", "relay", "trainer", "gateway",
+        "runner", "submit",
+    }  # fmt: skip
+    assert commands["model"] == ["model", "init-tiny", "/models/.tiny-build"]
+    for args in {tuple(args[: 2 if args[0] in ("serve", "model") else 1]) for args in commands.values()}:
+        shown = subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", *args, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0, f"turnstile {' '.join(args)} --help: {shown.stderr[-2000:]}"
+
+
+def test_the_compose_check_finds_what_is_wrong() -> None:
+    compose = check_compose.load_compose(env={"TURNSTILE_POLICY": "other"})
+    services = compose["services"]
+    assert "other" in services["runner"]["command"]  # interpolated: --policy ${TURNSTILE_POLICY:-demo}
+    services["runner"]["command"] = [a.replace("--agent", "--agnet") for a in services["runner"]["command"]]
+    services["trainer"]["command"] = ["serve", "trainer", "--policy", "p"]
+    services["relay"]["environment"]["TURNSTILE_NATS_URL"] = "nats://stranger:pw@nats:4222"
+    services["gateway"]["environment"]["TURNSTILE_DATABASE_URL"] = (
+        "postgresql://stranger:pw@postgres/turnstile"
+    )
+    services["materializer"]["depends_on"] = {"migrations": {"condition": "service_completed_successfully"}}
+    del services["nats"]["environment"]["TURNSTILE_TRAINER_PASSWORD"]
+    found = "\n".join(check_compose.problems(compose))
+    assert "service runner: `turnstile serve runner`: No such option: --agnet" in found
+    assert "service trainer: `turnstile serve trainer`: Missing option '--model'" in found
+    assert "service relay: NATS user 'stranger' is not in deploy/nats.conf" in found
+    assert "service gateway: PostgreSQL user 'stranger' is not made by deploy/postgres-init.sql" in found
+    assert "service materializer: depends on 'migrations', which is no service" in found
+    assert "service nats: nats.conf reads TURNSTILE_TRAINER_PASSWORD" in found
+    with pytest.raises(check_compose.ComposeError, match="TURNSTILE_X is required: say so"):
+        check_compose.interpolate("${TURNSTILE_X:?say so}", {})
+    assert check_compose.interpolate("$$a ${B:-b} ${C-c} ${D:-d}", {"C": "", "D": ""}) == "$a b  d"
+
+
+# -- NATS: deploy/nats.conf's users and permissions --------------------------------------------------------
+
+
+@dataclass
+class RoleNats:
+    """A nats-server running deploy/nats.conf, on loopback ports of its own."""
+
+    port: int
+    monitor_port: int
+    passwords: dict[str, str]
+
+    def url(self, role: str) -> str:
+        return f"nats://{role}:{self.passwords[role]}@127.0.0.1:{self.port}"
+
+
+def password_variable(role: str) -> str:
+    return "TURNSTILE_NATS_ADMIN_PASSWORD" if role == "admin" else f"TURNSTILE_{role.upper()}_PASSWORD"
+
+
+def start_deploy_nats(
+    directory: Path, environment: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], int, int]:
+    """nats-server on deploy/nats.conf as it is, but for its JetStream directory (flags move its ports)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    text = (DEPLOY / "nats.conf").read_text()
+    assert text.count('store_dir: "/data/jetstream"') == 1
+    config = directory / "nats.conf"
+    config.write_text(text.replace('store_dir: "/data/jetstream"', f'store_dir: "{directory / "jetstream"}"'))
+    port, monitor_port, log = free_port(), free_port(), directory / "nats.log"
+    process = subprocess.Popen(
+        [
+            str(EmbeddedNats.binary()), "-c", str(config), "-a", "127.0.0.1", "-p", str(port),
+            "-m", str(monitor_port), "-l", str(log),
+        ],
+        env={**os.environ, **environment}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not (log.exists() and "Server is ready" in log.read_text(errors="replace")):
+        if process.poll() is not None:
+            raise AssertionError(
+                f"nats-server refused deploy/nats.conf: {process.stderr and process.stderr.read()!r}"
+            )
+        assert time.monotonic() < deadline, "nats-server with deploy/nats.conf did not start"
+        time.sleep(0.05)
+    return process, port, monitor_port
+
+
+@pytest.fixture(scope="module")
+def role_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RoleNats]:
+    passwords = {role: f"{role}-{uuid.uuid4().hex}" for role in ROLES}
+    environment = {password_variable(role): password for role, password in passwords.items()}
+    process, port, monitor_port = start_deploy_nats(tmp_path_factory.mktemp("deploy-nats"), environment)
+    try:
+        yield RoleNats(port, monitor_port, passwords)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+class Connected:
+    """A connection as one role, recording the errors the server sends it (permission violations)."""
+
+    def __init__(self, nc: NatsConnection, errors: list[str]) -> None:
+        self.nc = nc
+        self.errors = errors
+
+    @classmethod
+    async def open(cls, server: RoleNats, role: str) -> Connected:
+        errors: list[str] = []
+
+        async def on_error(error: Exception) -> None:
+            errors.append(str(error))
+
+        return cls(await nats.connect(server.url(role), error_cb=on_error, allow_reconnect=False), errors)
+
+    async def refused(self, what: str, subject: str) -> bool:
+        """Whether the server refused ``what`` ("publish" or "subscription") on ``subject``."""
+        await self.nc.flush()
+        expected = f'permissions violation for {what} to "{subject}"'
+        for _ in range(50):
+            if any(expected in error.lower() for error in self.errors):
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+
+@pytest.fixture
+async def connect(role_nats: RoleNats) -> AsyncIterator[Callable[[str], Awaitable[Connected]]]:
+    opened: list[Connected] = []
+
+    async def open_role(role: str) -> Connected:
+        opened.append(await Connected.open(role_nats, role))
+        return opened[-1]
+
+    yield open_role
+    for connected in opened:
+        await connected.nc.close()
+
+
+def new_policy() -> str:
+    return f"deploy{uuid.uuid4().hex[:10]}"
+
+
+async def test_wrong_or_missing_credentials_are_refused(role_nats: RoleNats) -> None:
+    with pytest.raises(nats.errors.Error, match=r"[Aa]uthorization"):
+        await nats.connect(
+            f"nats://runner:wrong@127.0.0.1:{role_nats.port}", allow_reconnect=False, max_reconnect_attempts=0
+        )
+    with pytest.raises(nats.errors.Error, match=r"[Aa]uthorization"):
+        await nats.connect(
+            f"nats://127.0.0.1:{role_nats.port}", allow_reconnect=False, max_reconnect_attempts=0
+        )
+
+
+async def test_a_runner_cannot_publish_batches_nor_pose_as_an_inference_consumer(
+    connect: Callable[[str], Awaitable[Connected]],
+) -> None:
+    policy = new_policy()
+    admin, runner = await connect("admin"), await connect("runner")
+    await ensure_batches_stream(admin.nc)
+
+    await runner.nc.publish(batch_subject(policy), b"forged")
+    assert await runner.refused("publish", batch_subject(policy))
+    with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+        await runner.nc.jetstream().publish(batch_subject(policy), b"forged", timeout=1.0)
+    info = await admin.nc.jetstream().stream_info(BATCHES_STREAM, subjects_filter=batch_subject(policy))
+    assert not (info.state.subjects or {}).get(batch_subject(policy))  # nothing stored
+
+    await runner.nc.subscribe(f"llm.{policy}.requests", queue="inference")
+    assert await runner.refused("subscription", f"llm.{policy}.requests")
+    await runner.nc.publish(f"policy.{policy}.versions", b"{}")
+    assert await runner.refused("publish", f"policy.{policy}.versions")
+
+
+async def test_runners_use_the_task_queue_and_the_gateway_only_sends_requests(
+    connect: Callable[[str], Awaitable[Connected]],
+) -> None:
+    policy = new_policy()
+    runner, gateway = await connect("runner"), await connect("gateway")
+    await ensure_tasks_stream(runner.nc)
+    js = runner.nc.jetstream()
+    ack = await js.publish(f"tasks.{policy}", b'{"x": 1}', timeout=5.0)
+    assert ack.stream == "TASKS"
+    subscription = await js.pull_subscribe(f"tasks.{policy}", durable=f"runners-{policy}", stream="TASKS")
+    [message] = await subscription.fetch(1, timeout=5.0)
+    await message.in_progress()
+    await message.ack_sync(timeout=5.0)
+    assert runner.errors == []
+
+    await gateway.nc.publish(f"tasks.{policy}", b"{}")
+    assert await gateway.refused("publish", f"tasks.{policy}")
+
+
+async def test_a_runner_request_is_answered_by_an_inference_consumer_with_heartbeats(
+    connect: Callable[[str], Awaitable[Connected]], role_nats: RoleNats
+) -> None:
+    policy = new_policy()
+    inference = await connect("inference")
+    config = InferenceConfig(
+        role_nats.url("inference"), policy, backend="scripted", consumer_id="c1", heartbeat_interval=0.2
+    )
+    slow = RuleBackend(echo_rule, delay=1.5)  # heartbeats to the caller's inbox, then the reply
+    async with serving(config, slow):
+        for role in ("runner", "gateway"):
+            llm = await NatsLLMClient.connect(
+                role_nats.url(role), heartbeat_timeout=1.0, timeout=30, wait_for_consumer=5.0
+            )
+            try:
+                first = await llm(
+                    LLMRequest(
+                        policy=policy,
+                        episode_id=f"e-{role}",
+                        messages=[ChatMessage(role="user", content="hi")],
+                    )
+                )
+                again = await llm(
+                    LLMRequest(
+                        policy=policy,
+                        episode_id=f"e-{role}",
+                        messages=[ChatMessage(role="user", content="hi")],
+                    )
+                )
+            finally:
+                await llm.close()
+            assert first.text == "reply 1"
+            assert again.consumer_id == "c1"  # the sticky subject llm.<policy>.requests.<consumer> works too
+    assert slow.requests_seen == 4
+
+    # An inference consumer only replies (it publishes nowhere else) and serves in its queue group only.
+    await inference.nc.publish(batch_subject(policy), b"x")
+    assert await inference.refused("publish", batch_subject(policy))
+    await inference.nc.publish(f"llm.{policy}.requests", b"x")
+    assert await inference.refused("publish", f"llm.{policy}.requests")
+    await inference.nc.subscribe(f"llm.{policy}.requests")
+    assert await inference.refused("subscription", f"llm.{policy}.requests")
+
+
+async def test_the_relay_publishes_batches_and_the_trainer_reads_them_and_publishes_versions(
+    connect: Callable[[str], Awaitable[Connected]], role_nats: RoleNats, database_url: str
+) -> None:
+    policy = new_policy()
+    relay, trainer = await connect("relay"), await connect("trainer")
+    engine = create_engine(database_url, pool_size=2)
+    try:
+        outbox = OutboxRelay(engine, relay.nc)
+        await insert_batch(database_url, f"small-{policy}", policy, b"small")
+        await insert_batch(database_url, f"large-{policy}", policy, b"L" * (outbox.inline_limit + 1))
+        assert await outbox.publish_pending() == 2  # the large one through the object store
+    finally:
+        await engine.dispose()
+    assert relay.errors == []
+    await relay.nc.publish(f"tasks.{policy}", b"{}")
+    assert await relay.refused("publish", f"tasks.{policy}")
+
+    await ensure_batches_stream(trainer.nc)
+    subscription = await trainer.nc.jetstream().pull_subscribe(
+        batch_subject(policy), durable=f"trainer-{policy}", stream=BATCHES_STREAM
+    )
+    messages = await subscription.fetch(2, timeout=5.0)
+    assert [await read_batch_message(trainer.nc, m) for m in messages] == [
+        b"small",
+        b"L" * (outbox.inline_limit + 1),
+    ]
+    assert OBJECT_HEADER in messages[1].headers
+    for message in messages:
+        await message.ack_sync(timeout=5.0)
+
+    backend = RuleBackend(echo_rule)
+    config = InferenceConfig(role_nats.url("inference"), policy, backend="scripted", consumer_id="c2")
+    async with serving(config, backend):
+        version = PolicyVersionPublished(policy=policy, version=1, checkpoint="/checkpoints/v000001")
+        await trainer.nc.publish(f"policy.{policy}.versions", version.model_dump_json().encode())
+        await trainer.nc.flush()
+        for _ in range(100):
+            if backend.policy_version == 1:
+                break
+            await asyncio.sleep(0.05)
+    assert backend.policy_version == 1  # the inference consumer loaded the trainer's version
+    assert trainer.errors == []
+
+    await trainer.nc.publish(f"tasks.{policy}", b"{}")
+    assert await trainer.refused("publish", f"tasks.{policy}")
+    await trainer.nc.publish(batch_subject(policy), b"x")
+    assert await trainer.refused("publish", batch_subject(policy))
+    await trainer.nc.publish(f"llm.{policy}.requests", b"x")
+    assert await trainer.refused("publish", f"llm.{policy}.requests")
+
+
+# -- PostgreSQL: the group roles of migration 0006 ---------------------------------------------------------
+
+EVENT = (
+    "INSERT INTO events (position, stream, version, event_id, type, data, content_hash) "
+    "VALUES (1, 'episode-x', 1, gen_random_uuid(), 'EpisodeStarted', '{}', '\\x00')"
+)
+REFUSED = psycopg.errors.InsufficientPrivilege
+
+
+def as_role(database_url: str, role: str, statement: str) -> None:
+    """Run one statement as ``role`` (SET ROLE) and commit."""
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        connection.execute(f"SET ROLE {role}")
+        connection.execute(statement)
+
+
+def test_events_are_append_only_for_the_writer_role(database_url: str) -> None:
+    as_role(database_url, "turnstile_writer", EVENT)
+    for statement in ("UPDATE events SET type = 'x'", "DELETE FROM events", "TRUNCATE events"):
+        with pytest.raises(REFUSED):
+            as_role(database_url, "turnstile_writer", statement)
+    as_role(
+        database_url, "turnstile_writer", "INSERT INTO runners (runner_id, host, pid) VALUES ('r', 'h', 1)"
+    )
+    as_role(database_url, "turnstile_writer", "UPDATE runners SET heartbeat_at = now() WHERE runner_id = 'r'")
+    as_role(
+        database_url,
+        "turnstile_writer",
+        "INSERT INTO trained_batches (trainer, batch_id, policy, policy_version, outcome) "
+        "VALUES ('t', 'b', 'p', 1, 'trained')",
+    )
+    with pytest.raises(REFUSED):  # read models are the materializer's
+        as_role(database_url, "turnstile_writer", "DELETE FROM episodes")
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        assert connection.execute("SELECT count(*) FROM events").fetchone() == (1,)
+
+
+def test_the_materializer_role_writes_read_models_and_cannot_touch_the_log(database_url: str) -> None:
+    as_role(
+        database_url, "turnstile_materializer", "INSERT INTO checkpoints (name, position) VALUES ('m', 0)"
+    )
+    as_role(database_url, "turnstile_materializer", "UPDATE checkpoints SET position = 1 WHERE name = 'm'")
+    as_role(database_url, "turnstile_materializer", "SELECT * FROM batch_outbox FOR UPDATE SKIP LOCKED")
+    for statement in (EVENT, "UPDATE events SET type = 'x'", "DELETE FROM events", "TRUNCATE events"):
+        with pytest.raises(REFUSED):
+            as_role(database_url, "turnstile_materializer", statement)
+
+
+def test_the_sql_role_only_reads(database_url: str) -> None:
+    as_role(database_url, "turnstile_writer", EVENT)
+    as_role(database_url, "turnstile_reader", "SELECT * FROM events")
+    for statement in ("DELETE FROM events", "DELETE FROM episodes", EVENT.replace("(1,", "(2,")):
+        with pytest.raises(REFUSED):
+            as_role(database_url, "turnstile_reader", statement)
+
+
+def test_every_role_reads_every_table_and_view(database_url: str) -> None:
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        unreadable = connection.execute(
+            "SELECT r.role, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace, "
+            "unnest(ARRAY['turnstile_writer', 'turnstile_materializer', 'turnstile_reader']) AS r(role) "
+            "WHERE n.nspname = 'public' AND c.relkind IN ('r', 'v') AND c.relname <> 'alembic_version' "
+            "AND NOT has_table_privilege(r.role, c.oid, 'SELECT')"
+        ).fetchall()
+    assert unreadable == []
+
+
+# -- the compose file, run as local processes ---------------------------------------------------------------
+
+
+class LocalCompose:
+    """docker-compose.yml's services as processes on this machine, in the order its depends_on conditions
+    allow, with its commands, environments and healthchecks. What Docker would do is emulated only where it
+    must be: hosts and published ports become loopback ports, volumes become directories (at the same place
+    for every service that mounts them), the image's /app/deploy is this repository's deploy/, and the
+    nats and postgres images are a nats-server on deploy/nats.conf and a PostgreSQL initialised as the
+    postgres image does (its POSTGRES_USER and POSTGRES_DB, then its init script)."""
+
+    IMAGE_PATHS = {"/app/deploy": DEPLOY}
+
+    def __init__(self, compose: dict[str, Any], directory: Path) -> None:
+        self.services: dict[str, dict[str, Any]] = {
+            name: service for name, service in compose["services"].items() if not service.get("profiles")
+        }
+        self.directory = directory
+        self.hosts: dict[str, str] = {}
+        self.ports: dict[int, int] = {}
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.healthy: set[str] = set()
+        self.servers: list[EmbeddedPostgres] = []
+
+    # -- mapping container paths, hosts and ports to this machine
+
+    def paths(self, service: dict[str, Any]) -> dict[str, Path]:
+        found = dict(self.IMAGE_PATHS)
+        for mount in service.get("volumes") or []:
+            source, target = str(mount).split(":")[:2]
+            found[target] = (ROOT / source) if source.startswith(".") else self.directory / "volumes" / source
+            found[target].parent.mkdir(parents=True, exist_ok=True)
+            if not source.startswith("."):
+                found[target].mkdir(exist_ok=True)
+        return found
+
+    def localize(self, text: str, service: dict[str, Any]) -> str:
+        for target, source in sorted(self.paths(service).items(), key=lambda item: -len(item[0])):
+            # a container path where a path begins: an argument, or a word of a shell script
+            text = re.sub(rf"(?<!\S){re.escape(target)}(?=/|\s|;|$)", str(source), text)
+        for host, address in self.hosts.items():
+            text = text.replace(host, address)
+        for container_port, port in self.ports.items():
+            text = text.replace(f"127.0.0.1:{container_port}", f"127.0.0.1:{port}")
+        return text
+
+    def environment(self, service: dict[str, Any]) -> dict[str, str]:
+        env = {key: value for key, value in os.environ.items() if not key.startswith("TURNSTILE_")}
+        env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")  # the image's ENV
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        for key, value in check_compose.service_environment(service).items():
+            env[key] = self.localize(value, service)
+        return env
+
+    def argv(self, service: dict[str, Any]) -> list[str]:
+        entrypoint = [self.localize(a, service) for a in check_compose.as_list(service.get("entrypoint"))]
+        command = [self.localize(a, service) for a in check_compose.as_list(service.get("command"))]
+        if "--port" in command:  # a published port: a free one here
+            at = command.index("--port") + 1
+            container_port = int(command[at])
+            self.ports.setdefault(container_port, free_port())
+            command[at] = str(self.ports[container_port])
+        return (
+            entrypoint + command if entrypoint else [str(Path(sys.executable).parent / "turnstile"), *command]
+        )
+
+    # -- the servers
+
+    def start_postgres(self) -> None:
+        service = self.services["postgres"]
+        env = check_compose.service_environment(service)
+        postgres = EmbeddedPostgres(self.directory / "postgres")
+        postgres.start()
+        self.servers.append(postgres)
+        owner, database = env["POSTGRES_USER"], env["POSTGRES_DB"]
+        with psycopg.connect(postgres.url, autocommit=True) as admin:
+            admin.execute(f'CREATE ROLE "{owner}" SUPERUSER LOGIN')
+            admin.execute(f'CREATE DATABASE "{database}" OWNER "{owner}"')
+        mounts = {target: source for target, source in self.paths(service).items()}
+        [init] = [
+            source for target, source in mounts.items() if target.startswith("/docker-entrypoint-initdb.d/")
+        ]
+        script_env = {**os.environ, **env, "PGHOST": "127.0.0.1", "PGPORT": str(postgres.port)}
+        script_env["PATH"] = f"{postgres.bin_dir()}{os.pathsep}{script_env['PATH']}"
+        script_env["TURNSTILE_POSTGRES_INIT_SQL"] = str(mounts["/etc/turnstile/postgres-init.sql"])
+        done = subprocess.run(["bash", str(init)], env=script_env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, f"{init.name}: {done.stdout}{done.stderr}"
+        self.hosts["@postgres:5432/"] = f"@127.0.0.1:{postgres.port}/"
+        self.healthy.add("postgres")
+
+    def start_nats(self) -> None:
+        environment = check_compose.service_environment(self.services["nats"])
+        process, port, monitor_port = start_deploy_nats(self.directory / "nats", environment)
+        self.processes["nats"] = process
+        self.hosts["@nats:4222"] = f"@127.0.0.1:{port}"
+        self.hosts["http://nats:8222"] = f"http://127.0.0.1:{monitor_port}"
+        self.healthy.add("nats")
+
+    # -- the services
+
+    def ready(self, name: str) -> bool:
+        for dependency, condition in (self.services[name].get("depends_on") or {}).items():
+            wanted = (condition or {}).get("condition", "service_started")
+            process = self.processes.get(dependency)
+            if wanted == "service_completed_successfully" and (process is None or process.poll() != 0):
+                return False
+            if wanted == "service_healthy" and dependency not in self.healthy:
+                return False
+            if process is None and dependency not in self.healthy:
+                return False
+        return True
+
+    def start(self, name: str) -> None:
+        service = self.services[name]
+        log = (self.directory / "logs" / f"{name}.log").open("ab")
+        self.processes[name] = subprocess.Popen(
+            self.argv(service), env=self.environment(service), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, cwd=self.directory, start_new_session=True,
+        )  # fmt: skip
+
+    def check_health(self, name: str) -> None:
+        service = self.services[name]
+        test = check_compose.as_list((service.get("healthcheck") or {}).get("test"))
+        if not test:
+            self.healthy.add(name)
+            return
+        assert test[0] == "CMD", f"{name}: healthcheck {test}"
+        argv = [sys.executable if a == "python" else self.localize(a, service) for a in test[1:]]
+        done = subprocess.run(argv, env=self.environment(service), capture_output=True, text=True, timeout=30)
+        if done.returncode == 0:
+            self.healthy.add(name)
+
+    def log(self, name: str) -> str:
+        path = self.directory / "logs" / f"{name}.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def step(self) -> None:
+        """Start what may start, check health, and fail on a service that exited when it should not."""
+        for name, service in self.services.items():
+            if name in ("nats", "postgres"):
+                continue
+            process = self.processes.get(name)
+            if process is None:
+                if self.ready(name):
+                    self.start(name)
+                continue
+            code = process.poll()
+            one_shot = service.get("restart") == "no"
+            assert code is None or (one_shot and code == 0), f"{name} exited with {code}:\n{self.log(name)}"
+            if code is None and name not in self.healthy:
+                self.check_health(name)
+
+    def stop(self) -> None:
+        for name in reversed(list(self.processes)):
+            if self.processes[name].poll() is None:
+                self.processes[name].terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for server in self.servers:
+            server.stop()
+
+
+def _scalar(url: str, query: str) -> Any:
+    with psycopg.connect(libpq_url(url)) as connection:
+        row = connection.execute(query).fetchone()
+    return row[0] if row else None
+
+
+@pytest.mark.slow
+def test_the_compose_services_close_the_loop_with_their_own_credentials(tmp_path: Path) -> None:
+    compose = check_compose.load_compose(env={})
+    local = LocalCompose(compose, tmp_path)
+    (tmp_path / "logs").mkdir()
+    try:
+        local.start_postgres()
+        local.start_nats()
+        owner_url = local.localize(
+            local.services["migrate"]["environment"]["TURNSTILE_DATABASE_URL"], local.services["migrate"]
+        )
+        deadline = time.monotonic() + 420
+        version, served = 0, 0
+        while time.monotonic() < deadline:
+            local.step()
+            if "migrate" in local.processes and local.processes["migrate"].poll() == 0:
+                newest = "SELECT coalesce(max((data->>'{}')::int), 0) FROM events WHERE type = '{}'"
+                version = _scalar(owner_url, newest.format("version", "PolicyVersionPublished"))
+                served = _scalar(owner_url, newest.format("policy_version", "TurnCompleted"))
+            if served >= 1 and local.healthy >= set(local.services) - {"migrate", "model", "submit"}:
+                break
+            time.sleep(0.5)
+        logs = {name: local.log(name)[-1500:] for name in local.processes if name not in ("nats",)}
+        assert version >= 1, f"no policy version published; logs:\n{json.dumps(logs, indent=1)}"
+        assert served >= 1, (
+            f"inference never answered with a trained version; logs:\n{json.dumps(logs, indent=1)}"
+        )
+        assert local.healthy >= set(local.services) - {"migrate", "model", "submit"}, local.healthy
+
+        # The healthchecks are no formality: a subject nobody serves, or a user not connected, is unhealthy.
+        inference = local.services["inference"]
+        for check in (["nats-subscribed", "llm.nobody.requests", "inference"], ["nats-connected"]):
+            env = local.environment(inference)
+            if check == ["nats-connected"]:
+                env["TURNSTILE_NATS_URL"] = env["TURNSTILE_NATS_URL"].replace("inference:", "admin:")
+            done = subprocess.run(
+                [sys.executable, str(DEPLOY / "healthcheck.py"), *check],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            assert done.returncode == 1, (check, done.stderr)
+            assert "no NATS connection from this container" in done.stderr
+
+        # Every service is connected as its own database user.
+        writers = _scalar(
+            owner_url, "SELECT string_agg(DISTINCT usename, ',' ORDER BY usename) FROM pg_stat_activity"
+        )
+        assert {"runner", "gateway", "trainer", "materializer", "relay"} <= set(writers.split(","))
+
+        # The gateway (published port, admin key) records a session's turn as the gateway user.
+        import httpx
+
+        gateway = local.services["gateway"]
+        base = f"http://127.0.0.1:{local.ports[8000]}"
+        key = gateway["environment"]["TURNSTILE_ADMIN_KEY"]
+        created = httpx.post(
+            f"{base}/admin/sessions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"task": {"q": 1}},
+            timeout=30,
+        )
+        assert created.status_code == 201, created.text
+        session = created.json()
+        reply = httpx.post(
+            f"{base}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {session['api_key']}"},
+            json={
+                "model": "demo",
+                "messages": [{"role": "user", "content": "Reply with digits only."}],
+                "max_tokens": 4,
+            },
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+
+        # turnstile sql as the analyst (read-only role), and the analyst cannot delete.
+        analyst = owner_url.replace(
+            f"turnstile:{compose['services']['postgres']['environment']['POSTGRES_PASSWORD']}@",
+            f"analyst:{compose['services']['postgres']['environment']['TURNSTILE_ANALYST_PASSWORD']}@",
+        )
+        shown = subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", "sql", "SELECT count(*) AS n FROM episodes", "--json"],
+            env={**os.environ, "TURNSTILE_DATABASE_URL": analyst}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)[0]["n"] > 0
+        with pytest.raises(REFUSED), psycopg.connect(libpq_url(analyst)) as connection:
+            connection.execute("DELETE FROM events")
+    finally:
+        local.stop()
