@@ -109,13 +109,12 @@ def serve_inference(
 ) -> None:
     """Answer LLM requests for POLICY over NATS (queue group `inference`), reloading published versions."""
     import asyncio
-    import logging
 
     from consumers.inference import InferenceConfig, create_app
 
     if backend not in ("torch", "vllm", "scripted"):
         raise TurnstileError(f"unknown backend {backend!r}: use torch, vllm or scripted")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _service_logging()
     config = InferenceConfig(
         nats_url=Settings().require_nats_url(),
         policy=policy,
@@ -146,6 +145,13 @@ def _tags(pairs: list[str]) -> dict[str, str]:
             raise ConfigError(f"--tag {pair!r}: write it as key=value")
         tags[key] = value
     return tags
+
+
+def _service_logging() -> None:
+    """Log lines with times for long-running services."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 AGENT_HELP = "the agent, as package.module:Name (e.g. pipeline.examples.calculator:CalculatorAgent)"
@@ -254,14 +260,13 @@ def serve_runner(
 ) -> None:
     """Take tasks from the TASKS work queue and run AGENT on them, on as many machines as you like."""
     import asyncio
-    import logging
 
     from consumers.runner import Connections
     from consumers.runner import serve_runner as serve
     from pipeline.episode import load_agent, load_reward_function
     from pipeline.runner import RunnerConfig
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _service_logging()
     settings = Settings()
     connections = Connections(
         settings.require_database_url(),
@@ -338,11 +343,10 @@ def serve_materializer(
 ) -> None:
     """Fold the log into read models and training batches as events arrive (exactly once)."""
     import asyncio
-    import logging
 
     from consumers.materializer import serve_materializer as serve_it
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _service_logging()
     config = _materializer_config(
         name, discount, style, advantage, batch_samples, batch_tokens, max_staleness, stale, group_timeout,
         step_events,
@@ -369,11 +373,10 @@ def rematerialize(
     """Rebuild read models and batches from position 0 into schema rm_NAME; the log and the live
     materializer are untouched. The same options give byte-identical batches."""
     import asyncio
-    import logging
 
     from consumers.materializer import rematerialize as rebuild
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _service_logging()
     if name == "main":
         raise ConfigError("'main' is the live materializer; give the rebuild another --name")
     config = _materializer_config(
@@ -396,14 +399,13 @@ def serve_relay(
 ) -> None:
     """Publish the materializer's batches to JetStream BATCHES (batches.<policy>), each once."""
     import asyncio
-    import logging
 
     from consumers.relay import RelayConfig
     from consumers.relay import serve_relay as serve
 
     if poll_interval <= 0:
         raise ConfigError(f"--poll-interval must be more than 0, got {poll_interval}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _service_logging()
     settings = Settings()
     config = RelayConfig(
         settings.require_database_url(),
@@ -483,12 +485,11 @@ def serve_trainer(
 ) -> None:
     """PPO-clip on the batch stream; checkpoints and publishes new policy versions (exactly once)."""
     import asyncio
-    import logging
 
     from consumers.trainer import TrainerConfig
     from consumers.trainer import serve_trainer as serve_it
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _service_logging()
     settings = Settings()
     config = TrainerConfig(
         database_url=settings.require_database_url(),
@@ -749,7 +750,6 @@ def serve_gateway(
 ) -> None:
     """Serve the OpenAI- and Anthropic-compatible gateway: every call of a session is a recorded turn."""
     import asyncio
-    import logging
     import os
 
     from consumers.gateway import GatewayConfig
@@ -761,7 +761,7 @@ def serve_gateway(
             f"no admin key: set {admin_key_env} to a secret (e.g. `export {admin_key_env}=$(openssl rand "
             "-hex 32)`); it protects session creation, and the gateway does not start without one"
         )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _service_logging()
     settings = Settings()
     config = GatewayConfig(
         database_url=settings.require_database_url(),

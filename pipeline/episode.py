@@ -514,6 +514,20 @@ class EpisodeOutcome:
     error: str | None = None
     retry_of: str | None = None
 
+    @classmethod
+    def of(cls, episode: Episode) -> EpisodeOutcome:
+        """The outcome of a finished episode."""
+        if episode.finished is None:
+            raise TurnstileError(f"episode {episode.episode_id} is not finished")
+        return cls(
+            episode_id=episode.episode_id,
+            termination=episode.finished.termination,
+            reward=episode.total_reward if episode.rewards else None,
+            turns=len(episode.turns),
+            error=episode.finished.error,
+            retry_of=episode.started.retry_of,
+        )
+
 
 async def run_episode(
     agent: Agent,
@@ -568,15 +582,7 @@ async def _run_episode(
         except Exception:
             termination, error = "error", traceback.format_exc()
     await session.finish(termination, error=error)
-    episode = session.episode()
-    return EpisodeOutcome(
-        episode_id=session.episode_id,
-        termination=termination,
-        reward=episode.total_reward if episode.rewards else None,
-        turns=len(episode.turns),
-        error=error,
-        retry_of=session.started.retry_of,
-    )
+    return EpisodeOutcome.of(session.episode())
 
 
 async def _record_rewards(

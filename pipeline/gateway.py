@@ -67,10 +67,10 @@ from pipeline.errors import (
 )
 from pipeline.eventstore import EventStore
 from pipeline.llm import InferenceError, InferenceTimeout, LLMClient, NoInferenceConsumer, RequestRejected
+from pipeline.openai_bridge import chat_result
 from pipeline.openai_compat import (
     ChatCall,
     ChatResult,
-    ChoiceData,
     OpenAIRequestError,
     completion_body,
     completion_chunks,
@@ -468,26 +468,7 @@ class Gateway:
         for reply in replies:
             known = self.served_versions.get(session.policy, -1)
             self.served_versions[session.policy] = max(known, reply.policy_version)
-        choices = [
-            ChoiceData(
-                text=reply.text,
-                tool_calls=reply.tool_calls,
-                finish_reason=reply.finish_reason,
-                completion_token_ids=reply.completion_token_ids,
-                completion_logprobs=reply.completion_logprobs,
-            )
-            for reply in replies
-        ]
-        extra = {
-            "turnstile": {
-                "episode_id": session.episode_id,
-                "turn_ids": [str(reply.turn_id) for reply in replies],
-                "prompt_token_ids": replies[0].prompt_token_ids,
-                "completion_token_ids": [reply.completion_token_ids for reply in replies],
-                "policy_version": replies[0].policy_version,
-            }
-        }
-        return ChatResult(choices=choices, prompt_tokens=len(replies[0].prompt_token_ids), extra=extra)
+        return chat_result(session.episode_id, replies)
 
 
 def describe(entry: SessionEntry) -> dict[str, Any]:

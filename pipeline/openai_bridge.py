@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pipeline.llm import RequestRejected
@@ -11,7 +12,31 @@ from pipeline.openai_compat import ChatCall, ChatResult, ChoiceData, OpenAIReque
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
-    from pipeline.episode import EpisodeSession
+    from pipeline.episode import ChatReply, EpisodeSession
+
+
+def chat_result(episode_id: str, replies: Sequence[ChatReply]) -> ChatResult:
+    """The OpenAI-shaped result of ``n`` recorded turns, with the ``turnstile`` field (turn ids, tokens)."""
+    choices = [
+        ChoiceData(
+            text=reply.text,
+            tool_calls=reply.tool_calls,
+            finish_reason=reply.finish_reason,
+            completion_token_ids=reply.completion_token_ids,
+            completion_logprobs=reply.completion_logprobs,
+        )
+        for reply in replies
+    ]
+    extra = {
+        "turnstile": {
+            "episode_id": episode_id,
+            "turn_ids": [str(reply.turn_id) for reply in replies],
+            "prompt_token_ids": replies[0].prompt_token_ids,
+            "completion_token_ids": [reply.completion_token_ids for reply in replies],
+            "policy_version": replies[0].policy_version,
+        }
+    }
+    return ChatResult(choices=choices, prompt_tokens=len(replies[0].prompt_token_ids), extra=extra)
 
 
 def episode_openai_client(session: EpisodeSession) -> AsyncOpenAI:
@@ -29,25 +54,6 @@ def episode_openai_client(session: EpisodeSession) -> AsyncOpenAI:
             )
         except (InvalidLLMCall, RequestRejected) as error:
             raise OpenAIRequestError(str(error), param=getattr(error, "field", None)) from None
-        choices = [
-            ChoiceData(
-                text=reply.text,
-                tool_calls=reply.tool_calls,
-                finish_reason=reply.finish_reason,
-                completion_token_ids=reply.completion_token_ids,
-                completion_logprobs=reply.completion_logprobs,
-            )
-            for reply in replies
-        ]
-        extra = {
-            "turnstile": {
-                "episode_id": session.episode_id,
-                "turn_ids": [str(reply.turn_id) for reply in replies],
-                "prompt_token_ids": replies[0].prompt_token_ids,
-                "completion_token_ids": [reply.completion_token_ids for reply in replies],
-                "policy_version": replies[0].policy_version,
-            }
-        }
-        return ChatResult(choices=choices, prompt_tokens=len(replies[0].prompt_token_ids), extra=extra)
+        return chat_result(session.episode_id, replies)
 
     return openai_client(handle, model=session.policy, defaults=session.started.sampling)

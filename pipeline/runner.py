@@ -240,14 +240,7 @@ class Runner:
             except WrongExpectedVersion:
                 return await self._recorded_attempt(group_id, slot, attempt)
             episode.finished = aborted
-        return EpisodeOutcome(
-            episode_id=episode_id,
-            termination=episode.finished.termination,
-            reward=episode.total_reward if episode.rewards else None,
-            turns=len(episode.turns),
-            error=episode.finished.error,
-            retry_of=episode.started.retry_of,
-        )
+        return EpisodeOutcome.of(episode)
 
 
 async def run_tasks(

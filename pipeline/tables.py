@@ -41,3 +41,15 @@ runners = sa.Table(
     sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
     sa.Column("stopped_at", sa.DateTime(timezone=True)),
 )
+
+trained_batches = sa.Table(
+    "trained_batches",
+    metadata,
+    sa.Column("trainer", sa.Text, primary_key=True),
+    sa.Column("batch_id", sa.Text, primary_key=True),
+    sa.Column("policy", sa.Text, nullable=False),
+    sa.Column("policy_version", sa.Integer, nullable=False),
+    sa.Column("outcome", sa.Text, nullable=False),
+    sa.Column("loss", sa.Float),
+    sa.Column("trained_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+)

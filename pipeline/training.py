@@ -37,6 +37,7 @@ from pipeline.batches import TrainingBatch
 from pipeline.eventstore import EventStore
 from pipeline.llm import versions_subject
 from pipeline.relay import BATCHES_STREAM, batch_subject, ensure_batches_stream, fetch_training_batch
+from pipeline.tables import trained_batches
 from schemas import PolicyVersionPublished
 
 if TYPE_CHECKING:
@@ -104,17 +105,6 @@ class DeliveredBatch:
 
     def tensors(self, pad_id: int = 0) -> BatchTensors:
         return to_tensors(self.batch, pad_id)
-
-
-trained_batches = sa.table(
-    "trained_batches",
-    sa.column("trainer", sa.Text),
-    sa.column("batch_id", sa.Text),
-    sa.column("policy", sa.Text),
-    sa.column("policy_version", sa.Integer),
-    sa.column("outcome", sa.Text),
-    sa.column("loss", sa.Float),
-)
 
 
 class BatchSubscription:

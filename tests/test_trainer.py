@@ -64,12 +64,13 @@ def unique_policy_log(database_url: str) -> str:
     return policy
 
 
-async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads_them(
-    servers: Servers, store: EventStore, database_url: str, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    await random_log(store, groups=4)
+async def batches_on_the_stream(
+    servers: Servers, store: EventStore, database_url: str, *, groups: int, batch_samples: int
+) -> tuple[str, int]:
+    """Record a log under a policy of its own, materialize it and relay its batches: (policy, batches)."""
+    await random_log(store, groups=groups)
     policy = unique_policy_log(database_url)
-    materializer = Materializer(database_url, MaterializerConfig(batch_samples=6))
+    materializer = Materializer(database_url, MaterializerConfig(batch_samples=batch_samples))
     await materializer.open()
     await materializer.catch_up()
     await materializer.close()
@@ -80,6 +81,13 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
     finally:
         await connection.drain()
         await engine.dispose()
+    return policy, published
+
+
+async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads_them(
+    servers: Servers, store: EventStore, database_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    policy, published = await batches_on_the_stream(servers, store, database_url, groups=4, batch_samples=6)
     assert published >= 3
 
     config = TrainerConfig(
@@ -122,19 +130,7 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
 async def test_a_trainer_killed_mid_batch_trains_each_batch_once(
     servers: Servers, store: EventStore, database_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    await random_log(store, groups=6)
-    policy = unique_policy_log(database_url)
-    materializer = Materializer(database_url, MaterializerConfig(batch_samples=4))
-    await materializer.open()
-    await materializer.catch_up()
-    await materializer.close()
-    engine = create_async_engine(sqlalchemy_url(database_url))
-    connection = await nats.connect(servers.nats_url)
-    try:
-        published = await OutboxRelay(engine, connection).publish_pending()
-    finally:
-        await connection.drain()
-        await engine.dispose()
+    policy, published = await batches_on_the_stream(servers, store, database_url, groups=6, batch_samples=4)
     assert published >= 6
     env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
     env.update(TURNSTILE_DATABASE_URL=database_url, TURNSTILE_NATS_URL=servers.nats_url)
