@@ -60,13 +60,13 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from pipeline.backends.scripted import ScriptedBackend
-from pipeline.db import migrate
-from pipeline.embedded import EmbeddedServers
-from pipeline.episode import EpisodeLLM
-from pipeline.eventstore import EventStore
-from pipeline.llm import NatsLLMClient
-from pipeline.runner import Runner, RunnerConfig, TaskSpec, run_tasks
+from pipeline.dev.embedded import EmbeddedServers
+from pipeline.episodes import EpisodeLLM
+from pipeline.inference.backends.scripted import ScriptedBackend
+from pipeline.inference.client import NatsLLMClient
+from pipeline.log.db import migrate
+from pipeline.log.store import EventStore
+from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
 from pipeline.settings import libpq_url
 from schemas import ChatMessage, LLMRequest, SamplingParams
 

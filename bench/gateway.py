@@ -5,10 +5,10 @@ consumer in a process of its own, the ``TurnCompleted`` appended to PostgreSQL b
 what differs is how the agent's call reaches the session:
 
 - ``llm.chat`` (the baseline): ``await session.chat(messages)`` in the benchmark process.
-- ``llm.openai()``: the OpenAI SDK served in process (``pipeline/openai_compat.py``'s httpx transport):
+- ``llm.openai()``: the OpenAI SDK served in process (``pipeline/dialects/openai.py``'s httpx transport):
   the SDK and the OpenAI translation on top of the baseline.
 - ``gateway``: the OpenAI SDK in the benchmark process, over HTTP (keep-alive connections, one pooled
-  client) to the gateway app (``pipeline/gateway.py`` on uvicorn) in a process of its own, which holds the
+  client) to the gateway app (``pipeline/gateway/app.py`` on uvicorn) in a process of its own, which holds the
   sessions, their NATS client and the event store; sessions are started with ``POST /admin/sessions``.
 
 At each concurrency level (``--levels``, default 1 and 16) that many workers run episodes back to back,
@@ -53,12 +53,12 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from pipeline.backends.scripted import ScriptedBackend
-from pipeline.db import migrate
-from pipeline.embedded import EmbeddedServers
-from pipeline.episode import EpisodeSession
-from pipeline.eventstore import EventStore
-from pipeline.llm import NatsLLMClient
+from pipeline.dev.embedded import EmbeddedServers
+from pipeline.episodes import EpisodeSession
+from pipeline.inference.backends.scripted import ScriptedBackend
+from pipeline.inference.client import NatsLLMClient
+from pipeline.log.db import migrate
+from pipeline.log.store import EventStore
 from pipeline.settings import libpq_url
 
 POLICY = "bench"
@@ -342,7 +342,7 @@ async def serve_consumer(nats_url: str) -> None:
 
 
 async def serve_gateway(database_url: str, nats_url: str, admin_key: str) -> None:
-    from pipeline.gateway import HttpServer, create_gateway
+    from pipeline.gateway.app import HttpServer, create_gateway
 
     store = await EventStore.connect(database_url)
     llm = await NatsLLMClient.connect(nats_url)

@@ -56,9 +56,9 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from pipeline.db import migrate
-from pipeline.embedded import EmbeddedPostgres
-from pipeline.eventstore import (
+from pipeline.dev.embedded import EmbeddedPostgres
+from pipeline.log.db import migrate
+from pipeline.log.store import (
     COPY_COLUMNS,
     COPY_TYPES,
     EventStore,

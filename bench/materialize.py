@@ -82,10 +82,10 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from pipeline.db import migrate
-from pipeline.embedded import EmbeddedPostgres
-from pipeline.eventstore import COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper, encode_event
-from pipeline.materializer import READ_MODEL_TABLES, Materializer, MaterializerConfig, Writes
+from pipeline.dev.embedded import EmbeddedPostgres
+from pipeline.log.db import migrate
+from pipeline.log.store import COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper, encode_event
+from pipeline.materialize.materializer import READ_MODEL_TABLES, Materializer, MaterializerConfig, Writes
 from pipeline.settings import libpq_url
 from schemas import (
     ChatMessage,

@@ -66,10 +66,10 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.backends.scripted import ScriptedBackend
-from pipeline.embedded import EmbeddedNats
-from pipeline.inference import InferenceService
-from pipeline.llm import NatsLLMClient
+from pipeline.dev.embedded import EmbeddedNats
+from pipeline.inference.backends.scripted import ScriptedBackend
+from pipeline.inference.client import NatsLLMClient
+from pipeline.inference.service import InferenceService
 from schemas import ChatMessage, LLMRequest, LLMResponse, parse_wire
 
 POLICY = "bench"

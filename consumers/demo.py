@@ -30,14 +30,14 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from pipeline.db import migrate
-from pipeline.embedded import EmbeddedServers
-from pipeline.eventstore import EventStore
+from pipeline.dev.embedded import EmbeddedServers
+from pipeline.dev.plot import line_chart
+from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
 from pipeline.examples.demo import DigitsOrCapitalsAgent, demo_tasks
-from pipeline.llm import NatsLLMClient
-from pipeline.plot import line_chart
-from pipeline.recovery import RunnerLease, close_abandoned_episodes
-from pipeline.runner import Runner, RunnerConfig, TaskSpec, run_tasks
+from pipeline.inference.client import NatsLLMClient
+from pipeline.log.db import migrate
+from pipeline.log.store import EventStore
+from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
 from pipeline.settings import SERVERS_FILE, libpq_url
 from schemas import SamplingParams
 
@@ -104,7 +104,7 @@ class Services:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = (self.logs / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", *args],
+            [sys.executable, "-m", "consumers.cli", *args],
             env=self.env,
             stdout=log,
             stderr=log,
@@ -240,7 +240,7 @@ def run_demo(config: DemoConfig, console: Console) -> Summary:
         servers_file.write_text(servers.exports())
         model = config.data_dir / "models" / "tiny"
         if not (model / "config.json").is_file():
-            from pipeline.tinymodel import build_tiny_model
+            from pipeline.inference.tinymodel import build_tiny_model
 
             console.print("building the tiny model ...")
             build_tiny_model(model)

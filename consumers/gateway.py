@@ -2,7 +2,7 @@
 
 Wiring only: the store, a NATS LLM client and a runner lease (each session's EpisodeStarted records the
 lease's id, so if the gateway dies its open sessions are closed ``aborted`` by the next runner or gateway
-that starts), the app from ``pipeline.gateway`` on uvicorn, and a clean stop on Ctrl-C / SIGTERM that ends
+that starts), the app from ``pipeline.gateway.app`` on uvicorn, and a clean stop on Ctrl-C / SIGTERM that ends
 the open sessions as ``cancelled``.
 """
 
@@ -18,7 +18,7 @@ from rich.console import Console
 
 from consumers.runner import Connections, runner_services
 from pipeline.errors import ConfigError
-from pipeline.gateway import HttpServer, create_gateway
+from pipeline.gateway.app import HttpServer, create_gateway
 
 
 @dataclass(frozen=True)

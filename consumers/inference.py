@@ -21,10 +21,10 @@ from nats.aio.client import Client as NatsConnection
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from pipeline.backends import Backend
 from pipeline.errors import ConfigError
-from pipeline.inference import InferenceService
-from pipeline.llm import QUEUE_GROUP, request_subject, versions_subject
+from pipeline.inference.backends import Backend
+from pipeline.inference.client import QUEUE_GROUP, request_subject, versions_subject
+from pipeline.inference.service import InferenceService
 
 BackendName = Literal["torch", "vllm", "scripted"]
 
@@ -47,7 +47,7 @@ def default_consumer_id() -> str:
 
 def create_backend(config: InferenceConfig) -> Backend:
     if config.backend == "scripted":
-        from pipeline.backends.scripted import ScriptedBackend
+        from pipeline.inference.backends.scripted import ScriptedBackend
 
         return ScriptedBackend()
     if config.model is None:
@@ -55,10 +55,10 @@ def create_backend(config: InferenceConfig) -> Backend:
             f"the {config.backend} backend needs --model DIR (build one with `turnstile model init-tiny`)"
         )
     if config.backend == "vllm":
-        from pipeline.backends.vllm_backend import VllmBackend
+        from pipeline.inference.backends.vllm_backend import VllmBackend
 
         return VllmBackend(config.model)
-    from pipeline.backends.torch_backend import TorchBackend
+    from pipeline.inference.backends.torch_backend import TorchBackend
 
     return TorchBackend(config.model, max_batch=config.max_batch)
 

@@ -10,7 +10,7 @@ import logging
 import signal
 import time
 
-from pipeline.materializer import Materializer, MaterializerConfig
+from pipeline.materialize.materializer import Materializer, MaterializerConfig
 
 log = logging.getLogger(__name__)
 

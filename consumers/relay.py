@@ -1,5 +1,5 @@
 """Outbox relay service (``turnstile serve relay``): publishes the materializer's batches to JetStream
-``BATCHES`` until Ctrl-C or SIGTERM. The work is ``pipeline.relay.OutboxRelay``'s."""
+``BATCHES`` until Ctrl-C or SIGTERM. The work is ``pipeline.batches.relay.OutboxRelay``'s."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import nats
 from nats.aio.client import Client as NatsConnection
 from rich.console import Console
 
-from pipeline.db import create_engine
-from pipeline.relay import OutboxRelay
+from pipeline.batches.relay import OutboxRelay
+from pipeline.log.db import create_engine
 
 log = logging.getLogger(__name__)
 

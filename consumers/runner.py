@@ -16,13 +16,13 @@ import nats
 from nats.aio.client import Client as NatsConnection
 from rich.console import Console
 
-from pipeline.episode import Agent, EpisodeOutcome, RewardFunction
-from pipeline.eventstore import EventStore
-from pipeline.llm import NatsLLMClient
-from pipeline.progress import live_progress, stats_line, stats_table
-from pipeline.recovery import RunnerLease, close_abandoned_episodes
-from pipeline.runner import Runner, RunnerConfig, RunStats, TaskLineError, read_tasks, run_tasks
-from pipeline.taskqueue import TaskWorker
+from pipeline.episodes import Agent, EpisodeOutcome, RewardFunction
+from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
+from pipeline.inference.client import NatsLLMClient
+from pipeline.log.store import EventStore
+from pipeline.runners.progress import live_progress, stats_line, stats_table
+from pipeline.runners.runner import Runner, RunnerConfig, RunStats, TaskLineError, read_tasks, run_tasks
+from pipeline.runners.taskqueue import TaskWorker
 
 log = logging.getLogger(__name__)
 

@@ -133,7 +133,7 @@ def check_invocation(args: list[str]) -> str | None:
     """None if the CLI accepts ``turnstile ARGS`` (parsed, not run); else what it refused."""
     import typer
 
-    from pipeline.cli import app
+    from consumers.cli import app
 
     # Typer's own click: groups are the commands that resolve subcommands; errors have format_message().
     command: Any = typer.main.get_command(app)

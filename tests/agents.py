@@ -6,7 +6,7 @@ import asyncio
 import os
 from typing import Any
 
-from pipeline.episode import EpisodeLLM
+from pipeline.episodes import EpisodeLLM
 from schemas import ChatMessage
 
 

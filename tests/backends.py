@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from pipeline.backends import Generation
+from pipeline.inference.backends import Generation
 from schemas import LLMRequest
 
 Rule = Callable[[LLMRequest], str]

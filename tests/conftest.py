@@ -23,9 +23,9 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from pipeline.db import migrate
-from pipeline.embedded import EmbeddedServers
-from pipeline.eventstore import EventStore
+from pipeline.dev.embedded import EmbeddedServers
+from pipeline.log.db import migrate
+from pipeline.log.store import EventStore
 from pipeline.settings import libpq_url
 
 # vLLM lives in a virtualenv of its own (.ci/run); elsewhere its test module is not collected at all.
@@ -114,7 +114,7 @@ def repo_root() -> Path:
 def tiny_model_dir() -> Iterator[Path]:
     """The tiny local model (random weights, locally trained tokenizer), built once per session (outside
     pytest's basetemp, for the reason given in ``servers``)."""
-    from pipeline.tinymodel import build_tiny_model
+    from pipeline.inference.tinymodel import build_tiny_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     directory = Path(tempfile.mkdtemp(prefix="turnstile-test-model-"))

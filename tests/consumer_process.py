@@ -9,7 +9,7 @@ import asyncio
 import sys
 
 from consumers.inference import InferenceConfig, create_app
-from pipeline.backends.scripted import ScriptedBackend
+from pipeline.inference.backends.scripted import ScriptedBackend
 
 
 async def main(nats_url: str, policy: str, consumer_id: str, delay: float) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.episode import EpisodeLLM
+from pipeline.episodes import EpisodeLLM
 from pipeline.examples.openai_agent import OpenAIAgent
 from pipeline.examples.tools import CALCULATOR, score
 from schemas import ChatMessage

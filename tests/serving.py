@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from consumers.inference import InferenceConfig, create_app
-from pipeline.backends import Backend
-from pipeline.inference import InferenceService
+from pipeline.inference.backends import Backend
+from pipeline.inference.service import InferenceService
 
 
 @asynccontextmanager

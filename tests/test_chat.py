@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.chat import ChatRenderer, split_tool_calls
+from pipeline.inference.chat import ChatRenderer, split_tool_calls
 from schemas import ChatMessage, FunctionCall, LLMRequest, TokenPrefix, ToolCall, ToolSpec
 
 # Templates that render a past assistant turn differently once the conversation goes on.

@@ -14,11 +14,11 @@ import nats
 import psycopg
 import pytest
 
-from pipeline.llm import NatsLLMClient
+from pipeline.inference.client import NatsLLMClient
 from schemas import ChatMessage, LLMRequest, LLMResponse
 from tests.conftest import Servers
 
-TURNSTILE = [sys.executable, "-m", "pipeline.cli"]
+TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -12,9 +12,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pipeline.embedded import EmbeddedServers
+from pipeline.dev.embedded import EmbeddedServers
 
-TURNSTILE = [sys.executable, "-m", "pipeline.cli"]
+TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 
 
 def run_demo(data_dir: Path, minutes: float) -> dict[str, object]:

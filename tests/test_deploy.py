@@ -32,10 +32,7 @@ import pytest
 from nats.aio.client import Client as NatsConnection
 
 from consumers.inference import InferenceConfig
-from pipeline.db import create_engine
-from pipeline.embedded import EmbeddedNats, EmbeddedPostgres, free_port
-from pipeline.llm import NatsLLMClient
-from pipeline.relay import (
+from pipeline.batches.relay import (
     BATCHES_STREAM,
     OBJECT_HEADER,
     OutboxRelay,
@@ -43,8 +40,11 @@ from pipeline.relay import (
     ensure_batches_stream,
     read_batch_message,
 )
+from pipeline.dev.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from pipeline.inference.client import NatsLLMClient
+from pipeline.log.db import create_engine
+from pipeline.runners.taskqueue import ensure_tasks_stream
 from pipeline.settings import libpq_url
-from pipeline.taskqueue import ensure_tasks_stream
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
 from tests.backends import RuleBackend, echo_rule
 from tests.serving import serving
@@ -85,7 +85,7 @@ def test_every_compose_command_parses_with_the_turnstile_cli() -> None:
     assert commands["model"] == ["model", "init-tiny", "/models/.tiny-build"]
     for args in {tuple(args[: 2 if args[0] in ("serve", "model") else 1]) for args in commands.values()}:
         shown = subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", *args, "--help"],
+            [sys.executable, "-m", "consumers.cli", *args, "--help"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -687,7 +687,7 @@ def test_the_compose_services_close_the_loop_with_their_own_credentials(tmp_path
             f"analyst:{compose['services']['postgres']['environment']['TURNSTILE_ANALYST_PASSWORD']}@",
         )
         shown = subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", "sql", "SELECT count(*) AS n FROM episodes", "--json"],
+            [sys.executable, "-m", "consumers.cli", "sql", "SELECT count(*) AS n FROM episodes", "--json"],
             env={**os.environ, "TURNSTILE_DATABASE_URL": analyst}, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert shown.returncode == 0, shown.stderr

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from consumers.inference import InferenceConfig
-from pipeline.environment import AgentEnvironment, StepType
-from pipeline.eventstore import EventStore
-from pipeline.llm import NatsLLMClient
-from pipeline.runner import Runner, RunnerConfig, TaskSpec
+from pipeline.episodes.environment import AgentEnvironment, StepType
+from pipeline.inference.client import NatsLLMClient
+from pipeline.log.store import EventStore
+from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec
 from schemas import EpisodeFinished, EpisodeStarted, Event, RewardAssigned, SamplingParams, TurnCompleted
 from tests.agents import ThreeTurnAgent
 from tests.backends import RuleBackend, echo_rule

@@ -11,23 +11,16 @@ from typing import Any
 import pytest
 
 from consumers.inference import InferenceConfig
-from pipeline.episode import (
-    EpisodeLLM,
-    EpisodeSession,
-    InvalidLLMCall,
-    fold_episode,
-    load_agent,
-    load_reward_function,
-    run_episode,
-)
+from pipeline.episodes import EpisodeLLM, EpisodeSession, InvalidLLMCall, fold_episode, run_episode
 from pipeline.errors import ConfigError
-from pipeline.eventstore import EventStore
 from pipeline.examples import ARITHMETIC_TASKS
 from pipeline.examples.calculator import MALFORMED_TOOL_CALL, CalculatorAgent
 from pipeline.examples.openai_agent import OpenAIAgent
 from pipeline.examples.single_turn import SingleTurnAgent
-from pipeline.llm import NatsLLMClient
-from pipeline.runner import Runner, RunnerConfig, TaskLineError, TaskSpec, read_tasks, run_tasks
+from pipeline.inference.client import NatsLLMClient
+from pipeline.log.store import EventStore
+from pipeline.runners import load_agent, load_reward_function
+from pipeline.runners.runner import Runner, RunnerConfig, TaskLineError, TaskSpec, read_tasks, run_tasks
 from schemas import EpisodeFinished, EpisodeStarted, Event, RewardAssigned, TurnCompleted
 from tests.agents import FailingAgent, ThreeTurnAgent, length_reward
 from tests.backends import RuleBackend, calculator_rule, echo_rule

@@ -8,7 +8,7 @@ import psycopg
 import pytest
 
 from pipeline.errors import DuplicateEventConflict, InvalidEvent, WrongExpectedVersion
-from pipeline.eventstore import EventStore
+from pipeline.log.store import EventStore
 from pipeline.settings import libpq_url
 from schemas import ChatMessage, TurnCompleted, TurnRequest
 from tests.factories import finished, new_stream, reward, started, turn

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from consumers.inference import InferenceConfig
-from pipeline.db import migrate
-from pipeline.embedded import EmbeddedNats, EmbeddedPostgres
-from pipeline.eventstore import EventStore
-from pipeline.llm import NatsLLMClient
-from pipeline.runner import Runner, RunnerConfig, TaskSpec, run_tasks
+from pipeline.dev.embedded import EmbeddedNats, EmbeddedPostgres
+from pipeline.inference.client import NatsLLMClient
+from pipeline.log.db import migrate
+from pipeline.log.store import EventStore
+from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
 from schemas import EpisodeFinished, TurnCompleted
 from tests.agents import SlowAgent
 from tests.backends import RuleBackend, echo_rule

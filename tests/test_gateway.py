@@ -23,16 +23,17 @@ import pytest
 
 from consumers.gateway import GatewayConfig, serve_gateway
 from consumers.inference import InferenceConfig
-from pipeline.anthropic_compat import AnthropicRequestError, parse_messages_request, stop_reason
-from pipeline.episode import EpisodeSession, load_agent
-from pipeline.eventstore import EventStore
+from pipeline.dialects.anthropic import AnthropicRequestError, parse_messages_request, stop_reason
+from pipeline.dialects.openai import ChoiceData
+from pipeline.episodes import EpisodeSession
 from pipeline.examples import ARITHMETIC_TASKS
 from pipeline.examples.tools import CALCULATOR, run_calculator, score
-from pipeline.gateway import create_gateway, serving_http
-from pipeline.llm import NatsLLMClient
-from pipeline.openai_compat import ChoiceData
-from pipeline.proxy import ProxyAgentAdapter
-from pipeline.runner import Runner, RunnerConfig, TaskSpec
+from pipeline.gateway.app import create_gateway, serving_http
+from pipeline.inference.client import NatsLLMClient
+from pipeline.log.store import EventStore
+from pipeline.runners import load_agent
+from pipeline.runners.proxy import ProxyAgentAdapter
+from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec
 from schemas import (
     EpisodeFinished,
     EpisodeStarted,
@@ -49,7 +50,7 @@ from tests.conftest import Servers
 from tests.serving import serving
 
 ADMIN = "admin-" + uuid.uuid4().hex
-TURNSTILE = [sys.executable, "-m", "pipeline.cli"]
+TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 CALCULATOR_TOOL: Any = CALCULATOR.model_dump()
 ANTHROPIC_CALCULATOR: Any = {
     "name": "calculate",

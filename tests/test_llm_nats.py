@@ -14,10 +14,10 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack
 import pytest
 
 from consumers.inference import InferenceConfig
-from pipeline.backends import Backend
-from pipeline.backends.scripted import ScriptedBackend
-from pipeline.inference import InferenceService
-from pipeline.llm import NatsLLMClient, NoInferenceConsumer, QueueLLMClient, RequestRejected
+from pipeline.inference.backends import Backend
+from pipeline.inference.backends.scripted import ScriptedBackend
+from pipeline.inference.client import NatsLLMClient, NoInferenceConsumer, QueueLLMClient, RequestRejected
+from pipeline.inference.service import InferenceService
 from schemas import ChatMessage, LLMRequest, LLMResponse
 from tests.conftest import Servers
 from tests.serving import serving

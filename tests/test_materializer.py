@@ -15,10 +15,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from pipeline.batches import decode_batch
+from pipeline.batches.format import decode_batch
 from pipeline.errors import ConfigError
-from pipeline.eventstore import EventStore
-from pipeline.materializer import Fold, LogRow, Materializer, MaterializerConfig
+from pipeline.log.store import EventStore
+from pipeline.materialize.materializer import Fold, LogRow, Materializer, MaterializerConfig
 from pipeline.settings import libpq_url
 from schemas import (
     ChatMessage,
@@ -32,7 +32,7 @@ from schemas import (
     TurnRequest,
 )
 
-TURNSTILE = [sys.executable, "-m", "pipeline.cli"]
+TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 
 
 def turn(prompt: list[int], completion: list[int], *, version: int = 0, tool: bool = False) -> TurnCompleted:
@@ -216,7 +216,7 @@ async def test_advantages_compare_the_same_turn_across_the_group(
 def fold_rows(events: list[tuple[str, Event]]) -> list[LogRow]:
     from datetime import UTC, datetime, timedelta
 
-    from pipeline.eventstore import encode_event
+    from pipeline.log.store import encode_event
 
     out = []
     for position, (stream, event) in enumerate(events, start=1):

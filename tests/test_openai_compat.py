@@ -10,8 +10,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageFunctionToolCall
 
-from pipeline.errors import TurnstileError
-from pipeline.openai_compat import (
+from pipeline.dialects.openai import (
     ChatCall,
     ChatResult,
     ChoiceData,
@@ -22,6 +21,7 @@ from pipeline.openai_compat import (
     parse_chat_request,
     sse,
 )
+from pipeline.errors import TurnstileError
 from schemas import ChatMessage, FunctionCall, FunctionSpec, SamplingParams, ToolCall, ToolSpec
 
 WEATHER_TOOL: ChatCompletionFunctionToolParam = {

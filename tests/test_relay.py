@@ -21,10 +21,8 @@ import pytest
 from nats.aio.client import Client as NatsConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from pipeline.batches import BatchSample, TrainingBatch, encode_batch
-from pipeline.db import create_engine
-from pipeline.embedded import EmbeddedNats
-from pipeline.relay import (
+from pipeline.batches.format import BatchSample, TrainingBatch, encode_batch
+from pipeline.batches.relay import (
     BATCH_HEADER,
     BATCH_PAYLOADS_BUCKET,
     BATCHES_CHANNEL,
@@ -39,10 +37,12 @@ from pipeline.relay import (
     fetch_training_batch,
     read_batch_message,
 )
+from pipeline.dev.embedded import EmbeddedNats
+from pipeline.log.db import create_engine
 from pipeline.settings import libpq_url
 from tests.conftest import Servers
 
-TURNSTILE = [sys.executable, "-m", "pipeline.cli"]
+TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 
 
 def new_policy() -> str:

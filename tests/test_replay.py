@@ -20,14 +20,14 @@ import psycopg
 import pytest
 
 from consumers.inference import InferenceConfig
-from pipeline.episode import Agent, EpisodeSession, fold_episode, run_episode
+from pipeline.episodes import Agent, EpisodeSession, fold_episode, run_episode
 from pipeline.errors import WrongExpectedVersion
-from pipeline.eventstore import EventStore
 from pipeline.examples.calculator import CalculatorAgent
 from pipeline.examples.openai_agent import OpenAIAgent
-from pipeline.llm import NatsLLMClient
-from pipeline.materializer import Materializer, MaterializerConfig
-from pipeline.replay import (
+from pipeline.inference.client import NatsLLMClient
+from pipeline.log.store import EventStore
+from pipeline.materialize.materializer import Materializer, MaterializerConfig
+from pipeline.replay.replay import (
     EpisodeFilter,
     ScratchStore,
     compare_request,
@@ -55,7 +55,7 @@ from tests.conftest import Servers
 from tests.replay_agents import CountingAgent, RewordedCountingAgent
 from tests.serving import serving
 
-TURNSTILE = [sys.executable, "-m", "pipeline.cli"]
+TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 CALCULATOR = "pipeline.examples.calculator:CalculatorAgent"
 COUNTING = "tests.replay_agents:CountingAgent"
 OPENAI_AGENT = "pipeline.examples.openai_agent:OpenAIAgent"
@@ -360,7 +360,7 @@ async def test_rerun_compares_the_ending_and_knows_a_failed_llm_call_was_not_rec
         follow_up = ChatMessage(role="user", content=f"now say {n}")
         reply = ChatMessage(role="assistant", content=previous.reply.text)
         turns.append(counting_turn([*previous.request.messages, reply, follow_up], f"say {n}"))
-    timeout_line = "pipeline.llm.InferenceTimeout: LLM request timed out after 5 s"
+    timeout_line = "pipeline.inference.client.InferenceTimeout: LLM request timed out after 5 s"
     llm_failed = fold_episode([started, first, EpisodeFinished(termination="error", error=timeout_line)])
     agent_failed = fold_episode(
         [started, *turns, EpisodeFinished(termination="error", error="KeyError: 'x'")]

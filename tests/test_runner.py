@@ -21,22 +21,22 @@ import pytest
 import sqlalchemy as sa
 
 from consumers.inference import InferenceConfig
-from pipeline.episode import EpisodeSession
-from pipeline.eventstore import EventStore
+from pipeline.episodes import EpisodeSession
+from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
 from pipeline.examples import ARITHMETIC_TASKS
-from pipeline.llm import NatsLLMClient
-from pipeline.recovery import RunnerLease, close_abandoned_episodes
-from pipeline.runner import Runner, RunnerConfig, TaskSpec, run_tasks
+from pipeline.inference.client import NatsLLMClient
+from pipeline.log.store import EventStore
+from pipeline.log.tables import runners
+from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
+from pipeline.runners.taskqueue import TASKS_STREAM, runner_durable
 from pipeline.settings import libpq_url
-from pipeline.tables import runners
-from pipeline.taskqueue import TASKS_STREAM, runner_durable
 from schemas import SamplingParams, TurnCompleted
 from tests.agents import ThreeTurnAgent
 from tests.backends import RuleBackend, calculator_rule, echo_rule
 from tests.conftest import Servers
 from tests.serving import serving
 
-TURNSTILE = [sys.executable, "-m", "pipeline.cli"]
+TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 
 
 def new_policy() -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from pipeline.tokens import pack_tokens, unpack_tokens
+from pipeline.log.tokens import pack_tokens, unpack_tokens
 from schemas import (
     EVENT_TYPES,
     LLMError,

@@ -21,8 +21,8 @@ import pytest
 from alembic import command
 from rich.console import Console
 
-from pipeline.db import alembic_config
-from pipeline.sql import (
+from pipeline.log.db import alembic_config
+from pipeline.sql.readonly import (
     QueryResult,
     ReadOnlyViolation,
     SqlError,
@@ -33,7 +33,7 @@ from pipeline.sql import (
     to_table,
 )
 
-TURNSTILE = [sys.executable, "-m", "pipeline.cli"]
+TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 QUERIES = Path(__file__).resolve().parent.parent / "docs" / "queries.sql"
 BASE = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 READ_ONLY = "turnstile sql is read-only"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.db import migrate
-from pipeline.embedded import EmbeddedPostgres
-from pipeline.eventstore import EventStore, RecordedEvent
+from pipeline.dev.embedded import EmbeddedPostgres
+from pipeline.log.db import migrate
+from pipeline.log.store import EventStore, RecordedEvent
 from tests.factories import new_stream, reward, started, turn
 
 

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pipeline.tinymodel import CONTROL_TOKENS, MARKUP_TOKENS, build_tiny_model  # noqa: E402
+from pipeline.inference.tinymodel import CONTROL_TOKENS, MARKUP_TOKENS, build_tiny_model  # noqa: E402
 
 CALCULATOR = {
     "type": "function",

@@ -14,9 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from consumers.inference import InferenceConfig
-from pipeline.backends.torch_backend import TorchBackend
-from pipeline.inference import InferenceService
-from pipeline.llm import NatsLLMClient, versions_subject
+from pipeline.inference.backends.torch_backend import TorchBackend
+from pipeline.inference.client import NatsLLMClient, versions_subject
+from pipeline.inference.service import InferenceService
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished, SamplingParams, TokenPrefix
 from tests.conftest import Servers
 from tests.reference import recomputed_logprobs
@@ -76,7 +76,7 @@ async def test_sampling_is_reproducible_and_limits_are_honoured(backend: TorchBa
 
 
 async def test_a_prompt_longer_than_the_context_is_rejected(backend: TorchBackend) -> None:
-    from pipeline.llm import RequestRejected
+    from pipeline.inference.client import RequestRejected
 
     with pytest.raises(RequestRejected, match="context is 4096"):
         await backend.generate(ask("word " * 5000))

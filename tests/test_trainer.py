@@ -18,18 +18,18 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from consumers.inference import InferenceConfig
 from consumers.trainer import TrainerConfig, serve_trainer
-from pipeline.batches import BatchSample, TrainingBatch
-from pipeline.eventstore import EventStore
-from pipeline.materializer import Materializer, MaterializerConfig
-from pipeline.relay import OutboxRelay
+from pipeline.batches.format import BatchSample, TrainingBatch
+from pipeline.batches.relay import OutboxRelay
+from pipeline.log.store import EventStore
+from pipeline.materialize.materializer import Materializer, MaterializerConfig
 from pipeline.settings import libpq_url, sqlalchemy_url
-from pipeline.training import published_version, to_tensors
+from pipeline.training.subscription import published_version, to_tensors
 from schemas import PolicyVersionPublished
 from tests.conftest import Servers
 from tests.serving import serving
 from tests.test_materializer import random_log
 
-TURNSTILE = [sys.executable, "-m", "pipeline.cli"]
+TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 
 
 def rows(database_url: str, query: str, *params: Any) -> list[tuple[Any, ...]]:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from pipeline.trajectory import (
+from pipeline.materialize.trajectory import (
     Sample,
     Turn,
     apply_staleness,

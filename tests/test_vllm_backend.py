@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.backends import Generation
-from pipeline.backends.torch_backend import TorchBackend
-from pipeline.backends.vllm_backend import VllmBackend
-from pipeline.chat import ChatRenderer
-from pipeline.llm import RequestRejected
+from pipeline.inference.backends import Generation
+from pipeline.inference.backends.torch_backend import TorchBackend
+from pipeline.inference.backends.vllm_backend import VllmBackend
+from pipeline.inference.chat import ChatRenderer
+from pipeline.inference.client import RequestRejected
 from schemas import ChatMessage, LLMRequest, SamplingParams, TokenPrefix
 from tests.reference import recomputed_logprobs
 
@@ -54,7 +54,7 @@ def engine_environment() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory, engine_environment: None) -> Path:
-    from pipeline.tinymodel import build_tiny_model
+    from pipeline.inference.tinymodel import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("vllm-models") / "tiny")
 

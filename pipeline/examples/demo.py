@@ -12,7 +12,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from pipeline.episode import EpisodeLLM
+from pipeline.episodes import EpisodeLLM
 from schemas import ChatMessage
 
 PROMPTS = {"digits": "Reply with digits only.", "capitals": "Reply with capital letters only."}

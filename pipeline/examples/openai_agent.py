@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.episode import EpisodeLLM
+from pipeline.episodes import EpisodeLLM
 from pipeline.examples.tools import CALCULATOR, run_calculator, score
 from schemas import FunctionCall, ToolCall
 

@@ -1,0 +1,1 @@
+"""Development tooling: embedded PostgreSQL and nats-server from PyPI packages, plots."""

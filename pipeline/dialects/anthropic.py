@@ -1,0 +1,460 @@
+"""The Anthropic Messages API (``POST /v1/messages``) on top of Turnstile's chat calls.
+
+``parse_messages_request`` turns an Anthropic request body into the same ``ChatCall`` the OpenAI translation
+makes (``pipeline.dialects.openai``), so one handler serves both APIs; ``message_body`` and ``message_events``
+turn a reply back into an Anthropic message (whole, or as the events of a stream) and ``anthropic_sse``
+renders those events.
+
+How the two shapes meet:
+
+- ``system`` (a string or text blocks) becomes a leading ``system`` message. A user message's ``tool_result``
+  blocks become ``tool`` messages (``tool_call_id`` = ``tool_use_id``) and its text blocks a user message, in
+  block order; an assistant message's text blocks are joined into its content and its ``tool_use`` blocks
+  become tool calls whose id is the block's id. Text blocks are joined with ``"\\n"``; other block kinds
+  (images, documents, thinking) are refused.
+- A ``tool_use`` block carries parsed ``input``; the turn recorded the arguments as the model wrote them.
+  ``known_arguments`` (tool call id -> the recorded arguments text) lets the parser send back the exact text
+  when the input still equals it, so a conversation that returns the reply it got continues token-exact.
+- ``tools`` (``name``, ``description``, ``input_schema``) are function tools; server tools are refused.
+  ``tool_choice`` is checked (``auto``, ``any``, ``tool`` with a known name, ``none``) and passed on like the
+  OpenAI one: not enforced, the engine samples freely. ``metadata`` and unknown top-level keys are ignored;
+  ``seed`` (not in Anthropic's API) is read when given.
+- ``stop_reason``: ``tool_use`` when the reply holds tool calls, ``max_tokens`` when it was cut short
+  (Turnstile's ``length``, ``abort`` and ``error``), ``stop_sequence`` when it stopped and one of the
+  request's stop sequences is in its text (``stop_sequence`` names the first one found), else ``end_turn``.
+- Usage counts the engine's prompt and completion tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from pipeline.dialects.openai import ChatCall, ChoiceData
+from pipeline.errors import TurnstileError
+from schemas import ChatMessage, FunctionCall, SamplingParams, ToolCall, ToolSpec
+from schemas.base import TOLERANT
+
+ERROR_TYPES: Final[Mapping[int, str]] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+_TOP_K_OFF: Final = (-1, 0)
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+class AnthropicRequestError(TurnstileError):
+    """A request the Anthropic API would refuse; ``body()`` is the error object an Anthropic server sends."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
+        self.message, self.param, self.status = message, param, status
+        super().__init__(message)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message)
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type": ..., "message": ...}}`` with the type Anthropic uses for
+    ``status``."""
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+# ---- requests ----------------------------------------------------------------------------------------
+
+
+def parse_messages_request(
+    body: object,
+    *,
+    defaults: SamplingParams | None = None,
+    known_arguments: Mapping[str, str] | None = None,
+) -> ChatCall:
+    """An Anthropic Messages request body -> ``ChatCall`` (``n`` 1, no logprobs).
+
+    Raises ``AnthropicRequestError`` whose message names the offending field
+    (``messages[1].content[0].type``).
+    """
+    if not isinstance(body, dict):
+        raise AnthropicRequestError(f"the request body must be a JSON object, got {_shown(body)}")
+    given = {key: value for key, value in body.items() if value is not None}
+    if "max_tokens" not in given:
+        raise _invalid("max_tokens", "is required: the most tokens the reply may have", None)
+    model = given.get("model", "")
+    if not isinstance(model, str):
+        raise _invalid("model", "must be a string", model)
+    stream = given.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _invalid("stream", "must be true or false", stream)
+    tools = _parse_tools(given.get("tools", []))
+    messages = _parse_system(given.get("system")) + _parse_messages(given.get("messages"), known_arguments)
+    return ChatCall(
+        messages=messages,
+        tools=tools,
+        sampling=_parse_sampling(given, defaults or SamplingParams()),
+        n=1,
+        logprobs=False,
+        top_logprobs=0,
+        stream=stream,
+        include_usage=True,
+        model=model,
+        tool_choice=_parse_tool_choice(given.get("tool_choice"), tools),
+    )
+
+
+def _parse_system(raw: object) -> list[ChatMessage]:
+    if raw is None:
+        return []
+    return [ChatMessage(role="system", content=_text_of(raw, "system"))]
+
+
+def _text_of(raw: object, path: str) -> str:
+    """A string, or a list of text blocks joined with newlines."""
+    if isinstance(raw, str):
+        return raw
+    if not isinstance(raw, list):
+        raise _invalid(path, "must be a string or a list of text blocks", raw)
+    texts = []
+    for index, block in enumerate(raw):
+        block_path = f"{path}[{index}]"
+        if not isinstance(block, dict) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, dict) else block
+            raise _invalid(f"{block_path}.type", "only 'text' blocks are accepted here", kind)
+        texts.append(_string(block, "text", block_path))
+    return "\n".join(texts)
+
+
+def _parse_messages(raw: object, known_arguments: Mapping[str, str] | None) -> list[ChatMessage]:
+    if not isinstance(raw, list) or not raw:
+        raise _invalid("messages", "must be a non-empty list of message objects", raw)
+    messages: list[ChatMessage] = []
+    for index, item in enumerate(raw):
+        path = f"messages[{index}]"
+        if not isinstance(item, dict):
+            raise _invalid(path, "must be a message object", item)
+        role = item.get("role")
+        if role not in ("user", "assistant"):
+            raise _invalid(
+                f"{path}.role", "must be 'user' or 'assistant' (put system text in 'system')", role
+            )
+        content = item.get("content")
+        if role == "user":
+            messages += _user_messages(content, f"{path}.content")
+        else:
+            messages.append(_assistant_message(content, f"{path}.content", known_arguments or {}))
+    return messages
+
+
+def _blocks(content: object, path: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise _invalid(path, "must be a string or a list of content blocks", content)
+    for index, block in enumerate(content):
+        if not isinstance(block, dict):
+            raise _invalid(f"{path}[{index}]", "must be a content block object", block)
+    return content
+
+
+def _user_messages(content: object, path: str) -> list[ChatMessage]:
+    messages: list[ChatMessage] = []
+    texts: list[str] = []
+
+    def flush_text() -> None:
+        if texts:
+            messages.append(ChatMessage(role="user", content="\n".join(texts)))
+            texts.clear()
+
+    for index, block in enumerate(_blocks(content, path)):
+        block_path = f"{path}[{index}]"
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_string(block, "text", block_path))
+        elif kind == "tool_result":
+            flush_text()
+            tool_use_id = _string(block, "tool_use_id", block_path)
+            if not tool_use_id:
+                raise _invalid(f"{block_path}.tool_use_id", "must be the id of a tool_use block", tool_use_id)
+            result = block.get("content", "")
+            messages.append(
+                ChatMessage(
+                    role="tool", tool_call_id=tool_use_id, content=_text_of(result, f"{block_path}.content")
+                )
+            )
+        else:
+            raise _invalid(f"{block_path}.type", "user content blocks must be 'text' or 'tool_result'", kind)
+    flush_text()
+    if not messages:
+        raise _invalid(path, "must hold at least one block", content)
+    return messages
+
+
+def _assistant_message(content: object, path: str, known_arguments: Mapping[str, str]) -> ChatMessage:
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    for index, block in enumerate(_blocks(content, path)):
+        block_path = f"{path}[{index}]"
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_string(block, "text", block_path))
+        elif kind == "tool_use":
+            call_id = _string(block, "id", block_path)
+            name = _string(block, "name", block_path)
+            arguments = block.get("input", {})
+            if not call_id or not name:
+                raise _invalid(f"{block_path}", "a tool_use block needs a non-empty id and name", block)
+            if not isinstance(arguments, dict):
+                raise _invalid(f"{block_path}.input", "must be an object", arguments)
+            calls.append(
+                ToolCall(
+                    id=call_id,
+                    function=FunctionCall(
+                        name=name, arguments=_arguments_text(call_id, arguments, known_arguments)
+                    ),
+                )
+            )
+        else:
+            raise _invalid(
+                f"{block_path}.type", "assistant content blocks must be 'text' or 'tool_use'", kind
+            )
+    return ChatMessage(role="assistant", content="\n".join(texts), tool_calls=calls or None)
+
+
+def _arguments_text(call_id: str, arguments: dict[str, Any], known: Mapping[str, str]) -> str:
+    """The recorded arguments text when ``arguments`` still equal it, else the arguments as JSON."""
+    recorded = known.get(call_id)
+    if recorded is not None:
+        try:
+            if json.loads(recorded) == arguments:
+                return recorded
+        except ValueError:
+            pass
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def _parse_tools(raw: object) -> list[ToolSpec]:
+    if not isinstance(raw, list):
+        raise _invalid("tools", "must be a list of tools", raw)
+    tools = []
+    for index, tool in enumerate(raw):
+        path = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise _invalid(path, "must be a tool object", tool)
+        if tool.get("type") not in (None, "custom"):
+            raise _invalid(
+                f"{path}.type",
+                "only client tools (name, description, input_schema) are served",
+                tool.get("type"),
+            )
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise _invalid(f"{path}.input_schema", "is required: a JSON Schema object", schema)
+        function = {
+            "name": tool.get("name"),
+            "description": tool.get("description") or "",
+            "parameters": schema,
+        }
+        tools.append(_validated(ToolSpec, {"type": "function", "function": function}, path))
+    return tools
+
+
+def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> str | dict[str, Any] | None:
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind in ("auto", "none"):
+        return str(kind)
+    if kind == "any":
+        if not tools:
+            raise _invalid("tool_choice", "'any' needs tools", raw)
+        return "required"
+    if kind == "tool" and isinstance(raw, dict):
+        names = [tool.function.name for tool in tools]
+        if raw.get("name") not in names:
+            raise _invalid("tool_choice.name", f"must name one of the tools {names}", raw.get("name"))
+        return {"type": "function", "function": {"name": raw["name"]}}
+    raise _invalid(
+        "tool_choice", "must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}", raw
+    )
+
+
+def _parse_sampling(given: Mapping[str, Any], defaults: SamplingParams) -> SamplingParams:
+    fields = defaults.model_dump()
+    for key in ("temperature", "top_p", "max_tokens", "seed"):
+        if key in given:
+            fields[key] = given[key]
+    if "top_k" in given:
+        fields["top_k"] = None if given["top_k"] in _TOP_K_OFF else given["top_k"]
+    if "stop_sequences" in given:
+        fields["stop"] = given["stop_sequences"]
+    return _validated(SamplingParams, fields, "", renames={"stop": "stop_sequences"})
+
+
+def _string(block: Mapping[str, Any], key: str, path: str) -> str:
+    value = block.get(key)
+    if not isinstance(value, str):
+        raise _invalid(f"{path}.{key}", "must be a string", value)
+    return value
+
+
+def _validated(
+    model: type[_Model], data: object, path: str, renames: Mapping[str, str] | None = None
+) -> _Model:
+    try:
+        return model.model_validate(data, context=TOLERANT)
+    except ValidationError as error:
+        first = error.errors()[0]
+        location = [(renames or {}).get(str(part), str(part)) for part in first["loc"]]
+        more = error.error_count() - 1
+        problem = first["msg"] + (f" ({more} more problems in this request)" if more else "")
+        parts = [part for part in location if not part.startswith("function-")]
+        param = ".".join([path, *parts] if path else parts).replace(".function.", ".")
+        raise _invalid(param or "request", problem, first["input"]) from None
+
+
+def _invalid(param: str, problem: str, got: object) -> AnthropicRequestError:
+    return AnthropicRequestError(f"invalid {param}: {problem}, got {_shown(got)}", param=param)
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---- responses ---------------------------------------------------------------------------------------
+
+
+def stop_reason(choice: ChoiceData, stop_sequences: Sequence[str]) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for a reply."""
+    if choice.tool_calls:
+        return "tool_use", None
+    if choice.finish_reason != "stop":
+        return "max_tokens", None
+    found = [(choice.text.find(stop), stop) for stop in stop_sequences if stop and stop in choice.text]
+    if found:
+        return "stop_sequence", min(found)[1]
+    return "end_turn", None
+
+
+def content_blocks(choice: ChoiceData) -> list[dict[str, Any]]:
+    """A text block (when there is text), then a ``tool_use`` block per tool call."""
+    blocks: list[dict[str, Any]] = []
+    if choice.text:
+        blocks.append({"type": "text", "text": choice.text})
+    for call in choice.tool_calls:
+        blocks.append(
+            {"type": "tool_use", "id": call.id, "name": call.function.name, "input": tool_input(call)}
+        )
+    return blocks
+
+
+def tool_input(call: ToolCall) -> dict[str, Any]:
+    """The call's arguments as an object (arguments that are not a JSON object: ``{"arguments": text}``)."""
+    try:
+        parsed = json.loads(call.function.arguments)
+    except ValueError:
+        parsed = None
+    return parsed if isinstance(parsed, dict) else {"arguments": call.function.arguments}
+
+
+def message_body(
+    *,
+    message_id: str,
+    model: str,
+    choice: ChoiceData,
+    prompt_tokens: int,
+    stop_sequences: Sequence[str] = (),
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """An Anthropic ``message`` object; ``extra`` keys are added at the top level."""
+    reason, sequence = stop_reason(choice, stop_sequences)
+    body = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content_blocks(choice),
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": len(choice.completion_token_ids)},
+    }
+    return {**body, **(extra or {})}
+
+
+def message_events(
+    *,
+    message_id: str,
+    model: str,
+    choice: ChoiceData,
+    prompt_tokens: int,
+    stop_sequences: Sequence[str] = (),
+    extra: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """The events of a streamed message: ``message_start`` (with ``extra``); per block
+    ``content_block_start``, one delta (``text_delta``, or ``input_json_delta`` with the arguments JSON) and
+    ``content_block_stop``; then ``message_delta`` (stop reason, usage) and ``message_stop``. The reply is
+    complete before streaming begins."""
+    reason, sequence = stop_reason(choice, stop_sequences)
+    start = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+        **(extra or {}),
+    }
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
+    for index, block in enumerate(content_blocks(choice)):
+        if block["type"] == "text":
+            opening: dict[str, Any] = {"type": "text", "text": ""}
+            delta = {"type": "text_delta", "text": block["text"]}
+        else:
+            opening = {**block, "input": {}}
+            delta = {
+                "type": "input_json_delta",
+                "partial_json": json.dumps(block["input"], ensure_ascii=False),
+            }
+        events += [
+            {"type": "content_block_start", "index": index, "content_block": opening},
+            {"type": "content_block_delta", "index": index, "delta": delta},
+            {"type": "content_block_stop", "index": index},
+        ]
+    usage = {"input_tokens": prompt_tokens, "output_tokens": len(choice.completion_token_ids)}
+    events += [
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage,
+        },
+        {"type": "message_stop"},
+    ]
+    return events
+
+
+def anthropic_sse(events: Iterable[Mapping[str, Any]]) -> bytes:
+    """Server-sent events as Anthropic streams them: ``event: <type>`` and ``data: {json}`` per event."""
+    return b"".join(
+        b"event: "
+        + str(event["type"]).encode()
+        + b"\ndata: "
+        + json.dumps(event, separators=(",", ":")).encode()
+        + b"\n\n"
+        for event in events
+    )

@@ -1,0 +1,51 @@
+"""Episodes: a session records each LLM turn before the agent sees it; the fold of an episode's events, the
+agent contract and run loop, the environment interface and runner leases."""
+
+from pipeline.episodes.agent import Agent, AgentResult, FunctionAgent, RewardFunction, run_episode
+from pipeline.episodes.environment import AgentEnvironment, TimeStep
+from pipeline.episodes.errors import InvalidLLMCall, MaxTurnsExceeded
+from pipeline.episodes.fold import Episode, EpisodeOutcome, fold_episode
+from pipeline.episodes.leases import (
+    RunnerLease,
+    close_abandoned_episodes,
+    find_abandoned_episodes,
+    new_runner_id,
+)
+from pipeline.episodes.openai_client import chat_result, episode_openai_client
+from pipeline.episodes.session import (
+    RUNNER_METADATA,
+    ChatReply,
+    EpisodeLLM,
+    EpisodeSession,
+    episode_stream,
+    same_assistant_message,
+    slot_episode_id,
+)
+
+__all__ = [
+    "RUNNER_METADATA",
+    "Agent",
+    "AgentEnvironment",
+    "AgentResult",
+    "ChatReply",
+    "Episode",
+    "EpisodeLLM",
+    "EpisodeOutcome",
+    "EpisodeSession",
+    "FunctionAgent",
+    "InvalidLLMCall",
+    "MaxTurnsExceeded",
+    "RewardFunction",
+    "RunnerLease",
+    "TimeStep",
+    "chat_result",
+    "close_abandoned_episodes",
+    "episode_openai_client",
+    "episode_stream",
+    "find_abandoned_episodes",
+    "fold_episode",
+    "new_runner_id",
+    "run_episode",
+    "same_assistant_message",
+    "slot_episode_id",
+]

@@ -1,0 +1,144 @@
+"""Runner leases, and closing the episodes a dead runner left open.
+
+A runner inserts a lease row before it starts any episode, renews it every ``interval`` seconds, and
+records its id in each EpisodeStarted's metadata. After a crash, any runner (at start, and then
+periodically) finds the episodes that were started and never finished whose runner's lease has lapsed,
+and closes each with EpisodeFinished ``aborted``, so read models never show dangling episodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from types import TracebackType
+
+import sqlalchemy as sa
+
+from pipeline.episodes.session import RUNNER_METADATA
+from pipeline.errors import WrongExpectedVersion
+from pipeline.log.store import EventStore
+from pipeline.log.tables import runners
+from schemas import EpisodeFinished
+
+log = logging.getLogger(__name__)
+
+
+def new_runner_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class RunnerLease:
+    """``async with RunnerLease(store) as lease:`` holds ``lease.runner_id`` while the block runs."""
+
+    def __init__(self, store: EventStore, *, runner_id: str | None = None, interval: float = 5.0) -> None:
+        self.store = store
+        self.runner_id = runner_id or new_runner_id()
+        self.interval = interval
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> RunnerLease:
+        async with self.store.engine.begin() as connection:
+            await connection.execute(
+                sa.insert(runners).values(
+                    runner_id=self.runner_id, host=socket.gethostname(), pid=os.getpid()
+                )
+            )
+        self._task = asyncio.create_task(self._renew(), name=f"lease-{self.runner_id}")
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(Exception):  # a lease that is not ended lapses by itself
+            async with self.store.engine.begin() as connection:
+                await connection.execute(
+                    sa.update(runners)
+                    .where(runners.c.runner_id == self.runner_id)
+                    .values(stopped_at=sa.func.now())
+                )
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                async with self.store.engine.begin() as connection:
+                    await connection.execute(
+                        sa.update(runners)
+                        .where(runners.c.runner_id == self.runner_id)
+                        .values(heartbeat_at=sa.func.now())
+                    )
+            except Exception as error:  # PostgreSQL away for a moment: the next renewal tries again
+                log.warning("runner lease %s: renewal failed (%s)", self.runner_id, error)
+
+
+@dataclass(frozen=True, slots=True)
+class AbandonedEpisode:
+    stream: str
+    runner_id: str | None
+    version: int
+
+
+_ABANDONED = sa.text(
+    """
+    SELECT s.stream, s.metadata ->> :runner_key AS runner_id,
+           (SELECT max(e.version) FROM events e WHERE e.stream = s.stream) AS version
+    FROM events s
+    WHERE s.type = 'EpisodeStarted'
+      AND NOT EXISTS (SELECT 1 FROM events f WHERE f.type = 'EpisodeFinished' AND f.stream = s.stream)
+      AND CASE
+            WHEN s.metadata ? :runner_key THEN NOT EXISTS (
+                SELECT 1 FROM runners r
+                WHERE r.runner_id = s.metadata ->> :runner_key
+                  AND r.stopped_at IS NULL
+                  AND r.heartbeat_at > now() - make_interval(secs => :lease_timeout))
+            ELSE (SELECT max(e.recorded_at) FROM events e WHERE e.stream = s.stream)
+                 < now() - make_interval(secs => :orphan_after)
+          END
+    ORDER BY s.position
+    """
+)
+
+
+async def find_abandoned_episodes(
+    store: EventStore, *, lease_timeout: float = 30.0, orphan_after: float = 3600.0
+) -> list[AbandonedEpisode]:
+    """Open episodes whose runner's lease lapsed ``lease_timeout`` seconds ago (or ended), and open
+    episodes recorded without a runner whose last event is older than ``orphan_after`` seconds."""
+    params = {"runner_key": RUNNER_METADATA, "lease_timeout": lease_timeout, "orphan_after": orphan_after}
+    async with store.engine.connect() as connection:
+        rows = (await connection.execute(_ABANDONED, params)).all()
+    return [AbandonedEpisode(row.stream, row.runner_id, int(row.version)) for row in rows]
+
+
+async def close_abandoned_episodes(
+    store: EventStore, *, lease_timeout: float = 30.0, orphan_after: float = 3600.0
+) -> list[str]:
+    """Close every abandoned episode as ``aborted``; the streams closed."""
+    closed = []
+    for episode in await find_abandoned_episodes(
+        store, lease_timeout=lease_timeout, orphan_after=orphan_after
+    ):
+        why = (
+            f"runner {episode.runner_id} stopped before the episode finished"
+            if episode.runner_id
+            else "the episode was left open with no runner"
+        )
+        try:
+            await store.append(
+                episode.stream, [EpisodeFinished(termination="aborted", error=why)], episode.version
+            )
+        except WrongExpectedVersion:
+            continue  # it moved on since we looked: someone is still writing it
+        closed.append(episode.stream)
+    if closed:
+        log.info("closed %d abandoned episodes as aborted", len(closed))
+    return closed

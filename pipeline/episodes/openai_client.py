@@ -1,0 +1,58 @@
+"""``llm.openai()``: an OpenAI SDK client whose chat completions are turns of an episode, in process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pipeline.dialects.openai import ChatCall, ChatResult, ChoiceData, OpenAIRequestError, openai_client
+from pipeline.episodes.errors import InvalidLLMCall
+from pipeline.inference.client import RequestRejected
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
+    from pipeline.episodes.session import ChatReply, EpisodeSession
+
+
+def chat_result(episode_id: str, replies: Sequence[ChatReply]) -> ChatResult:
+    """The OpenAI-shaped result of ``n`` recorded turns, with the ``turnstile`` field (turn ids, tokens)."""
+    choices = [
+        ChoiceData(
+            text=reply.text,
+            tool_calls=reply.tool_calls,
+            finish_reason=reply.finish_reason,
+            completion_token_ids=reply.completion_token_ids,
+            completion_logprobs=reply.completion_logprobs,
+        )
+        for reply in replies
+    ]
+    extra = {
+        "turnstile": {
+            "episode_id": episode_id,
+            "turn_ids": [str(reply.turn_id) for reply in replies],
+            "prompt_token_ids": replies[0].prompt_token_ids,
+            "completion_token_ids": [reply.completion_token_ids for reply in replies],
+            "policy_version": replies[0].policy_version,
+        }
+    }
+    return ChatResult(choices=choices, prompt_tokens=len(replies[0].prompt_token_ids), extra=extra)
+
+
+def episode_openai_client(session: EpisodeSession) -> AsyncOpenAI:
+    """Every ``chat.completions.create`` becomes ``n`` recorded turns (``n`` > 1: sibling branches).
+
+    Besides the OpenAI fields, the body carries ``turnstile``: the turn ids and the engine's token ids.
+    ``tool_choice`` is accepted but not enforced (the engine samples freely).
+    """
+    async def handle(call: ChatCall) -> ChatResult:
+        try:
+            replies = await asyncio.gather(
+                *(session.chat(call.messages, call.tools, call.sampling) for _ in range(call.n))
+            )
+        except (InvalidLLMCall, RequestRejected) as error:
+            raise OpenAIRequestError(str(error), param=getattr(error, "field", None)) from None
+        return chat_result(session.episode_id, replies)
+
+    return openai_client(handle, model=session.policy, defaults=session.started.sampling)

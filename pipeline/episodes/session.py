@@ -1,0 +1,365 @@
+"""Episodes: one agent run, recorded as the ``episode-<id>`` stream of the log.
+
+An ``EpisodeSession`` opens the stream (EpisodeStarted), sends each LLM call of the agent to the inference
+consumers, appends the turn (TurnCompleted, with the engine's tokens) and only then hands the reply to the
+agent; it records rewards and closes the stream (EpisodeFinished). ``EpisodeLLM`` is the session as the
+agent sees it (``llm.chat``, ``llm.reward``, ``llm.openai()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from pydantic import ValidationError
+
+from pipeline.episodes.errors import InvalidLLMCall, MaxTurnsExceeded
+from pipeline.episodes.fold import Episode, fold_episode
+from pipeline.episodes.openai_client import episode_openai_client
+from pipeline.errors import TurnstileError, describe_validation_error
+from pipeline.inference.client import LLMClient
+from pipeline.log.store import AppendResult, EventStore
+from schemas import (
+    ChatMessage,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    FinishReason,
+    LLMRequest,
+    RewardAssigned,
+    SamplingParams,
+    TokenPrefix,
+    ToolCall,
+    ToolSpec,
+    TurnCompleted,
+    TurnReply,
+    TurnRequest,
+)
+from schemas.episode import Termination
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
+EPISODE_NAMESPACE: Final = uuid.UUID("6c1f4a57-1d0e-4a8e-9f55-3b8f0f5a7e21")
+RUNNER_METADATA: Final = "runner"
+
+
+def episode_stream(episode_id: str) -> str:
+    return f"episode-{episode_id}"
+
+
+def slot_episode_id(group_id: str, slot: int, attempt: int) -> str:
+    """The id of attempt ``attempt`` at slot ``slot`` of a task group: the same on every runner, so a
+    redelivered task finds the episodes its first runner left behind."""
+    return uuid.uuid5(EPISODE_NAMESPACE, f"{group_id}/{slot}/{attempt}").hex
+
+
+@dataclass(frozen=True, slots=True)
+class ChatReply:
+    """What ``llm.chat`` returns: the reply, and the engine's tokens for it."""
+
+    turn_id: uuid.UUID
+    text: str
+    tool_calls: list[ToolCall]
+    finish_reason: FinishReason
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    policy_version: int
+
+    @property
+    def message(self) -> ChatMessage:
+        """The assistant message to append to the conversation for the next turn."""
+        return ChatMessage(role="assistant", content=self.text, tool_calls=self.tool_calls or None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    """A recorded turn as a conversation that later turns may extend (token-exact continuation)."""
+
+    turn_id: uuid.UUID
+    messages: list[ChatMessage]
+    tools: list[ToolSpec]
+    reply: ChatMessage
+    token_ids: list[int]
+
+
+class EpisodeSession:
+    """One episode's stream. ``await session.start()``, ``await session.chat(...)`` per LLM call,
+    ``await session.reward(...)``, ``await session.finish(...)``."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        llm: LLMClient,
+        *,
+        policy: str,
+        task: Mapping[str, Any] | None = None,
+        task_id: str = "",
+        agent: str = "",
+        episode_id: str | None = None,
+        group_id: str | None = None,
+        group_size: int = 1,
+        sampling: SamplingParams | None = None,
+        tags: Mapping[str, str] | None = None,
+        retry_of: str | None = None,
+        max_turns: int | None = None,
+        runner_id: str | None = None,
+    ) -> None:
+        self.store = store
+        self.client = llm
+        self.episode_id = episode_id or uuid.uuid4().hex
+        self.stream = episode_stream(self.episode_id)
+        self.max_turns = max_turns
+        self.runner_id = runner_id
+        self.started = EpisodeStarted(
+            episode_id=self.episode_id,
+            task=dict(task or {}),
+            task_id=task_id,
+            group_id=group_id,
+            group_size=group_size,
+            agent=agent,
+            policy=policy,
+            sampling=sampling or SamplingParams(),
+            tags=dict(tags or {}),
+            retry_of=retry_of,
+        )
+        self.events: list[Event] = []
+        self.turns: list[ChatReply] = []
+        self.max_turns_hit = False
+        self.llm_seconds = 0.0
+        self._contexts: list[_Context] = []
+        self._version = 0
+        self._lock = asyncio.Lock()
+        self._appends: set[asyncio.Task[AppendResult]] = set()
+        self._started_at = time.monotonic()
+        self._calls = 0
+
+    @property
+    def policy(self) -> str:
+        return self.started.policy
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.events) and isinstance(self.events[-1], EpisodeFinished)
+
+    def episode(self) -> Episode:
+        return fold_episode(self.events)
+
+    @property
+    def llm(self) -> EpisodeLLM:
+        return EpisodeLLM(self)
+
+    async def start(self) -> None:
+        self._started_at = time.monotonic()
+        await self._append([self.started])
+
+    async def chat(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+    ) -> ChatReply:
+        """One LLM turn: the request goes to inference, the turn is recorded, then the reply returns."""
+        if self.finished:
+            raise TurnstileError(f"episode {self.episode_id} is finished; start a new episode")
+        if self.max_turns is not None and self._calls >= self.max_turns:
+            self.max_turns_hit = True
+            raise MaxTurnsExceeded(self.max_turns)
+        self._calls += 1
+        request, parent = self._request(messages, tools, sampling)
+        began = time.monotonic()
+        response = await self.client(request)
+        self.llm_seconds += time.monotonic() - began
+        turn = TurnCompleted(
+            parent_turn_id=parent.turn_id if parent else None,
+            request=TurnRequest(messages=request.messages, tools=request.tools, sampling=request.sampling),
+            reply=TurnReply(
+                text=response.text, tool_calls=response.tool_calls, finish_reason=response.finish_reason
+            ),
+            prompt_token_ids=response.prompt_token_ids,
+            completion_token_ids=response.completion_token_ids,
+            completion_logprobs=response.completion_logprobs,
+            policy_version=response.policy_version,
+            engine_id=response.consumer_id,
+            timings=response.timings,
+            prefix_break=response.prefix_break,
+        )
+        await self._append([turn])
+        reply = ChatReply(
+            turn_id=turn.turn_id,
+            text=response.text,
+            tool_calls=response.tool_calls,
+            finish_reason=response.finish_reason,
+            prompt_token_ids=response.prompt_token_ids,
+            completion_token_ids=response.completion_token_ids,
+            completion_logprobs=response.completion_logprobs,
+            policy_version=response.policy_version,
+        )
+        self.turns.append(reply)
+        self._contexts.append(
+            _Context(
+                turn_id=turn.turn_id,
+                messages=request.messages,
+                tools=request.tools,
+                reply=reply.message,
+                token_ids=[*response.prompt_token_ids, *response.completion_token_ids],
+            )
+        )
+        return reply
+
+    async def reward(
+        self, value: float, turn_id: uuid.UUID | str | None = None, source: str = "agent"
+    ) -> None:
+        if turn_id is not None and not isinstance(turn_id, uuid.UUID):
+            try:
+                turn_id = uuid.UUID(str(turn_id))
+            except ValueError:
+                raise InvalidLLMCall(f"reward for turn {turn_id!r}: not a turn id (a UUID)") from None
+        if turn_id is not None and turn_id not in {turn.turn_id for turn in self.turns}:
+            raise InvalidLLMCall(f"reward for turn {turn_id}: no such turn in episode {self.episode_id}")
+        try:
+            event = RewardAssigned(turn_id=turn_id, value=value, source=source)
+        except ValidationError as error:
+            raise InvalidLLMCall(f"reward {value!r}: {describe_validation_error(error)}") from None
+        await self._append([event])
+
+    async def finish(
+        self,
+        termination: Termination,
+        *,
+        error: str | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ) -> None:
+        """Close the stream. Appends still in flight (a turn whose agent was cancelled) land first; if one
+        of them closed the stream already (a finish that was cancelled while appending), that one stands."""
+        if self._appends:
+            await asyncio.gather(*self._appends, return_exceptions=True)
+        if self.finished:
+            return
+        episode = self.episode()
+        summary = {
+            "turns": float(len(episode.turns)),
+            "prompt_tokens": float(sum(len(t.prompt_token_ids) for t in episode.turns)),
+            "completion_tokens": float(sum(len(t.completion_token_ids) for t in episode.turns)),
+            "reward": episode.total_reward,
+            "duration_s": round(time.monotonic() - self._started_at, 6),
+            "llm_s": round(self.llm_seconds, 6),
+        }
+        summary.update(metrics or {})
+        await self._append([EpisodeFinished(termination=termination, metrics=summary, error=error)])
+
+    def _request(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        tools: Sequence[ToolSpec | Mapping[str, Any]] | None,
+        sampling: SamplingParams | Mapping[str, Any] | None,
+    ) -> tuple[LLMRequest, _Context | None]:
+        if isinstance(sampling, SamplingParams):
+            sampling = sampling.model_dump()
+        try:
+            chosen = SamplingParams.model_validate({**self.started.sampling.model_dump(), **(sampling or {})})
+            request = LLMRequest.model_validate(
+                {
+                    "policy": self.policy,
+                    "episode_id": self.episode_id,
+                    "messages": list(messages),
+                    "tools": list(tools or []),
+                    "sampling": chosen,
+                }
+            )
+        except ValidationError as error:
+            raise InvalidLLMCall(
+                f"llm.chat: {describe_validation_error(error)}; messages are OpenAI-style chat messages "
+                "({'role': 'user', 'content': '...'}), tools OpenAI function tools, sampling keywords "
+                f"are {', '.join(SamplingParams.model_fields)}"
+            ) from None
+        for index, message in enumerate(request.messages):
+            if "\x00" in (message.content or ""):
+                raise InvalidLLMCall(
+                    f"llm.chat: messages.{index}.content holds a NUL character (\\x00), which the event log "
+                    "(PostgreSQL jsonb) cannot store; remove or replace it"
+                )
+        parent = self._parent(request)
+        if parent is None:
+            return request, None
+        prefix = TokenPrefix(token_ids=parent.token_ids, message_count=len(parent.messages) + 1)
+        return request.model_copy(update={"prefix": prefix}), parent
+
+    def _parent(self, request: LLMRequest) -> _Context | None:
+        """The latest recorded turn whose conversation and reply begin this request's messages."""
+        for context in reversed(self._contexts):
+            count = len(context.messages)
+            if (
+                len(request.messages) > count
+                and context.tools == request.tools
+                and request.messages[:count] == context.messages
+                and same_assistant_message(request.messages[count], context.reply)
+            ):
+                return context
+        return None
+
+    async def _append(self, events: list[Event]) -> AppendResult:
+        # Shielded: if the agent is cancelled while its turn is being appended, the append still completes
+        # (and `finish` waits for it), so the stream's expected version stays right.
+        task = asyncio.create_task(self._append_in_order(events))
+        self._appends.add(task)
+        task.add_done_callback(self._appends.discard)
+        return await asyncio.shield(task)
+
+    async def _append_in_order(self, events: list[Event]) -> AppendResult:
+        async with self._lock:
+            metadata = {RUNNER_METADATA: self.runner_id} if self.runner_id and not self._version else None
+            result = await self.store.append(self.stream, events, self._version, metadata=metadata)
+            self._version = result.version
+            self.events.extend(events)
+            return result
+
+
+def same_assistant_message(sent: ChatMessage, reply: ChatMessage) -> bool:
+    """Whether the agent sent back the reply it got (``content`` None and "" are the same)."""
+
+    def calls(message: ChatMessage) -> list[tuple[str, str, str]]:
+        return [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+    return (
+        sent.role == "assistant"
+        and (sent.content or "") == (reply.content or "")
+        and calls(sent) == calls(reply)
+    )
+
+
+class EpisodeLLM:
+    """The ``llm`` an agent gets: bound to its episode, every call recorded."""
+
+    def __init__(self, session: EpisodeSession) -> None:
+        self._session = session
+
+    @property
+    def episode_id(self) -> str:
+        return self._session.episode_id
+
+    @property
+    def turns(self) -> list[ChatReply]:
+        return self._session.turns
+
+    async def chat(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
+        **sampling: Any,
+    ) -> ChatReply:
+        """``await llm.chat(messages, tools=None, temperature=..., max_tokens=...)``."""
+        return await self._session.chat(messages, tools, sampling)
+
+    async def reward(self, value: float, turn_id: uuid.UUID | str | None = None) -> None:
+        """Record a reward now (for a turn, or the episode), besides what ``run`` returns."""
+        await self._session.reward(value, turn_id)
+
+    def openai(self) -> AsyncOpenAI:
+        """An ``openai.AsyncOpenAI`` whose chat completions go through this episode, in process."""
+        return episode_openai_client(self._session)

@@ -1,0 +1,218 @@
+"""A transformers causal LM served with torch (CPU or GPU), several requests batched together.
+
+Requests that arrive while a batch runs wait and form the next batch (static batching). Each batch is a
+left-padded prefill and a decode loop over the KV cache; every row samples with its own temperature,
+top-p, top-k, seed, stop strings and max_tokens. Logprobs are ``log_softmax`` of the raw logits, before
+temperature or truncation, as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pipeline.inference.backends import Generation
+from pipeline.inference.chat import ChatRenderer
+from pipeline.inference.client import RequestRejected
+from schemas import FinishReason, LLMRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Row:
+    request: LLMRequest
+    prompt: list[int]
+    prefix_break: bool
+    future: asyncio.Future[Generation]
+    completion: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+
+
+def load_model(directory: str | Path, device: str, dtype: torch.dtype) -> Any:
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs type .to() oddly
+
+
+class TorchBackend:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str | None = None,
+        dtype: torch.dtype = torch.float32,
+        max_batch: int = 16,
+        policy_version: int = 0,
+    ) -> None:
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = dtype
+        self.max_batch = max_batch
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = load_model(model_dir, self.device, dtype)
+        self.renderer = ChatRenderer(self.tokenizer)
+        self.policy_version = policy_version
+        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 4096))
+        self.eos_ids = self._eos_ids()
+        self.pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        )
+        self._queue: asyncio.Queue[_Row] = asyncio.Queue()
+        self._swap = asyncio.Lock()  # held while a batch runs; a weight swap waits for it
+        self._worker: asyncio.Task[None] | None = None
+
+    def _eos_ids(self) -> list[int]:
+        ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        if ids is None:
+            ids = self.tokenizer.eos_token_id
+        return [ids] if isinstance(ids, int) else list(ids)
+
+    async def generate(self, request: LLMRequest) -> Generation:
+        prompt = self.renderer.prompt(request)
+        if len(prompt.token_ids) >= self.context_length:
+            raise RequestRejected(
+                "messages",
+                f"the prompt is {len(prompt.token_ids)} tokens; the model's context is {self.context_length}",
+            )
+        row = _Row(request, prompt.token_ids, prompt.prefix_break, asyncio.get_running_loop().create_future())
+        if self._worker is None:
+            self._worker = asyncio.create_task(self._run(), name="torch-backend-batches")
+        await self._queue.put(row)
+        return await row.future
+
+    async def load_version(self, version: int, checkpoint: str) -> None:
+        model = await asyncio.to_thread(load_model, checkpoint, self.device, self.dtype)
+        async with self._swap:
+            self.model, self.policy_version = model, version
+        log.info("loaded policy version %d from %s", version, checkpoint)
+
+    async def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            self._worker = None
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self.max_batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            async with self._swap:
+                version = self.policy_version
+                try:
+                    await asyncio.to_thread(self._generate_batch, batch, self.model)
+                except Exception as error:
+                    log.exception("batch of %d failed", len(batch))
+                    for row in batch:
+                        if not row.future.done():
+                            row.future.set_exception(error)
+                    continue
+            for row in batch:
+                if row.future.done():
+                    continue
+                row.future.set_result(
+                    Generation(
+                        prompt_token_ids=row.prompt,
+                        completion_token_ids=row.completion,
+                        completion_logprobs=row.logprobs,
+                        text=self._text(row.completion),
+                        finish_reason=row.finish_reason or "length",
+                        policy_version=version,
+                        prefix_break=row.prefix_break,
+                        started_at=row.started_at,
+                        first_token_at=row.first_token_at,
+                    )
+                )
+
+    def _text(self, completion: list[int]) -> str:
+        ids = completion[:-1] if completion and completion[-1] in self.eos_ids else completion
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    @torch.inference_mode()
+    def _generate_batch(self, rows: list[_Row], model: Any) -> None:
+        started = time.monotonic()
+        width = max(len(row.prompt) for row in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            row.started_at = started
+            input_ids[i, width - len(row.prompt) :] = torch.tensor(row.prompt)
+            attention[i, width - len(row.prompt) :] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        generators = [_generator(row.request.sampling) for row in rows]
+        budgets = [
+            min(row.request.sampling.max_tokens, self.context_length - len(row.prompt)) for row in rows
+        ]
+        cache = None
+        step_ids, step_positions = input_ids.to(self.device), positions.to(self.device)
+        attention = attention.to(self.device)
+        for _ in range(max(budgets)):
+            output = model(
+                input_ids=step_ids,
+                attention_mask=attention,
+                position_ids=step_positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = output.past_key_values
+            logits = output.logits[:, -1, :].float()
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+            next_ids = []
+            for i, row in enumerate(rows):
+                if row.finish_reason is not None:
+                    next_ids.append(self.pad_id)
+                    continue
+                token = _sample(logits[i], row.request.sampling, generators[i])
+                row.completion.append(token)
+                row.logprobs.append(float(raw_logprobs[i, token]))
+                if len(row.completion) == 1:
+                    row.first_token_at = time.monotonic()
+                row.finish_reason = self._finished(row, budgets[i])
+                next_ids.append(token)
+            if all(row.finish_reason is not None for row in rows):
+                break
+            step_ids = torch.tensor(next_ids, device=self.device)[:, None]
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            step_positions = step_positions[:, -1:] + 1
+
+    def _finished(self, row: _Row, budget: int) -> FinishReason | None:
+        if row.completion[-1] in self.eos_ids:
+            return "stop"
+        stops = row.request.sampling.stop
+        if stops and any(stop in self._text(row.completion) for stop in stops):
+            return "stop"
+        if len(row.completion) >= budget:
+            return "length"
+        return None
+
+
+def _generator(sampling: SamplingParams) -> torch.Generator:
+    seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
+    return torch.Generator().manual_seed(seed)
+
+
+def _sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
+    if sampling.temperature == 0:
+        return int(torch.argmax(logits))
+    scores = logits.cpu() / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < scores.numel():
+        kth = torch.topk(scores, sampling.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=True)
+        cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+        drop = (
+            cumulative - torch.softmax(ordered, dim=-1) >= sampling.top_p
+        )  # keep the token that crosses top_p
+        scores = scores.scatter(0, order[drop], float("-inf"))
+    probabilities = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probabilities, 1, generator=generator))

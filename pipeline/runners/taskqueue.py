@@ -1,0 +1,190 @@
+"""The ``TASKS`` work queue: ``turnstile submit`` puts tasks on it, runners on any machine take them.
+
+A JetStream stream with work-queue retention (a message is gone once acked) and one durable pull consumer
+per policy shared by every runner. A runner acks a task only after all of its group's episodes are
+finished and recorded; while it works it tells the server so (``in_progress``) every third of
+``ack_wait``. A runner that dies stops doing that, and after ``ack_wait`` the task goes to another runner,
+which resumes the group from what the log holds (see ``pipeline.runners.runner``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Iterable
+from typing import Any, Final
+
+from nats.aio.client import Client as NatsConnection
+from nats.aio.msg import Msg
+from nats.errors import ConnectionClosedError, NoServersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
+from pydantic import ValidationError
+
+from pipeline.errors import ConfigError, describe_validation_error
+from pipeline.runners.runner import Runner, TaskSpec
+from schemas import TOLERANT, TaskSubmitted
+
+log = logging.getLogger(__name__)
+
+TASKS_STREAM: Final = "TASKS"
+
+
+def task_subject(policy: str) -> str:
+    return f"tasks.{policy}"
+
+
+def runner_durable(policy: str) -> str:
+    return "runners-" + re.sub(r"[^A-Za-z0-9_-]", "_", policy)
+
+
+async def ensure_tasks_stream(connection: NatsConnection) -> None:
+    js = connection.jetstream()
+    config = StreamConfig(
+        name=TASKS_STREAM,
+        subjects=["tasks.>"],
+        retention=RetentionPolicy.WORK_QUEUE,
+        duplicate_window=600.0,
+    )
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        # Exists with another configuration (e.g. made by an operator): keep it if it is a work queue.
+        info = await js.stream_info(TASKS_STREAM)
+        if info.config.retention != RetentionPolicy.WORK_QUEUE:
+            raise ConfigError(
+                f"JetStream stream {TASKS_STREAM} exists but is not a work queue; delete it "
+                f"(`nats stream rm {TASKS_STREAM}`) and let Turnstile create it"
+            ) from None
+
+
+async def submit_tasks(
+    connection: NatsConnection, policy: str, tasks: Iterable[TaskSpec], *, group_size: int = 1
+) -> list[TaskSubmitted]:
+    """Publish each task and wait for JetStream to store it; the messages sent."""
+    await ensure_tasks_stream(connection)
+    js = connection.jetstream()
+    sent = []
+    for spec in tasks:
+        message = TaskSubmitted(policy=policy, task=spec.task, task_id=spec.task_id, group_size=group_size)
+        await js.publish(
+            task_subject(policy),
+            message.model_dump_json().encode(),
+            headers={"Nats-Msg-Id": str(message.submission_id)},
+        )
+        sent.append(message)
+    return sent
+
+
+class TaskWorker:
+    """Takes tasks for ``runner.config.policy`` off the queue and runs them, ``concurrency`` episodes at
+    most. ``await worker.run(stop)`` until ``stop`` is set; tasks in progress are then left unacked
+    (their episodes end ``cancelled``) for another runner."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        connection: NatsConnection,
+        *,
+        ack_wait: float = 60.0,
+        max_deliver: int = 20,
+        fetch_timeout: float = 1.0,
+    ) -> None:
+        self.runner = runner
+        self.connection = connection
+        self.ack_wait = ack_wait
+        self.max_deliver = max_deliver
+        self.fetch_timeout = fetch_timeout
+        self.tasks_done = 0
+        self.tasks_refused = 0
+        self._episodes_in_flight = 0
+        self._working: set[asyncio.Task[None]] = set()
+
+    @property
+    def policy(self) -> str:
+        return self.runner.config.policy
+
+    async def subscribe(self) -> Any:
+        await ensure_tasks_stream(self.connection)
+        js = self.connection.jetstream()
+        config = ConsumerConfig(ack_wait=self.ack_wait, max_deliver=self.max_deliver, max_ack_pending=-1)
+        return await js.pull_subscribe(
+            task_subject(self.policy), durable=runner_durable(self.policy), stream=TASKS_STREAM, config=config
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        subscription = await self.subscribe()
+        capacity = self.runner.config.concurrency
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                room = capacity - self._episodes_in_flight
+                if room < self.runner.config.group_size and self._working:
+                    # full: wait for a task to finish (or for the stop)
+                    await asyncio.wait(self._working | {stopping}, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    messages = await subscription.fetch(
+                        max(1, room // self.runner.config.group_size), timeout=self.fetch_timeout
+                    )
+                except (NatsTimeoutError, TimeoutError):
+                    continue
+                except (ConnectionClosedError, NoServersError, NotFoundError) as error:
+                    log.warning("task queue: %s; trying again", error or type(error).__name__)
+                    await asyncio.sleep(0.5)
+                    continue
+                for message in messages:
+                    task = asyncio.create_task(self._work(message))
+                    self._working.add(task)
+                    task.add_done_callback(self._working.discard)
+        finally:
+            stopping.cancel()
+            for task in self._working:
+                task.cancel()
+            await asyncio.gather(*self._working, return_exceptions=True)
+            with contextlib.suppress(Exception):  # else draining the connection waits on its pull requests
+                await subscription.unsubscribe()
+
+    async def _work(self, message: Msg) -> None:
+        try:
+            submitted = TaskSubmitted.model_validate_json(message.data, context=TOLERANT)
+        except ValidationError as error:
+            self.tasks_refused += 1
+            problem = describe_validation_error(error)
+            log.error("refused a task on %s: %s; it is dropped", message.subject, problem)
+            await message.term()
+            return
+        size = submitted.group_size
+        self._episodes_in_flight += size
+        keepalive = asyncio.create_task(self._keep_alive(message))
+        try:
+            spec = TaskSpec(task=submitted.task, task_id=submitted.task_id)
+            await self.runner.run_group(
+                spec, str(submitted.submission_id), size, resume=message.metadata.num_delivered > 1
+            )
+            keepalive.cancel()
+            await self._ack(message)
+            self.tasks_done += 1
+        finally:
+            keepalive.cancel()
+            self._episodes_in_flight -= size
+
+    async def _keep_alive(self, message: Msg) -> None:
+        while True:
+            await asyncio.sleep(self.ack_wait / 3)
+            with contextlib.suppress(Exception):  # a lost one only risks an early redelivery
+                await message.in_progress()
+
+    async def _ack(self, message: Msg) -> None:
+        # ack_sync: the server confirms, so a task is not reported done while its ack is lost. If the
+        # ack is lost anyway (the server restarting), the task comes back and resumes as all finished.
+        for delay in (0.2, 0.5, 1.0, 2.0, 4.0):
+            try:
+                await message.ack_sync(timeout=5.0)
+                return
+            except Exception as error:
+                log.warning("task ack failed (%s); retrying", error)
+                await asyncio.sleep(delay)

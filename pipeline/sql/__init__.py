@@ -1,0 +1,1 @@
+"""Read-only SQL over the log and read models (turnstile sql)."""

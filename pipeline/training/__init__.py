@@ -1,0 +1,2 @@
+"""The trainer's side: batches from JetStream as tensors exactly once, the PPO-clip update and policy
+versions."""

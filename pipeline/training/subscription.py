@@ -1,0 +1,303 @@
+"""The trainer's side of the pipeline: batches from JetStream ``BATCHES`` as torch tensors, exactly once in
+effect, and publishing new policy versions.
+
+    async with await BatchSubscription.open(nats, store, policy="main", durable="trainer") as batches:
+        async for delivered in batches:
+            loss = step(delivered.tensors())              # your training step
+            if time_for_a_checkpoint:
+                save(checkpoint_dir)                       # durable first ...
+                await batches.commit(pending, version)     # ... then recorded as trained, then acked
+                await publish_policy_version(store, nats, "main", version, checkpoint_dir)
+
+Why this order: a batch is acked only after it is recorded in ``trained_batches`` with the version whose
+checkpoint holds its update, and that row is written only after the checkpoint is on disk. A trainer that
+dies before that gets the batch again (JetStream redelivers unacked messages after ``ack_wait``) and,
+restarting from the last recorded version, trains it again; a batch already recorded (a redelivery after
+the commit, or a duplicate from the relay) is acked and skipped. While a batch waits for its checkpoint the
+subscription tells JetStream it is still being worked on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final
+
+import sqlalchemy as sa
+from nats.aio.client import Client as NatsConnection
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from pipeline.batches.format import TrainingBatch
+from pipeline.batches.relay import BATCHES_STREAM, batch_subject, ensure_batches_stream, fetch_training_batch
+from pipeline.inference.client import versions_subject
+from pipeline.log.store import EventStore
+from pipeline.log.tables import trained_batches
+from schemas import PolicyVersionPublished
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+VERSION_NAMESPACE: Final = uuid.UUID("0b7f1f6e-93a1-4f0c-8d1e-6d2f3c4b5a69")
+
+
+@dataclass(frozen=True)
+class BatchTensors:
+    """A batch as right-padded tensors, one row per sample. ``logprobs`` are the sampling logprobs at the
+    positions of the tokens they scored (0 where ``loss_mask`` is 0)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    logprobs: torch.Tensor
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    policy_versions: torch.Tensor
+    sample_ids: list[str]
+
+
+def to_tensors(batch: TrainingBatch, pad_id: int = 0) -> BatchTensors:
+    import torch
+
+    length = max((len(s.input_ids) for s in batch.samples), default=0)
+    rows = len(batch.samples)
+    input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((rows, length), dtype=torch.long)
+    mask = torch.zeros((rows, length), dtype=torch.float32)
+    logprobs = torch.zeros((rows, length), dtype=torch.float32)
+    for row, sample in enumerate(batch.samples):
+        n = len(sample.input_ids)
+        input_ids[row, :n] = torch.tensor(sample.input_ids, dtype=torch.long)
+        attention[row, :n] = 1
+        mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+        logprobs[row, :n] = torch.tensor(sample.logprobs, dtype=torch.float32)
+    return BatchTensors(
+        input_ids=input_ids,
+        attention_mask=attention,
+        loss_mask=mask,
+        logprobs=logprobs,
+        advantages=torch.tensor([s.advantage for s in batch.samples], dtype=torch.float32),
+        rewards=torch.tensor([s.reward for s in batch.samples], dtype=torch.float32),
+        policy_versions=torch.tensor([s.policy_version for s in batch.samples], dtype=torch.long),
+        sample_ids=[s.sample_id for s in batch.samples],
+    )
+
+
+@dataclass
+class DeliveredBatch:
+    batch: TrainingBatch
+    message: Any = field(repr=False)
+
+    @property
+    def batch_id(self) -> str:
+        return self.batch.batch_id
+
+    @property
+    def min_policy_version(self) -> int:
+        return min((s.policy_version for s in self.batch.samples), default=0)
+
+    def tensors(self, pad_id: int = 0) -> BatchTensors:
+        return to_tensors(self.batch, pad_id)
+
+
+class BatchSubscription:
+    """A durable pull consumer on ``batches.<policy>``; ``async for`` yields batches not yet trained."""
+
+    def __init__(
+        self,
+        connection: NatsConnection,
+        store: EventStore,
+        *,
+        policy: str,
+        durable: str,
+        ack_wait: float = 120.0,
+        fetch_timeout: float = 1.0,
+    ) -> None:
+        self.connection = connection
+        self.store = store
+        self.policy = policy
+        self.durable = durable
+        self.ack_wait = ack_wait
+        self.fetch_timeout = fetch_timeout
+        self.duplicates = 0
+        self._subscription: Any = None
+        self._waiting: dict[str, DeliveredBatch] = {}
+        self._keepalive: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(cls, connection: NatsConnection, store: EventStore, **options: Any) -> BatchSubscription:
+        subscription = cls(connection, store, **options)
+        await ensure_batches_stream(connection)
+        config = ConsumerConfig(
+            durable_name=subscription.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=subscription.ack_wait,
+            max_deliver=-1,
+            max_ack_pending=10_000,
+        )
+        subscription._subscription = await connection.jetstream().pull_subscribe(
+            batch_subject(subscription.policy),
+            durable=subscription.durable,
+            stream=BATCHES_STREAM,
+            config=config,
+        )
+        subscription._keepalive = asyncio.create_task(subscription._keep_alive())
+        return subscription
+
+    async def __aenter__(self) -> BatchSubscription:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keepalive
+        if self._subscription is not None:
+            with contextlib.suppress(Exception):
+                await self._subscription.unsubscribe()
+            self._subscription = None
+
+    def __aiter__(self) -> AsyncIterator[DeliveredBatch]:
+        return self._batches()
+
+    async def _batches(self) -> AsyncIterator[DeliveredBatch]:
+        while True:
+            try:
+                messages = await self._subscription.fetch(1, timeout=self.fetch_timeout)
+            except (NatsTimeoutError, TimeoutError):
+                continue
+            for message in messages:
+                batch = await fetch_training_batch(self.connection, message)
+                if await self._recorded(batch.batch_id):
+                    self.duplicates += 1
+                    await message.ack_sync(timeout=10.0)
+                    continue
+                delivered = DeliveredBatch(batch, message)
+                self._waiting[batch.batch_id] = delivered
+                yield delivered
+
+    async def _recorded(self, batch_id: str) -> bool:
+        query = (
+            sa.select(sa.func.count())
+            .select_from(trained_batches)
+            .where(trained_batches.c.trainer == self.durable, trained_batches.c.batch_id == batch_id)
+        )
+        async with self.store.engine.connect() as connection:
+            return bool(await connection.scalar(query))
+
+    async def commit(
+        self,
+        delivered: Sequence[DeliveredBatch],
+        version: int,
+        *,
+        outcome: str = "trained",
+        losses: Sequence[float | None] | None = None,
+    ) -> None:
+        """Record the batches as trained into ``version`` (call after its checkpoint is on disk), then ack."""
+        if not delivered:
+            return
+        rows = [
+            {
+                "trainer": self.durable,
+                "batch_id": d.batch_id,
+                "policy": self.policy,
+                "policy_version": version,
+                "outcome": outcome,
+                "loss": losses[i] if losses else None,
+            }
+            for i, d in enumerate(delivered)
+        ]
+        async with self.store.engine.begin() as connection:
+            await connection.execute(sa.insert(trained_batches), rows)
+        for d in delivered:
+            self._waiting.pop(d.batch_id, None)
+            with contextlib.suppress(Exception):  # recorded: a redelivery would be skipped anyway
+                await d.message.ack_sync(timeout=10.0)
+
+    async def trained_version(self) -> int:
+        """The newest policy version this trainer recorded batches into (0: none yet)."""
+        query = sa.select(sa.func.coalesce(sa.func.max(trained_batches.c.policy_version), 0)).where(
+            trained_batches.c.trainer == self.durable
+        )
+        async with self.store.engine.connect() as connection:
+            return int(await connection.scalar(query) or 0)
+
+    async def trained_count(self) -> int:
+        """Batches this trainer has trained (not counting skipped ones)."""
+        query = (
+            sa.select(sa.func.count())
+            .select_from(trained_batches)
+            .where(trained_batches.c.trainer == self.durable, trained_batches.c.outcome == "trained")
+        )
+        async with self.store.engine.connect() as connection:
+            return int(await connection.scalar(query) or 0)
+
+    async def trained_into(self, version: int) -> list[str]:
+        """The ids of the batches trained into ``version``."""
+        query = sa.select(trained_batches.c.batch_id).where(
+            trained_batches.c.trainer == self.durable,
+            trained_batches.c.policy_version == version,
+            trained_batches.c.outcome == "trained",
+        )
+        async with self.store.engine.connect() as connection:
+            return sorted((await connection.scalars(query)).all())
+
+    async def _keep_alive(self) -> None:
+        while True:
+            await asyncio.sleep(self.ack_wait / 3)
+            for delivered in list(self._waiting.values()):
+                with contextlib.suppress(Exception):
+                    await delivered.message.in_progress()
+
+
+def version_event_id(policy: str, version: int) -> uuid.UUID:
+    """The same event id for the same version: publishing a version again after a crash is idempotent."""
+    return uuid.uuid5(VERSION_NAMESPACE, f"{policy}/{version}")
+
+
+async def publish_policy_version(
+    store: EventStore,
+    connection: NatsConnection,
+    policy: str,
+    version: int,
+    checkpoint: str,
+    *,
+    batches_consumed: Sequence[str] = (),
+) -> PolicyVersionPublished:
+    """Append PolicyVersionPublished to ``policy-<policy>`` and broadcast it on ``policy.<policy>.versions``,
+    where inference consumers load it. Safe to call again for the same version (idempotent)."""
+    event = PolicyVersionPublished(
+        event_id=version_event_id(policy, version),
+        policy=policy,
+        version=version,
+        checkpoint=checkpoint,
+        batches_consumed=sorted(batches_consumed),
+    )
+    await store.append(f"policy-{policy}", [event])
+    await connection.publish(versions_subject(policy), event.model_dump_json().encode())
+    await connection.flush()
+    return event
+
+
+async def published_version(store: EventStore, policy: str) -> PolicyVersionPublished | None:
+    """The newest version of ``policy`` in the log."""
+    newest = None
+    for recorded in await store.read_stream(f"policy-{policy}"):
+        if isinstance(recorded.event, PolicyVersionPublished) and (
+            newest is None or recorded.event.version > newest.version
+        ):
+            newest = recorded.event
+    return newest
