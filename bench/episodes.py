@@ -64,8 +64,8 @@ from pipeline.dev.embedded import EmbeddedServers
 from pipeline.episodes import EpisodeLLM
 from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.client import NatsLLMClient
+from pipeline.log import EventStore
 from pipeline.log.db import migrate
-from pipeline.log.store import EventStore
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
 from pipeline.settings import libpq_url
 from schemas import ChatMessage, LLMRequest, SamplingParams

@@ -57,8 +57,8 @@ from pipeline.dev.embedded import EmbeddedServers
 from pipeline.episodes import EpisodeSession
 from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.client import NatsLLMClient
+from pipeline.log import EventStore
 from pipeline.log.db import migrate
-from pipeline.log.store import EventStore
 from pipeline.settings import libpq_url
 
 POLICY = "bench"

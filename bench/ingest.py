@@ -57,15 +57,9 @@ from rich.table import Table
 from sqlalchemy.engine import make_url
 
 from pipeline.dev.embedded import EmbeddedPostgres
+from pipeline.log import EventStore, encode_event
 from pipeline.log.db import migrate
-from pipeline.log.store import (
-    COPY_COLUMNS,
-    COPY_TYPES,
-    EventStore,
-    JsonText,
-    JsonTextBinaryDumper,
-    encode_event,
-)
+from pipeline.log.store import COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
 from pipeline.settings import libpq_url
 from schemas import ChatMessage, FunctionCall, ToolCall, TurnCompleted, TurnReply, TurnRequest
 

@@ -83,8 +83,9 @@ from rich.table import Table
 from sqlalchemy.engine import make_url
 
 from pipeline.dev.embedded import EmbeddedPostgres
+from pipeline.log import encode_event
 from pipeline.log.db import migrate
-from pipeline.log.store import COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper, encode_event
+from pipeline.log.store import COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
 from pipeline.materialize.materializer import READ_MODEL_TABLES, Materializer, MaterializerConfig, Writes
 from pipeline.settings import libpq_url
 from schemas import (

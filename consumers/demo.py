@@ -35,8 +35,8 @@ from pipeline.dev.plot import line_chart
 from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
 from pipeline.examples.demo import DigitsOrCapitalsAgent, demo_tasks
 from pipeline.inference.client import NatsLLMClient
+from pipeline.log import EventStore
 from pipeline.log.db import migrate
-from pipeline.log.store import EventStore
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
 from pipeline.settings import SERVERS_FILE, libpq_url
 from schemas import SamplingParams

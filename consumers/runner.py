@@ -19,7 +19,7 @@ from rich.console import Console
 from pipeline.episodes import Agent, EpisodeOutcome, RewardFunction
 from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
 from pipeline.inference.client import NatsLLMClient
-from pipeline.log.store import EventStore
+from pipeline.log import EventStore
 from pipeline.runners.progress import live_progress, stats_line, stats_table
 from pipeline.runners.runner import Runner, RunnerConfig, RunStats, TaskLineError, read_tasks, run_tasks
 from pipeline.runners.taskqueue import TaskWorker

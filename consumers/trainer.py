@@ -1,6 +1,6 @@
 """Reference trainer: PPO-clip policy gradient on the batch stream for a local Hugging Face causal LM.
 
-It takes batches from ``batches.<policy>`` (``pipeline.training.subscription.BatchSubscription``), weighs each model
+It takes batches from ``batches.<policy>`` (``pipeline.training.BatchSubscription``), weighs each model
 token by the ratio of the current policy's probability to the sampling probability recorded with the turn
 (clipped to [1 - clip, 1 + clip]) times the sample's advantage, and every ``version_every`` batches saves
 a checkpoint, records the batches as trained into that version and publishes the version, which the
@@ -24,7 +24,7 @@ from typing import Any
 import nats
 
 from pipeline.errors import ConfigError
-from pipeline.log.store import EventStore
+from pipeline.log import EventStore
 from pipeline.training.subscription import (
     BatchSubscription,
     BatchTensors,

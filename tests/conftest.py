@@ -24,8 +24,8 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from pipeline.dev.embedded import EmbeddedServers
+from pipeline.log import EventStore
 from pipeline.log.db import migrate
-from pipeline.log.store import EventStore
 from pipeline.settings import libpq_url
 
 # vLLM lives in a virtualenv of its own (.ci/run); elsewhere its test module is not collected at all.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.errors import DuplicateEventConflict, InvalidEvent, WrongExpectedVersion
-from pipeline.log.store import AppendResult, RecordedId, encode_event, plan_appends, prepare_append
+from pipeline.log import AppendResult, encode_event
+from pipeline.log.appends import RecordedId, plan_appends, prepare_append
 from tests.factories import reward, started, turn
 
 LIMIT = 1 << 20

@@ -13,7 +13,7 @@ import pytest
 from consumers.inference import InferenceConfig
 from pipeline.episodes.environment import AgentEnvironment, StepType
 from pipeline.inference.client import NatsLLMClient
-from pipeline.log.store import EventStore
+from pipeline.log import EventStore
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec
 from schemas import EpisodeFinished, EpisodeStarted, Event, RewardAssigned, SamplingParams, TurnCompleted
 from tests.agents import ThreeTurnAgent

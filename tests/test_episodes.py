@@ -18,7 +18,7 @@ from pipeline.examples.calculator import MALFORMED_TOOL_CALL, CalculatorAgent
 from pipeline.examples.openai_agent import OpenAIAgent
 from pipeline.examples.single_turn import SingleTurnAgent
 from pipeline.inference.client import NatsLLMClient
-from pipeline.log.store import EventStore
+from pipeline.log import EventStore
 from pipeline.runners import load_agent, load_reward_function
 from pipeline.runners.runner import Runner, RunnerConfig, TaskLineError, TaskSpec, read_tasks, run_tasks
 from schemas import EpisodeFinished, EpisodeStarted, Event, RewardAssigned, TurnCompleted

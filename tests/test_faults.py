@@ -15,8 +15,8 @@ from pathlib import Path
 from consumers.inference import InferenceConfig
 from pipeline.dev.embedded import EmbeddedNats, EmbeddedPostgres
 from pipeline.inference.client import NatsLLMClient
+from pipeline.log import EventStore
 from pipeline.log.db import migrate
-from pipeline.log.store import EventStore
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
 from schemas import EpisodeFinished, TurnCompleted
 from tests.agents import SlowAgent

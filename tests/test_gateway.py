@@ -30,7 +30,7 @@ from pipeline.examples import ARITHMETIC_TASKS
 from pipeline.examples.tools import CALCULATOR, run_calculator, score
 from pipeline.gateway.app import create_gateway, serving_http
 from pipeline.inference.client import NatsLLMClient
-from pipeline.log.store import EventStore
+from pipeline.log import EventStore
 from pipeline.runners import load_agent
 from pipeline.runners.proxy import ProxyAgentAdapter
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.batches.format import decode_batch
 from pipeline.errors import ConfigError
-from pipeline.log.store import EventStore
+from pipeline.log import EventStore
 from pipeline.materialize.materializer import Fold, LogRow, Materializer, MaterializerConfig
 from pipeline.settings import libpq_url
 from schemas import (
@@ -216,7 +216,7 @@ async def test_advantages_compare_the_same_turn_across_the_group(
 def fold_rows(events: list[tuple[str, Event]]) -> list[LogRow]:
     from datetime import UTC, datetime, timedelta
 
-    from pipeline.log.store import encode_event
+    from pipeline.log import encode_event
 
     out = []
     for position, (stream, event) in enumerate(events, start=1):

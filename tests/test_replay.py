@@ -25,9 +25,9 @@ from pipeline.errors import WrongExpectedVersion
 from pipeline.examples.calculator import CalculatorAgent
 from pipeline.examples.openai_agent import OpenAIAgent
 from pipeline.inference.client import NatsLLMClient
-from pipeline.log.store import EventStore
+from pipeline.log import EventStore
 from pipeline.materialize.materializer import Materializer, MaterializerConfig
-from pipeline.replay.replay import (
+from pipeline.replay import (
     EpisodeFilter,
     ScratchStore,
     compare_request,

@@ -25,7 +25,7 @@ from pipeline.episodes import EpisodeSession
 from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
 from pipeline.examples import ARITHMETIC_TASKS
 from pipeline.inference.client import NatsLLMClient
-from pipeline.log.store import EventStore
+from pipeline.log import EventStore
 from pipeline.log.tables import runners
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
 from pipeline.runners.taskqueue import TASKS_STREAM, runner_durable

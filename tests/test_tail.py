@@ -1,43 +1,18 @@
-"""Tailing the log: every event exactly once, in commit order, never skipping a late commit (invariant 4)."""
+"""Tailing the log in PostgreSQL: every event exactly once, in commit order, never skipping a late commit
+(invariant 4), through a held transaction and a restart. Every store's tail contract: tests/store_contract.py."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from pipeline.dev.embedded import EmbeddedPostgres
+from pipeline.log import EventStore
 from pipeline.log.db import migrate
-from pipeline.log.store import EventStore, RecordedEvent
 from tests.factories import new_stream, reward, started, turn
-
-
-class Tailer:
-    """Collects what ``store.tail`` yields, in a background task."""
-
-    def __init__(self, store: EventStore, after: int = 0, poll_interval: float = 5.0) -> None:
-        self.seen: list[RecordedEvent] = []
-        self._changed = asyncio.Event()
-        self._task = asyncio.create_task(self._run(store.tail(after, poll_interval=poll_interval)))
-
-    async def _run(self, events: AsyncIterator[RecordedEvent]) -> None:
-        async for recorded in events:
-            self.seen.append(recorded)
-            self._changed.set()
-
-    async def wait_for(self, count: int, within: float = 20.0) -> list[RecordedEvent]:
-        async with asyncio.timeout(within):
-            while len(self.seen) < count:
-                self._changed.clear()
-                await self._changed.wait()
-        return self.seen
-
-    async def stop(self) -> None:
-        self._task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await self._task
+from tests.store_contract import Tailer
 
 
 class Abandon(Exception):
@@ -88,26 +63,6 @@ async def test_sixteen_appenders_while_a_transaction_is_held_open(store: EventSt
     await tailer.stop()
     for appender in appenders:
         await appender.close()
-
-
-async def test_tail_wakes_on_notify_not_by_polling(store: EventStore) -> None:
-    tailer = Tailer(store, poll_interval=3600)
-    await asyncio.sleep(0.3)  # the tailer has read the empty log and is waiting
-    event = started()
-    await store.append(new_stream(), [event])
-    seen = await tailer.wait_for(1, within=10)  # a poll would take an hour
-    assert seen[0].event_id == event.event_id
-    await tailer.stop()
-
-
-async def test_tail_starts_after_the_given_position(store: EventStore) -> None:
-    stream = new_stream()
-    await store.append(stream, [started(), turn(), reward(), turn(seed=1)])
-    tailer = Tailer(store, after=2)
-    seen = await tailer.wait_for(2)
-    await asyncio.sleep(0.2)
-    assert [r.position for r in seen] == [3, 4]
-    await tailer.stop()
 
 
 async def test_appends_and_tail_survive_a_postgres_restart(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from consumers.inference import InferenceConfig
 from consumers.trainer import TrainerConfig, serve_trainer
 from pipeline.batches.format import BatchSample, TrainingBatch
 from pipeline.batches.relay import OutboxRelay
-from pipeline.log.store import EventStore
+from pipeline.log import EventStore
 from pipeline.materialize.materializer import Materializer, MaterializerConfig
 from pipeline.settings import libpq_url, sqlalchemy_url
 from pipeline.training.subscription import published_version, to_tensors

@@ -565,8 +565,8 @@ def replay(
 
     from rich.markup import escape
 
-    from pipeline.log.store import EventStore
-    from pipeline.replay.replay import (
+    from pipeline.log import EventStore
+    from pipeline.replay import (
         RerunSummary,
         episode_json,
         load_episode,
@@ -683,8 +683,8 @@ def episodes(
     """List recorded episodes, newest first, from the log itself (no materializer needed)."""
     import asyncio
 
-    from pipeline.log.store import EventStore
-    from pipeline.replay.replay import (
+    from pipeline.log import EventStore
+    from pipeline.replay import (
         EpisodeFilter,
         EpisodeRow,
         episode_row_json,

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 MAGIC: Final = b"TSB1"
+BATCHES_CHANNEL: Final = "turnstile_batches"
+"""NOTIFYed by the materializer when it commits a batch to the outbox; the relay LISTENs."""
 _SAMPLE_ARRAYS: Final = struct.Struct("<I")
 
 

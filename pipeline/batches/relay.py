@@ -33,10 +33,9 @@ from nats.js.errors import BadRequestError, BucketNotFoundError, DigestMismatchE
 from psycopg import sql
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from pipeline.batches.format import TrainingBatch, decode_batch
+from pipeline.batches.format import BATCHES_CHANNEL, TrainingBatch, decode_batch
 from pipeline.errors import ConfigError, TurnstileError
-from pipeline.log.store import is_connection_error
-from pipeline.materialize.materializer import BATCHES_CHANNEL  # NOTIFYed when it commits a batch
+from pipeline.log import is_connection_error
 from pipeline.settings import libpq_url
 
 log = logging.getLogger(__name__)

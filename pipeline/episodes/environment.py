@@ -19,7 +19,7 @@ from pipeline.episodes.fold import EpisodeOutcome
 from pipeline.episodes.session import EpisodeSession
 from pipeline.errors import TurnstileError
 from pipeline.inference.client import PendingCall, QueueLLMClient
-from pipeline.log.store import EventStore
+from pipeline.log import Store
 from schemas import LLMRequest, LLMResponse, SamplingParams
 
 
@@ -56,7 +56,7 @@ class AgentEnvironment:
         agent: Agent,
         task: dict[str, Any],
         *,
-        store: EventStore,
+        store: Store,
         policy: str,
         task_id: str = "",
         agent_name: str = "",

@@ -59,7 +59,6 @@ def fold_episode(events: Sequence[Event]) -> Episode:
     return episode
 
 
-
 @dataclass(frozen=True, slots=True)
 class EpisodeOutcome:
     episode_id: str

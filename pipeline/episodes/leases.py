@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from pipeline.episodes.session import RUNNER_METADATA
 from pipeline.errors import WrongExpectedVersion
-from pipeline.log.store import EventStore
+from pipeline.log import EventStore
 from pipeline.log.tables import runners
 from schemas import EpisodeFinished
 

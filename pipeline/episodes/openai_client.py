@@ -46,6 +46,7 @@ def episode_openai_client(session: EpisodeSession) -> AsyncOpenAI:
     Besides the OpenAI fields, the body carries ``turnstile``: the turn ids and the engine's token ids.
     ``tool_choice`` is accepted but not enforced (the engine samples freely).
     """
+
     async def handle(call: ChatCall) -> ChatResult:
         try:
             replies = await asyncio.gather(

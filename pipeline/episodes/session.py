@@ -22,7 +22,7 @@ from pipeline.episodes.fold import Episode, fold_episode
 from pipeline.episodes.openai_client import episode_openai_client
 from pipeline.errors import TurnstileError, describe_validation_error
 from pipeline.inference.client import LLMClient
-from pipeline.log.store import AppendResult, EventStore
+from pipeline.log import AppendResult, Store
 from schemas import (
     ChatMessage,
     EpisodeFinished,
@@ -94,7 +94,7 @@ class EpisodeSession:
 
     def __init__(
         self,
-        store: EventStore,
+        store: Store,
         llm: LLMClient,
         *,
         policy: str,

@@ -12,8 +12,8 @@ exists.
 
 ``SessionRegistry`` maps keys to open sessions. Keys are ``secrets.token_urlsafe(32)``; only their SHA-256
 digests are kept, and the admin key is compared in constant time. Sessions created elsewhere (a runner's
-episode, see ``pipeline.runners.proxy``) can be registered too: the gateway then serves their calls and rewards
-but leaves starting and ending them to their owner.
+episode, see ``pipeline.runners.proxy``) can be registered too: the gateway then serves their calls and
+rewards but leaves starting and ending them to their owner.
 
 Admission (``POST /admin/sessions`` answers 429 with ``Retry-After``):
 
@@ -82,7 +82,7 @@ from pipeline.inference.client import (
     NoInferenceConsumer,
     RequestRejected,
 )
-from pipeline.log.store import EventStore
+from pipeline.log import Store
 from schemas import PolicyVersionPublished, SamplingParams
 from schemas.episode import Termination
 
@@ -269,7 +269,7 @@ class Gateway:
 
     def __init__(
         self,
-        store: EventStore | None,
+        store: Store | None,
         llm: LLMClient | None,
         *,
         registry: SessionRegistry | None = None,
@@ -504,7 +504,7 @@ def request_keys(request: Request) -> Iterator[str]:
 
 
 def create_gateway(
-    store: EventStore | None,
+    store: Store | None,
     llm: LLMClient | None,
     *,
     admin_key: str | None,

@@ -1,2 +1,48 @@
-"""The inference path: LLM clients over NATS, the inference service a consumer runs, chat rendering with
-token-exact continuation, the engine backends and the tiny local model."""
+"""The inference path: LLM clients over NATS, the inference service a consumer runs, chat rendering
+with token-exact continuation and the engine backends' interface. The engines themselves
+(``backends.torch_backend``, ``backends.vllm_backend``) and the tiny local model (``tinymodel``) are
+imported by name: they need torch."""
+
+from pipeline.inference.backends import Backend, Generation
+from pipeline.inference.chat import ChatRenderer, ChatTokenizer, Prompt, split_tool_calls
+from pipeline.inference.client import (
+    CONSUMER_HEADER,
+    HEARTBEAT_HEADER,
+    QUEUE_GROUP,
+    InferenceError,
+    InferenceTimeout,
+    LLMClient,
+    NatsLLMClient,
+    NoInferenceConsumer,
+    PendingCall,
+    QueueLLMClient,
+    RequestRejected,
+    raise_for_error,
+    request_subject,
+    versions_subject,
+)
+from pipeline.inference.service import InferenceService
+
+__all__ = [
+    "CONSUMER_HEADER",
+    "HEARTBEAT_HEADER",
+    "QUEUE_GROUP",
+    "Backend",
+    "ChatRenderer",
+    "ChatTokenizer",
+    "Generation",
+    "InferenceError",
+    "InferenceService",
+    "InferenceTimeout",
+    "LLMClient",
+    "NatsLLMClient",
+    "NoInferenceConsumer",
+    "PendingCall",
+    "Prompt",
+    "QueueLLMClient",
+    "RequestRejected",
+    "raise_for_error",
+    "request_subject",
+    "split_tool_calls",
+    "versions_subject",
+]

@@ -1,2 +1,23 @@
-"""The event log: the append-only PostgreSQL event store (the only source of truth), its store port and in-
-memory adapter, token packing, the tables, consumer checkpoints and migrations."""
+"""The event log: the store port with its PostgreSQL adapter (the record) and an in-memory adapter, the pure
+append rules both share, token packing, the tables, consumer checkpoints and migrations."""
+
+from pipeline.log.appends import decode_event, encode_event, validate_event
+from pipeline.log.db import create_engine, migrate, migrate_async
+from pipeline.log.memory import InMemoryStore
+from pipeline.log.port import AppendResult, RecordedEvent, Store
+from pipeline.log.store import EventStore, is_connection_error
+
+__all__ = [
+    "AppendResult",
+    "EventStore",
+    "InMemoryStore",
+    "RecordedEvent",
+    "Store",
+    "create_engine",
+    "decode_event",
+    "encode_event",
+    "is_connection_error",
+    "migrate",
+    "migrate_async",
+    "validate_event",
+]

@@ -34,7 +34,7 @@ from typing import Any, Final, Literal
 import psycopg
 from psycopg import sql
 
-from pipeline.batches.format import encode_packed, pack_arrays
+from pipeline.batches.format import BATCHES_CHANNEL, encode_packed, pack_arrays
 from pipeline.errors import ConfigError
 from pipeline.log.tokens import unpack_tokens
 from pipeline.materialize.trajectory import (
@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 USABLE: Final = frozenset({"done", "max_turns", "truncated"})
 """Terminations whose episodes become samples; error, timeout, cancelled and aborted ones do not."""
-BATCHES_CHANNEL: Final = "turnstile_batches"
 READ_MODEL_TABLES: Final = ("episodes", "turns", "samples", "batches", "batch_outbox")
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,40}$")
 

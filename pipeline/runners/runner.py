@@ -30,7 +30,7 @@ from pipeline.episodes import (
 )
 from pipeline.errors import ConfigError, WrongExpectedVersion
 from pipeline.inference.client import LLMClient
-from pipeline.log.store import EventStore
+from pipeline.log import Store
 from schemas import EpisodeFinished, Event, SamplingParams
 
 FAILED = frozenset({"error", "timeout"})
@@ -144,7 +144,7 @@ class Runner:
         self,
         agent: Agent,
         *,
-        store: EventStore,
+        store: Store,
         llm: LLMClient,
         config: RunnerConfig,
         reward_fn: RewardFunction | None = None,

@@ -36,7 +36,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from pipeline.batches.format import TrainingBatch
 from pipeline.batches.relay import BATCHES_STREAM, batch_subject, ensure_batches_stream, fetch_training_batch
 from pipeline.inference.client import versions_subject
-from pipeline.log.store import EventStore
+from pipeline.log import EventStore, Store
 from pipeline.log.tables import trained_batches
 from schemas import PolicyVersionPublished
 
@@ -269,7 +269,7 @@ def version_event_id(policy: str, version: int) -> uuid.UUID:
 
 
 async def publish_policy_version(
-    store: EventStore,
+    store: Store,
     connection: NatsConnection,
     policy: str,
     version: int,
@@ -292,7 +292,7 @@ async def publish_policy_version(
     return event
 
 
-async def published_version(store: EventStore, policy: str) -> PolicyVersionPublished | None:
+async def published_version(store: Store, policy: str) -> PolicyVersionPublished | None:
     """The newest version of ``policy`` in the log."""
     newest = None
     for recorded in await store.read_stream(f"policy-{policy}"):

@@ -11,12 +11,12 @@ import time
 
 from pipeline.inference.backends import Generation
 from pipeline.inference.client import RequestRejected
-from pipeline.log.store import EventStore
+from pipeline.log import Store
 from schemas import LLMRequest, TurnCompleted
 
 
 class ReplayBackend:
-    def __init__(self, store: EventStore) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
         self.policy_version = 0
         self._turns: dict[str, list[TurnCompleted]] = {}

@@ -1,0 +1,225 @@
+"""What an append does, decided without I/O: events validated and encoded (JSON data + packed token
+arrays + a content hash), and each append of a batch planned against the log's state (idempotency by
+event id, expected versions, positions). Both store adapters use these, so they accept and refuse the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from pydantic import BaseModel, ValidationError
+
+from pipeline.errors import (
+    DuplicateEventConflict,
+    InvalidEvent,
+    TurnstileError,
+    WrongExpectedVersion,
+    describe_validation_error,
+)
+from pipeline.log.port import AppendResult
+from pipeline.log.tokens import pack_tokens, unpack_tokens
+from schemas import CATEGORY_OF, EVENT_TYPES, Event, TurnCompleted, parse_event
+
+STREAM_PATTERN: Final = re.compile(r"^(?P<category>[a-z]+)-[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
+TOKEN_FIELDS: Final = frozenset({"prompt_token_ids", "completion_token_ids", "completion_logprobs"})
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedEvent:
+    event_id: uuid.UUID
+    type: str
+    data: str
+    tokens: bytes | None
+    content_hash: bytes
+
+
+@dataclass(slots=True)
+class PendingAppend:
+    stream: str
+    events: list[EncodedEvent]
+    expected_version: int | None
+    metadata: str
+    future: asyncio.Future[AppendResult] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedId:
+    stream: str
+    position: int
+    version: int
+    content_hash: bytes
+
+
+def encode_event(event: Event) -> EncodedEvent:
+    """Split an event into its JSON data and its packed token arrays, with a hash of the content."""
+    if isinstance(event, TurnCompleted):
+        data = event.model_dump_json(exclude=set(TOKEN_FIELDS))
+        tokens: bytes | None = pack_tokens(
+            event.prompt_token_ids, event.completion_token_ids, event.completion_logprobs
+        )
+    else:
+        data = event.model_dump_json()
+        tokens = None
+    digest = hashlib.sha256(event.type.encode())
+    digest.update(b"\0" + data.encode())
+    digest.update(b"\0" + (tokens or b""))
+    return EncodedEvent(event.event_id, event.type, data, tokens, digest.digest())
+
+
+def decode_event(type_: str, data: Mapping[str, Any], tokens: bytes | None) -> Event | None:
+    """The event stored as ``data`` + ``tokens``; unknown fields are ignored, unknown types give None."""
+    if type_ not in EVENT_TYPES:
+        return None
+    fields = dict(data)
+    if tokens is not None:
+        prompt, completion, logprobs = unpack_tokens(tokens)
+        fields.update(prompt_token_ids=prompt, completion_token_ids=completion, completion_logprobs=logprobs)
+    return parse_event(fields, tolerant=True)
+
+
+def validate_event(index: int, event: Event | Mapping[str, Any]) -> Event:
+    """An event model from a model or a dict, or InvalidEvent naming what was wrong."""
+    if isinstance(event, BaseModel):
+        if type(event) not in EVENT_TYPES.values():
+            known = ", ".join(EVENT_TYPES)
+            raise InvalidEvent(
+                f"event {index} is a {type(event).__name__}, not an event; known types: {known}"
+            )
+        return event
+    if not isinstance(event, Mapping):
+        raise InvalidEvent(f"event {index} is a {type(event).__name__}; pass an event model or a dict")
+    type_ = event.get("type")
+    if type_ not in EVENT_TYPES:
+        raise InvalidEvent(f"event {index} has unknown type {type_!r}; known types: {', '.join(EVENT_TYPES)}")
+    try:
+        return EVENT_TYPES[type_].model_validate(dict(event))  # type: ignore[return-value]
+    except ValidationError as error:
+        raise InvalidEvent(
+            f"event {index} ({type_}) is invalid: {describe_validation_error(error)}"
+        ) from None
+
+
+def prepare_append(
+    stream: str,
+    events: Sequence[Event | Mapping[str, Any]],
+    expected_version: int | None,
+    metadata: Mapping[str, Any] | None,
+    max_event_bytes: int,
+) -> PendingAppend:
+    """Check everything that can be checked without the database; raise InvalidEvent naming the problem."""
+    match = STREAM_PATTERN.match(stream) if isinstance(stream, str) else None
+    if match is None:
+        raise InvalidEvent(
+            f"bad stream name {stream!r}: expected '<category>-<id>' such as 'episode-1b2c' or 'policy-main' "
+            "(id: letters, digits, . _ : -; at most 200 characters)"
+        )
+    if not events:
+        raise InvalidEvent(f"append to {stream!r} has no events")
+    if expected_version is not None and expected_version < 0:
+        raise InvalidEvent(
+            f"expected_version must be >= 0 (0: a new stream) or None (any), not {expected_version}"
+        )
+    encoded = []
+    seen: set[uuid.UUID] = set()
+    for index, raw in enumerate(events):
+        event = validate_event(index, raw)
+        category = CATEGORY_OF[event.type]
+        if match["category"] != category:
+            raise InvalidEvent(
+                f"event {index} ({event.type}) belongs in a '{category}-<id>' stream, not in {stream!r}"
+            )
+        if event.event_id in seen:
+            raise InvalidEvent(f"event {index} repeats event_id {event.event_id} within one append")
+        seen.add(event.event_id)
+        item = encode_event(event)
+        size = len(item.data) + len(item.tokens or b"")
+        if size > max_event_bytes:
+            raise InvalidEvent(
+                f"event {index} ({event.type}) is {size:,} bytes, over the limit of {max_event_bytes:,} "
+                "bytes (TURNSTILE_MAX_EVENT_BYTES); shorten the messages or raise the limit"
+            )
+        encoded.append(item)
+    try:
+        metadata_json = json.dumps(dict(metadata or {}), separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise InvalidEvent(f"metadata of the append to {stream!r} is not JSON: {error}") from None
+    return PendingAppend(stream, encoded, expected_version, metadata_json)
+
+
+@dataclass(slots=True)
+class AppendPlan:
+    rows: list[tuple[Any, ...]] = field(default_factory=list)
+    outcomes: list[AppendResult | TurnstileError] = field(default_factory=list)
+
+
+def plan_appends(
+    appends: Sequence[PendingAppend],
+    recorded: Mapping[uuid.UUID, RecordedId],
+    versions: Mapping[str, int],
+    head: int,
+) -> AppendPlan:
+    """Decide, in order, what each append does given the log's state under the append lock.
+
+    Returns the rows to insert (in ``COPY_COLUMNS`` order) and, per append, its result or its error.
+    One append's error never affects another's outcome.
+    """
+    plan = AppendPlan()
+    recorded = dict(recorded)
+    versions = dict(versions)
+    for append in appends:
+        found = [recorded.get(item.event_id) for item in append.events]
+        if any(found):
+            plan.outcomes.append(_idempotent_outcome(append, found))
+            continue
+        actual = versions.get(append.stream, 0)
+        if append.expected_version is not None and append.expected_version != actual:
+            plan.outcomes.append(WrongExpectedVersion(append.stream, append.expected_version, actual))
+            continue
+        positions = []
+        for item in append.events:
+            head += 1
+            actual += 1
+            positions.append(head)
+            plan.rows.append(
+                (
+                    head,
+                    append.stream,
+                    actual,
+                    item.event_id,
+                    item.type,
+                    item.data,
+                    item.tokens,
+                    append.metadata,
+                    item.content_hash,
+                )
+            )
+            recorded[item.event_id] = RecordedId(append.stream, head, actual, item.content_hash)
+        versions[append.stream] = actual
+        plan.outcomes.append(AppendResult(append.stream, tuple(positions), actual))
+    return plan
+
+
+def _idempotent_outcome(
+    append: PendingAppend, found: list[RecordedId | None]
+) -> AppendResult | TurnstileError:
+    for item, was in zip(append.events, found, strict=True):
+        if was is None:
+            return DuplicateEventConflict(
+                f"append to {append.stream!r} mixes recorded and new events (event {item.event_id} is new); "
+                "an append is atomic, so a retry must resend exactly the same events"
+            )
+        if was.stream != append.stream or was.content_hash != item.content_hash:
+            where = f"stream {was.stream!r} at position {was.position}"
+            return DuplicateEventConflict(
+                f"event_id {item.event_id} is already recorded in {where} with other content; "
+                "a retry must resend the same event, and a new event needs a new event_id"
+            )
+    recorded = [was for was in found if was is not None]
+    return AppendResult(append.stream, tuple(was.position for was in recorded), recorded[-1].version, True)

@@ -1,0 +1,206 @@
+"""The store contract: the assertions every adapter of ``pipeline.log.Store`` must pass.
+
+Subclass ``StoreContract`` once per adapter and give it two fixtures: ``store`` (a new, empty store) and
+``small_store`` (one whose events may be at most 64 KiB). ``tests/test_store_contract.py`` runs it against
+PostgreSQL (``EventStore``) and memory (``InMemoryStore``), the way pyeventsourcing runs its recorder tests
+against every recorder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from pipeline.errors import DuplicateEventConflict, InvalidEvent, WrongExpectedVersion
+from pipeline.log import RecordedEvent, Store
+from schemas import ChatMessage, TurnCompleted, TurnRequest
+from tests.factories import finished, new_stream, reward, started, turn
+
+
+async def count_events(store: Store) -> int:
+    return len(await store.read_all(0, 1_000_000))
+
+
+class Tailer:
+    """Collects what ``store.tail`` yields, in a background task."""
+
+    def __init__(self, store: Store, after: int = 0, poll_interval: float = 5.0) -> None:
+        self.seen: list[RecordedEvent] = []
+        self._changed = asyncio.Event()
+        self._task = asyncio.create_task(self._run(store.tail(after, poll_interval=poll_interval)))
+
+    async def _run(self, events: AsyncIterator[RecordedEvent]) -> None:
+        async for recorded in events:
+            self.seen.append(recorded)
+            self._changed.set()
+
+    async def wait_for(self, count: int, within: float = 20.0) -> list[RecordedEvent]:
+        async with asyncio.timeout(within):
+            while len(self.seen) < count:
+                self._changed.clear()
+                await self._changed.wait()
+        return self.seen
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await self._task
+
+
+class StoreContract:
+    async def test_appended_events_read_back_equal_with_envelope(self, store: Store) -> None:
+        stream = new_stream()
+        events = [started(), turn(prompt_len=1000, completion_len=200), reward(0.5), finished()]
+        result = await store.append(stream, events, expected_version=0, metadata={"trace": "abc"})
+        assert result.positions == (1, 2, 3, 4)
+        assert result.version == 4
+        recorded = await store.read_stream(stream)
+        assert [r.event for r in recorded] == events
+        assert [r.version for r in recorded] == [1, 2, 3, 4]
+        assert [r.event_id for r in recorded] == [e.event_id for e in events]
+        assert {r.type for r in recorded} == {
+            "EpisodeStarted",
+            "TurnCompleted",
+            "RewardAssigned",
+            "EpisodeFinished",
+        }
+        assert all(r.metadata == {"trace": "abc"} for r in recorded)
+        assert await store.stream_version(stream) == 4
+        assert await store.head() == 4
+
+    async def test_wrong_expected_version_names_stream_expected_and_actual(self, store: Store) -> None:
+        stream = new_stream()
+        await store.append(stream, [started()], expected_version=0)
+        with pytest.raises(WrongExpectedVersion) as error:
+            await store.append(stream, [turn()], expected_version=0)
+        assert (error.value.stream, error.value.expected, error.value.actual) == (stream, 0, 1)
+        assert stream in str(error.value)
+        assert "expected 0" in str(error.value)
+        assert "actual 1" in str(error.value)
+        with pytest.raises(WrongExpectedVersion):
+            await store.append(new_stream(), [started()], expected_version=3)
+        assert await count_events(store) == 1
+
+    async def test_the_same_append_twice_is_a_no_op_returning_the_same_positions(self, store: Store) -> None:
+        stream = new_stream()
+        events = [started(), turn()]
+        first = await store.append(stream, events, expected_version=0)
+        again = await store.append(stream, events, expected_version=0)
+        assert again.positions == first.positions
+        assert again.version == first.version
+        assert (first.duplicate, again.duplicate) == (False, True)
+        assert await count_events(store) == 2
+
+    async def test_the_same_event_id_with_other_content_is_refused(self, store: Store) -> None:
+        stream = new_stream()
+        event = turn("first question")
+        await store.append(stream, [event])
+        changed = event.model_copy(
+            update={"request": TurnRequest(messages=[ChatMessage(role="user", content="other")])}
+        )
+        with pytest.raises(DuplicateEventConflict, match=str(event.event_id)):
+            await store.append(stream, [changed])
+        with pytest.raises(DuplicateEventConflict, match="other content"):
+            await store.append(new_stream(), [event])  # same event, other stream
+        recorded = await store.read_all()
+        assert [r.event for r in recorded] == [event]
+
+    async def test_a_retry_mixing_recorded_and_new_events_is_refused(self, store: Store) -> None:
+        stream = new_stream()
+        first = started()
+        await store.append(stream, [first], expected_version=0)
+        with pytest.raises(DuplicateEventConflict, match="mixes recorded and new events"):
+            await store.append(stream, [first, turn()], expected_version=0)
+        with pytest.raises(InvalidEvent, match="repeats event_id"):
+            await store.append(new_stream(), [reward(), *([turn()] * 2)])
+        assert await count_events(store) == 1
+
+    async def test_concurrent_appends_with_one_expected_version_let_exactly_one_win(
+        self, store: Store
+    ) -> None:
+        stream = new_stream()
+        await store.append(stream, [started()], expected_version=0)
+        outcomes = await asyncio.gather(
+            *(store.append(stream, [turn(seed=n)], expected_version=1) for n in range(8)),
+            return_exceptions=True,
+        )
+        assert sum(not isinstance(o, BaseException) for o in outcomes) == 1
+        assert all(isinstance(o, WrongExpectedVersion) for o in outcomes if isinstance(o, BaseException))
+        assert [r.version for r in await store.read_stream(stream)] == [1, 2]
+
+    async def test_positions_are_gapless_and_read_all_pages_through_them(self, store: Store) -> None:
+        streams = [new_stream() for _ in range(30)]
+        await asyncio.gather(*(store.append(s, [started(), turn()], 0) for s in streams))
+        pages: list[int] = []
+        after = 0
+        while page := await store.read_all(after, limit=7):
+            pages += [r.position for r in page]
+            after = page[-1].position
+        assert pages == list(range(1, 61))
+        assert await store.head() == 60
+        assert [r.version for r in await store.read_stream(streams[3], after_version=1)] == [2]
+
+    async def test_bad_input_gets_a_clear_error_and_leaves_the_log_unchanged(
+        self, small_store: Store
+    ) -> None:
+        store = small_store
+        stream = new_stream()
+        await store.append(stream, [started()])
+        oversized = TurnCompleted.model_validate(
+            {**turn().model_dump(), "request": {"messages": [{"role": "user", "content": "x" * 100_000}]}}
+        )
+        cases = [
+            ([{"type": "EpisodeExploded"}], "unknown type 'EpisodeExploded'"),
+            ([{"type": "RewardAssigned", "value": float("nan")}], r"field value"),
+            ([{**turn().model_dump(mode="json"), "reply": None}], r"field reply"),
+            ([oversized], r"over the limit of 65,536 bytes \(TURNSTILE_MAX_EVENT_BYTES\)"),
+            (["not an event"], "pass an event model or a dict"),
+        ]
+        for events, message in cases:
+            with pytest.raises(InvalidEvent, match=message):
+                await store.append(stream, events)  # type: ignore[arg-type]
+        with pytest.raises(InvalidEvent, match="bad stream name"):
+            await store.append("episode/../x", [started()])
+        with pytest.raises(InvalidEvent, match="belongs in a 'episode-<id>' stream"):
+            await store.append("policy-main", [started()])
+        assert [r.version for r in await store.read_stream(stream)] == [1]
+        assert (await store.append(stream, [finished()], expected_version=1)).version == 2  # still serving
+
+    async def test_a_nul_character_is_refused_and_nothing_is_recorded(self, store: Store) -> None:
+        with pytest.raises(InvalidEvent) as error:
+            await store.append(new_stream(), [turn("a NUL \x00 byte, which jsonb cannot hold")], 0)
+        assert "\\u0000" in str(error.value)
+        assert await store.head() == 0
+        literal = turn("a backslash and u0000 typed as text: \\u0000")
+        await store.append(new_stream(), [literal], 0)
+        assert [r.event for r in await store.read_all()] == [literal]
+
+    async def test_tail_wakes_on_notify_not_by_polling(self, store: Store) -> None:
+        tailer = Tailer(store, poll_interval=3600)
+        await asyncio.sleep(0.3)  # the tailer has read the empty log and is waiting
+        event = started()
+        await store.append(new_stream(), [event])
+        seen = await tailer.wait_for(1, within=10)  # a poll would take an hour
+        assert seen[0].event_id == event.event_id
+        await tailer.stop()
+
+    async def test_tail_starts_after_the_given_position(self, store: Store) -> None:
+        stream = new_stream()
+        await store.append(stream, [started(), turn(), reward(), turn(seed=1)])
+        tailer = Tailer(store, after=2)
+        seen = await tailer.wait_for(2)
+        await asyncio.sleep(0.2)
+        assert [r.position for r in seen] == [3, 4]
+        await tailer.stop()
+
+    async def test_tail_yields_every_event_of_concurrent_appenders_once_in_order(self, store: Store) -> None:
+        tailer = Tailer(store)
+        streams = [new_stream() for _ in range(50)]
+        await asyncio.gather(*(store.append(s, [started(), turn(), reward()], 0) for s in streams))
+        seen = await tailer.wait_for(150)
+        assert [r.position for r in seen] == list(range(1, 151))
+        for stream in streams[:5]:
+            assert [r.version for r in seen if r.stream == stream] == [1, 2, 3]
+        await tailer.stop()
