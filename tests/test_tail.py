@@ -1,5 +1,5 @@
 """Tailing the log in PostgreSQL: every event exactly once, in commit order, never skipping a late commit
-(invariant 4), through a held transaction and a restart. Every store's tail contract: tests/store_contract.py."""
+(invariant 4), through a held transaction and a restart. The contract of every store: store_contract.py."""
 
 from __future__ import annotations
 
