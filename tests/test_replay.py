@@ -25,11 +25,10 @@ from pipeline.errors import WrongExpectedVersion
 from pipeline.examples.calculator import CalculatorAgent
 from pipeline.examples.openai_agent import OpenAIAgent
 from pipeline.inference.client import NatsLLMClient
-from pipeline.log import EventStore
+from pipeline.log import EventStore, InMemoryStore
 from pipeline.materialize.materializer import Materializer, MaterializerConfig
 from pipeline.replay import (
     EpisodeFilter,
-    ScratchStore,
     compare_request,
     list_episodes,
     load_episode,
@@ -498,15 +497,16 @@ async def test_episodes_lists_from_the_log_newest_first_with_filters(
     assert "--since 'yesterday'" in bad.stderr
 
 
-async def test_parse_since_and_the_scratch_store() -> None:
+async def test_parse_since_and_the_rerun_store() -> None:
     now = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.UTC)
     assert parse_since("90m", now) == now - dt.timedelta(minutes=90)
     assert parse_since("2d", now) == now - dt.timedelta(days=2)
     assert parse_since("2026-11-23T10:00+00:00", now) == dt.datetime(2026, 11, 23, 10, tzinfo=dt.UTC)
 
-    scratch = ScratchStore()
+    scratch = InMemoryStore()  # what reruns record into (the store contract covers the rest)
     started = EpisodeStarted(episode_id="e", task_id="t", agent="a", policy="p")
     first = await scratch.append("episode-e", [started], 0)
+    again = started.model_copy(update={"event_id": uuid.uuid4()})
     with pytest.raises(WrongExpectedVersion, match="expected 0, actual 1"):
-        await scratch.append("episode-e", [started], 0)
-    assert (first.version, first.positions, len(scratch.streams["episode-e"])) == (1, (1,), 1)
+        await scratch.append("episode-e", [again], 0)
+    assert (first.version, first.positions, len(await scratch.read_stream("episode-e"))) == (1, (1,), 1)

@@ -1,0 +1,122 @@
+"""Episode-session logic on the in-memory store with an in-process LLM client: no PostgreSQL, no NATS.
+
+The same logic runs against the real servers in test_episodes.py and test_runner.py; these tests pin the
+parts that are pure bookkeeping (parents, token prefixes, expected versions, endings) quickly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from pipeline.episodes import EpisodeLLM, EpisodeSession, FunctionAgent, fold_episode, run_episode
+from pipeline.errors import WrongExpectedVersion
+from pipeline.log import InMemoryStore
+from schemas import Event, LLMRequest, LLMResponse, TurnCompleted
+from tests.agents import ThreeTurnAgent
+
+COMPLETION = [7, 8, 2]
+
+
+class PrefixEcho:
+    """An in-process LLM client: the prompt is the request's prefix ids plus one id per new message."""
+
+    def __init__(self) -> None:
+        self.requests: list[LLMRequest] = []
+
+    async def __call__(self, request: LLMRequest) -> LLMResponse:
+        self.requests.append(request)
+        prefix = list(request.prefix.token_ids) if request.prefix else []
+        skipped = request.prefix.message_count if request.prefix else 0
+        new = [100 + len(message.content or "") for message in request.messages[skipped:]]
+        return LLMResponse(
+            request_id=request.request_id,
+            text=f"reply {len(self.requests)}",
+            finish_reason="stop",
+            prompt_token_ids=prefix + new,
+            completion_token_ids=COMPLETION,
+            completion_logprobs=[-0.25] * len(COMPLETION),
+            policy_version=3,
+            consumer_id="in-process",
+        )
+
+
+async def recorded(store: InMemoryStore, session: EpisodeSession) -> list[Event]:
+    return [r.event for r in await store.read_stream(session.stream) if r.event is not None]
+
+
+async def test_a_continuing_turn_is_sent_as_its_parents_exact_tokens_and_recorded_with_its_parent() -> None:
+    store, llm = InMemoryStore(), PrefixEcho()
+    session = EpisodeSession(store, llm, policy="main", task={"id": 1})
+    outcome = await run_episode(ThreeTurnAgent(), session)
+
+    assert (outcome.termination, outcome.turns, outcome.reward) == ("done", 3, 1.0)
+    events = await recorded(store, session)
+    assert [e.type for e in events] == [
+        "EpisodeStarted",
+        "TurnCompleted",
+        "TurnCompleted",
+        "TurnCompleted",
+        "RewardAssigned",
+        "EpisodeFinished",
+    ]
+    turns = [e for e in events if isinstance(e, TurnCompleted)]
+    assert [t.parent_turn_id for t in turns] == [None, turns[0].turn_id, turns[1].turn_id]
+    assert llm.requests[0].prefix is None
+    for before, request in zip(turns, llm.requests[1:], strict=False):
+        assert request.prefix is not None
+        assert request.prefix.token_ids == [*before.prompt_token_ids, *before.completion_token_ids]
+        assert request.prefix.message_count == len(before.request.messages) + 1
+    assert fold_episode(events).total_reward == 1.0
+
+
+async def test_a_changed_history_starts_a_new_root_instead_of_a_prefix() -> None:
+    store, llm = InMemoryStore(), PrefixEcho()
+    session = EpisodeSession(store, llm, policy="main")
+    await session.start()
+    first = await session.chat([{"role": "user", "content": "hi"}])
+    edited = {"role": "assistant", "content": first.text + " (edited)"}
+    await session.chat([{"role": "user", "content": "hi"}, edited, {"role": "user", "content": "and?"}])
+    assert llm.requests[1].prefix is None
+    turns = [e for e in await recorded(store, session) if isinstance(e, TurnCompleted)]
+    assert [t.parent_turn_id for t in turns] == [None, None]
+
+
+async def test_a_session_appends_with_expected_versions_so_a_second_writer_is_refused() -> None:
+    store = InMemoryStore()
+    session = EpisodeSession(store, PrefixEcho(), policy="main", episode_id="e-twice")
+    await session.start()
+    rival = EpisodeSession(store, PrefixEcho(), policy="main", episode_id="e-twice")
+    with pytest.raises(WrongExpectedVersion):
+        await rival.start()
+    await session.chat([{"role": "user", "content": "one"}])
+    assert [r.version for r in await store.read_stream(session.stream)] == [1, 2]
+
+
+async def test_an_agent_cancelled_mid_turn_ends_cancelled_with_its_turn_recorded() -> None:
+    store = InMemoryStore()
+    gate = asyncio.Event()
+
+    class Stalling(PrefixEcho):
+        async def __call__(self, request: LLMRequest) -> LLMResponse:
+            if self.requests:
+                gate.set()
+                await asyncio.Event().wait()  # the second call never answers
+            return await super().__call__(request)
+
+    async def agent(task: dict[str, Any], llm: EpisodeLLM) -> None:
+        reply = await llm.chat([{"role": "user", "content": "a"}])
+        await llm.chat([{"role": "user", "content": "a"}, reply.message, {"role": "user", "content": "b"}])
+
+    session = EpisodeSession(store, Stalling(), policy="main")
+    running = asyncio.create_task(run_episode(FunctionAgent(agent), session))
+    await gate.wait()
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    episode = fold_episode(await recorded(store, session))
+    assert len(episode.turns) == 1
+    assert episode.finished is not None
+    assert episode.finished.termination == "cancelled"
