@@ -342,7 +342,7 @@ async def serve_consumer(nats_url: str) -> None:
 
 
 async def serve_gateway(database_url: str, nats_url: str, admin_key: str) -> None:
-    from pipeline.gateway.app import HttpServer, create_gateway
+    from pipeline.gateway import HttpServer, create_gateway
 
     store = await EventStore.connect(database_url)
     llm = await NatsLLMClient.connect(nats_url)

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from consumers.runner import Connections, runner_services
 from pipeline.errors import ConfigError
-from pipeline.gateway.app import HttpServer, create_gateway
+from pipeline.gateway import HttpServer, create_gateway
 
 
 @dataclass(frozen=True)

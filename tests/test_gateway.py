@@ -23,12 +23,12 @@ import pytest
 
 from consumers.gateway import GatewayConfig, serve_gateway
 from consumers.inference import InferenceConfig
+from pipeline.dialects import ChoiceData
 from pipeline.dialects.anthropic import AnthropicRequestError, parse_messages_request, stop_reason
-from pipeline.dialects.openai import ChoiceData
 from pipeline.episodes import EpisodeSession
 from pipeline.examples import ARITHMETIC_TASKS
 from pipeline.examples.tools import CALCULATOR, run_calculator, score
-from pipeline.gateway.app import create_gateway, serving_http
+from pipeline.gateway import create_gateway, serving_http
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.runners import load_agent

@@ -10,17 +10,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageFunctionToolCall
 
-from pipeline.dialects.openai import (
-    ChatCall,
-    ChatResult,
-    ChoiceData,
-    OpenAIRequestError,
-    completion_body,
-    completion_chunks,
-    openai_client,
-    parse_chat_request,
-    sse,
-)
+from pipeline.dialects import ChatCall, ChatResult, ChoiceData, OpenAIRequestError, openai_client
+from pipeline.dialects.openai import completion_body, completion_chunks, parse_chat_request, sse
 from pipeline.errors import TurnstileError
 from schemas import ChatMessage, FunctionCall, FunctionSpec, SamplingParams, ToolCall, ToolSpec
 

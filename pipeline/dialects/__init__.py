@@ -1,2 +1,56 @@
-"""Wire APIs (OpenAI chat completions, Anthropic messages): a request parsed into Turnstile's terms, a reply
-rendered as that API's JSON and stream events, errors in its shape."""
+"""Wire APIs (OpenAI chat completions, Anthropic messages), one dialect module each: a request parsed into
+Turnstile's terms, a reply rendered as that API's JSON or stream events, errors in its shape. ``DIALECTS``
+is the registry the gateway makes its chat routes from; ``inprocess`` serves the OpenAI SDK in process."""
+
+from collections.abc import Sequence
+from typing import Final
+
+from pipeline.dialects.anthropic import AnthropicMessages, AnthropicRequestError
+from pipeline.dialects.base import (
+    ChatCall,
+    ChatHandler,
+    ChatResult,
+    ChoiceData,
+    Dialect,
+    RequestError,
+    WireReply,
+)
+from pipeline.dialects.inprocess import InProcessTransport, openai_client
+from pipeline.dialects.openai import OpenAIChat, OpenAIRequestError, model_object
+
+OPENAI: Final = OpenAIChat()
+ANTHROPIC: Final = AnthropicMessages()
+DIALECTS: Final[Sequence[Dialect]] = (OPENAI, ANTHROPIC)
+"""Every wire API the gateway serves; a new one is a module with a ``Dialect`` and an entry here."""
+
+
+def dialect_for_path(path: str) -> Dialect:
+    """The dialect whose routes end like ``path`` (``.../messages``: Anthropic's), for answering a request
+    to an unknown route in the shape its client expects; OpenAI's otherwise."""
+    last = path.rstrip("/").rsplit("/", 1)[-1]
+    for dialect in DIALECTS:
+        if any(route.rsplit("/", 1)[-1] == last for route in dialect.paths):
+            return dialect
+    return OPENAI
+
+
+__all__ = [
+    "ANTHROPIC",
+    "DIALECTS",
+    "OPENAI",
+    "AnthropicMessages",
+    "AnthropicRequestError",
+    "ChatCall",
+    "ChatHandler",
+    "ChatResult",
+    "ChoiceData",
+    "Dialect",
+    "InProcessTransport",
+    "OpenAIChat",
+    "OpenAIRequestError",
+    "RequestError",
+    "WireReply",
+    "dialect_for_path",
+    "model_object",
+    "openai_client",
+]

@@ -1,7 +1,7 @@
 """The Anthropic Messages API (``POST /v1/messages``) on top of Turnstile's chat calls.
 
-``parse_messages_request`` turns an Anthropic request body into the same ``ChatCall`` the OpenAI translation
-makes (``pipeline.dialects.openai``), so one handler serves both APIs; ``message_body`` and ``message_events``
+``parse_messages_request`` turns an Anthropic request body into the same ``ChatCall`` every dialect makes
+(``pipeline.dialects.base``), so one handler serves every API; ``message_body`` and ``message_events``
 turn a reply back into an Anthropic message (whole, or as the events of a stream) and ``anthropic_sse``
 renders those events.
 
@@ -28,15 +28,23 @@ How the two shapes meet:
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final, TypeVar
+from functools import partial
+from typing import Any, Final
 
-from pydantic import BaseModel, ValidationError
-
-from pipeline.dialects.openai import ChatCall, ChoiceData
-from pipeline.errors import TurnstileError
+from pipeline.dialects.base import (
+    ChatCall,
+    ChatResult,
+    ChoiceData,
+    RequestError,
+    WireReply,
+    dotted_path,
+    invalid,
+    shown,
+    validated,
+)
 from schemas import ChatMessage, FunctionCall, SamplingParams, ToolCall, ToolSpec
-from schemas.base import TOLERANT
 
 ERROR_TYPES: Final[Mapping[int, str]] = {
     400: "invalid_request_error",
@@ -54,15 +62,9 @@ ERROR_TYPES: Final[Mapping[int, str]] = {
 }
 _TOP_K_OFF: Final = (-1, 0)
 
-_Model = TypeVar("_Model", bound=BaseModel)
 
-
-class AnthropicRequestError(TurnstileError):
+class AnthropicRequestError(RequestError):
     """A request the Anthropic API would refuse; ``body()`` is the error object an Anthropic server sends."""
-
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
-        self.message, self.param, self.status = message, param, status
-        super().__init__(message)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message)
@@ -73,6 +75,10 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     ``status``."""
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+_invalid = partial(invalid, error=AnthropicRequestError)
+_validated = partial(validated, error=AnthropicRequestError, param_path=dotted_path)
 
 
 # ---- requests ----------------------------------------------------------------------------------------
@@ -90,7 +96,7 @@ def parse_messages_request(
     (``messages[1].content[0].type``).
     """
     if not isinstance(body, dict):
-        raise AnthropicRequestError(f"the request body must be a JSON object, got {_shown(body)}")
+        raise AnthropicRequestError(f"the request body must be a JSON object, got {shown(body)}")
     given = {key: value for key, value in body.items() if value is not None}
     if "max_tokens" not in given:
         raise _invalid("max_tokens", "is required: the most tokens the reply may have", None)
@@ -311,30 +317,6 @@ def _string(block: Mapping[str, Any], key: str, path: str) -> str:
     return value
 
 
-def _validated(
-    model: type[_Model], data: object, path: str, renames: Mapping[str, str] | None = None
-) -> _Model:
-    try:
-        return model.model_validate(data, context=TOLERANT)
-    except ValidationError as error:
-        first = error.errors()[0]
-        location = [(renames or {}).get(str(part), str(part)) for part in first["loc"]]
-        more = error.error_count() - 1
-        problem = first["msg"] + (f" ({more} more problems in this request)" if more else "")
-        parts = [part for part in location if not part.startswith("function-")]
-        param = ".".join([path, *parts] if path else parts).replace(".function.", ".")
-        raise _invalid(param or "request", problem, first["input"]) from None
-
-
-def _invalid(param: str, problem: str, got: object) -> AnthropicRequestError:
-    return AnthropicRequestError(f"invalid {param}: {problem}, got {_shown(got)}", param=param)
-
-
-def _shown(value: object, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 # ---- responses ---------------------------------------------------------------------------------------
 
 
@@ -458,3 +440,32 @@ def anthropic_sse(events: Iterable[Mapping[str, Any]]) -> bytes:
         + b"\n\n"
         for event in events
     )
+
+
+class AnthropicMessages:
+    """The ``Dialect`` of ``POST /v1/messages``, also at ``/v1/v1/messages``: the Anthropic SDK appends
+    ``/v1/messages`` to its base URL, so one base URL ending in ``/v1`` serves both SDKs."""
+
+    name: str = "anthropic"
+    paths: tuple[str, ...] = ("/v1/messages", "/v1/v1/messages")
+
+    def parse(
+        self, body: object, *, defaults: SamplingParams, known_arguments: Mapping[str, str]
+    ) -> ChatCall:
+        return parse_messages_request(body, defaults=defaults, known_arguments=known_arguments)
+
+    def render(self, call: ChatCall, result: ChatResult, *, model: str) -> WireReply:
+        shape: dict[str, Any] = {
+            "message_id": f"msg_{uuid.uuid4().hex}",
+            "model": model,
+            "choice": result.choices[0],
+            "prompt_tokens": result.prompt_tokens,
+            "stop_sequences": call.sampling.stop,
+            "extra": result.extra,
+        }
+        if call.stream:
+            return WireReply(events=anthropic_sse(message_events(**shape)))
+        return WireReply(body=message_body(**shape))
+
+    def error_body(self, error: RequestError) -> dict[str, Any]:
+        return error_body(error.status, error.message)

@@ -1,10 +1,9 @@
-"""The OpenAI chat.completions API on top of Turnstile, in process.
+"""The OpenAI chat.completions dialect (``POST /v1/chat/completions``).
 
 ``parse_chat_request`` turns an OpenAI request body into a ``ChatCall``; ``completion_body`` and
-``completion_chunks`` turn choices back into OpenAI response objects (whole, or as the chunks of a stream).
-``InProcessTransport`` is an httpx transport that serves ``/chat/completions`` and ``/models`` from a
-``ChatHandler`` with no network, and ``openai_client`` wraps it in an ``openai.AsyncOpenAI``, so an agent
-written for the OpenAI SDK runs unchanged. An HTTP gateway can reuse the same translation.
+``completion_chunks`` turn choices back into OpenAI response objects (whole, or as the chunks of a stream);
+``OpenAIChat`` is the dialect the gateway serves, and ``pipeline.dialects.inprocess`` serves the same
+translation to the OpenAI SDK in process (``llm.openai()``).
 
 Choices made where the OpenAI API leaves room:
 
@@ -22,19 +21,25 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, TypeVar, cast
+from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
+from typing import Any, Final
 
-import httpx
-import openai
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.errors import TurnstileError
-from schemas import ChatMessage, FinishReason, SamplingParams, ToolCall, ToolSpec
-from schemas.base import TOLERANT
+from pipeline.dialects.base import (
+    ChatCall,
+    ChatResult,
+    ChoiceData,
+    RequestError,
+    WireReply,
+    bracket_path,
+    invalid,
+    shown,
+    validated,
+)
+from schemas import ChatMessage, FinishReason, SamplingParams, ToolSpec
 
-BASE_URL: Final = "http://turnstile.invalid/v1"
 OPENAI_FINISH_REASONS: Final[Mapping[FinishReason, str]] = {
     "stop": "stop",
     "length": "length",
@@ -50,69 +55,27 @@ _ROLES: Final[Mapping[str, str]] = {
     "tool": "tool",
 }
 _TOP_K_OFF: Final = (-1, 0)
+ERROR_TYPES: Final[Mapping[int, str]] = {401: "invalid_request_error", 429: "rate_limit_error"}
+ERROR_CODES: Final[Mapping[int, str]] = {401: "invalid_api_key", 404: "not_found", 429: "rate_limit_exceeded"}
 
-_Model = TypeVar("_Model", bound=BaseModel)
 
-
-class OpenAIRequestError(TurnstileError):
+class OpenAIRequestError(RequestError):
     """A request the OpenAI API would refuse; ``body()`` is the error object an OpenAI server sends."""
 
-    def __init__(
-        self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None
-    ) -> None:
-        self.message, self.param, self.status, self.code = message, param, status, code
-        super().__init__(message)
-
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": "invalid_request_error",
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return error_body(self)
 
 
-@dataclass(frozen=True)
-class ChatCall:
-    messages: list[ChatMessage]
-    tools: list[ToolSpec]
-    sampling: SamplingParams
-    n: int
-    logprobs: bool
-    top_logprobs: int
-    stream: bool
-    include_usage: bool
-    model: str
-    tool_choice: str | dict[str, Any] | None
+def error_body(error: RequestError) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}`` with the type and default code OpenAI uses for the
+    status."""
+    kind = ERROR_TYPES.get(error.status, "server_error" if error.status >= 500 else "invalid_request_error")
+    code = error.code or ERROR_CODES.get(error.status)
+    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
 
 
-@dataclass(frozen=True)
-class ChoiceData:
-    text: str
-    tool_calls: list[ToolCall]
-    finish_reason: FinishReason
-    completion_token_ids: list[int]
-    completion_logprobs: list[float]
-    token_texts: list[str] | None = None
-
-    def __post_init__(self) -> None:
-        tokens = len(self.completion_token_ids)
-        if len(self.completion_logprobs) != tokens:
-            raise ValueError(f"{len(self.completion_logprobs)} logprobs for {tokens} completion tokens")
-        if self.token_texts is not None and len(self.token_texts) != tokens:
-            raise ValueError(f"{len(self.token_texts)} token texts for {tokens} completion tokens")
-
-
-@dataclass(frozen=True)
-class ChatResult:
-    choices: list[ChoiceData]
-    prompt_tokens: int
-    extra: dict[str, Any] | None = None
-
-
-ChatHandler = Callable[[ChatCall], Awaitable[ChatResult]]
+_invalid = partial(invalid, error=OpenAIRequestError)
+_validated = partial(validated, error=OpenAIRequestError, param_path=bracket_path)
 
 
 # ---- requests ----------------------------------------------------------------------------------------
@@ -140,7 +103,7 @@ def parse_chat_request(body: object, *, defaults: SamplingParams | None = None) 
     (``messages[2].content[0].type``). ``defaults`` fill the sampling fields the request leaves out.
     """
     if not isinstance(body, dict):
-        raise OpenAIRequestError(f"the request body must be a JSON object, got {_shown(body)}")
+        raise OpenAIRequestError(f"the request body must be a JSON object, got {shown(body)}")
     given = {key: value for key, value in body.items() if value is not None}
     options = _validated(_CallOptions, given, "")
     if options.top_logprobs and not options.logprobs:
@@ -248,37 +211,6 @@ def _parse_sampling(given: Mapping[str, Any], defaults: SamplingParams) -> Sampl
     if "stop" in given:
         fields["stop"] = [given["stop"]] if isinstance(given["stop"], str) else given["stop"]
     return _validated(SamplingParams, fields, "", renames={"max_tokens": max_tokens_param})
-
-
-def _validated(
-    model: type[_Model], data: object, path: str, renames: Mapping[str, str] | None = None
-) -> _Model:
-    try:
-        return model.model_validate(data, context=TOLERANT)
-    except ValidationError as error:
-        first = error.errors()[0]
-        location = [(renames or {}).get(str(part), part) for part in first["loc"]]
-        more = error.error_count() - 1
-        problem = first["msg"] + (f" ({more} more problems in this request)" if more else "")
-        raise _invalid(_param_path(path, location), problem, first["input"]) from None
-
-
-def _param_path(path: str, location: Iterable[int | str]) -> str:
-    for part in location:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif not part.startswith("function-"):
-            path = f"{path}.{part}" if path else part
-    return path
-
-
-def _invalid(param: str, problem: str, got: object) -> OpenAIRequestError:
-    return OpenAIRequestError(f"invalid {param}: {problem}, got {_shown(got)}", param=param)
-
-
-def _shown(value: object, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---- responses ---------------------------------------------------------------------------------------
@@ -418,80 +350,35 @@ def _with_extra(body: dict[str, Any], extra: Mapping[str, Any] | None) -> dict[s
     return {**body, **extra}
 
 
-# ---- in-process transport ----------------------------------------------------------------------------
+def model_object(name: str) -> dict[str, Any]:
+    """A ``GET /v1/models`` entry: each policy is a model."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "turnstile"}
 
 
-class InProcessTransport(httpx.AsyncBaseTransport):
-    """Serves ``POST .../chat/completions`` and ``GET .../models`` from a ``ChatHandler``, in process.
+class OpenAIChat:
+    """The ``Dialect`` of ``POST /v1/chat/completions``."""
 
-    Request errors (and ``OpenAIRequestError`` raised by the handler) answer with their status and the
-    OpenAI error body; any other ``TurnstileError`` answers 500 ``server_error``. Other exceptions are bugs
-    and propagate (the SDK raises ``APIConnectionError`` from them).
-    """
+    name: str = "openai"
+    paths: tuple[str, ...] = ("/v1/chat/completions",)
 
-    def __init__(self, handler: ChatHandler, *, model: str, defaults: SamplingParams | None = None) -> None:
-        self.handler, self.model, self.defaults = handler, model, defaults
+    def parse(
+        self, body: object, *, defaults: SamplingParams, known_arguments: Mapping[str, str]
+    ) -> ChatCall:
+        return parse_chat_request(body, defaults=defaults)  # arguments travel as text: nothing to restore
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path.rstrip("/")
-        try:
-            if path.endswith("/chat/completions") and request.method == "POST":
-                return await self._chat_completion(await request.aread())
-            if path.endswith("/models") and request.method == "GET":
-                return httpx.Response(200, json={"object": "list", "data": [self._model_object()]})
-            if path.endswith(f"/models/{self.model}") and request.method == "GET":
-                return httpx.Response(200, json=self._model_object())
-            raise OpenAIRequestError(f"Invalid URL ({request.method} {request.url.path})", status=404)
-        except OpenAIRequestError as error:
-            return httpx.Response(error.status, json=error.body())
-        except TurnstileError as error:
-            server_error = {"message": str(error), "type": "server_error", "param": None, "code": None}
-            return httpx.Response(500, json={"error": server_error})
-
-    async def _chat_completion(self, content: bytes) -> httpx.Response:
-        try:
-            body = json.loads(content)
-        except ValueError as error:
-            raise OpenAIRequestError(f"the request body is not valid JSON: {error}") from None
-        call = parse_chat_request(body, defaults=self.defaults)
-        result = await self.handler(call)
-        completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    def render(self, call: ChatCall, result: ChatResult, *, model: str) -> WireReply:
+        shape: dict[str, Any] = {
+            "completion_id": f"chatcmpl-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": model,
+            "choices": result.choices,
+            "prompt_tokens": result.prompt_tokens,
+            "logprobs": call.logprobs,
+            "extra": result.extra,
+        }
         if call.stream:
-            chunks = completion_chunks(
-                completion_id=completion_id,
-                created=created,
-                model=self.model,
-                choices=result.choices,
-                prompt_tokens=result.prompt_tokens,
-                logprobs=call.logprobs,
-                include_usage=call.include_usage,
-                extra=result.extra,
-            )
-            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=sse(chunks))
-        body = completion_body(
-            completion_id=completion_id,
-            created=created,
-            model=self.model,
-            choices=result.choices,
-            prompt_tokens=result.prompt_tokens,
-            logprobs=call.logprobs,
-            extra=result.extra,
-        )
-        return httpx.Response(200, json=body)
+            return WireReply(events=sse(completion_chunks(**shape, include_usage=call.include_usage)))
+        return WireReply(body=completion_body(**shape))
 
-    def _model_object(self) -> dict[str, Any]:
-        return {"id": self.model, "object": "model", "created": 0, "owned_by": "turnstile"}
-
-
-def openai_client(
-    handler: ChatHandler, *, model: str, defaults: SamplingParams | None = None
-) -> openai.AsyncOpenAI:
-    """An ``AsyncOpenAI`` whose every call is served by ``handler`` in process (no retries, no timeout:
-    the handler's own LLM client owns those)."""
-    http_client = httpx.AsyncClient(
-        transport=InProcessTransport(handler, model=model, defaults=defaults), timeout=None
-    )
-    # openai>=3 annotates http_client as an httpx2 client but accepts an httpx one as well.
-    return openai.AsyncOpenAI(
-        base_url=BASE_URL, api_key="in-process", max_retries=0, http_client=cast(Any, http_client)
-    )
+    def error_body(self, error: RequestError) -> dict[str, Any]:
+        return error_body(error)

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pipeline.dialects.openai import ChatCall, ChatResult, ChoiceData, OpenAIRequestError, openai_client
+from pipeline.dialects import ChatCall, ChatResult, ChoiceData, OpenAIRequestError, openai_client
 from pipeline.episodes.errors import InvalidLLMCall
 from pipeline.inference.client import RequestRejected
 

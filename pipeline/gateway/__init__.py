@@ -1,2 +1,23 @@
-"""The HTTP gateway: OpenAI- and Anthropic-compatible routes over episode sessions, session keys and
-admission, and the HTTP server."""
+"""The HTTP gateway: OpenAI- and Anthropic-compatible routes (one set per dialect in
+``pipeline.dialects``) over episode sessions, session keys and admission, and the HTTP server it runs on."""
+
+from pipeline.gateway.app import create_gateway, gateway_of
+from pipeline.gateway.errors import GatewayError
+from pipeline.gateway.server import HttpServer, serving_http
+from pipeline.gateway.service import EndSpec, Gateway, RewardSpec, SessionSpec
+from pipeline.gateway.sessions import SessionEntry, SessionRegistry, key_digest
+
+__all__ = [
+    "EndSpec",
+    "Gateway",
+    "GatewayError",
+    "HttpServer",
+    "RewardSpec",
+    "SessionEntry",
+    "SessionRegistry",
+    "SessionSpec",
+    "create_gateway",
+    "gateway_of",
+    "key_digest",
+    "serving_http",
+]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from pipeline.episodes import AgentResult, EpisodeLLM, MaxTurnsExceeded
-from pipeline.gateway.app import HttpServer, SessionRegistry, create_gateway
+from pipeline.gateway import HttpServer, SessionRegistry, create_gateway
 
 PROXY_PARAMETERS = frozenset({"base_url", "api_key"})
 

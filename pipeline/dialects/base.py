@@ -1,0 +1,169 @@
+"""What every wire API dialect shares: the parsed call and its result, the request error, the one validation
+helper, and the ``Dialect`` interface the gateway serves its routes from.
+
+A dialect knows one wire API (OpenAI chat completions, Anthropic messages, ...): it parses a request body
+into a ``ChatCall`` (Turnstile's messages, tools and sampling, plus the options that shape the reply),
+renders a ``ChatResult`` as that API's JSON body or server-sent events, and shapes errors the way that
+API's servers do. It does no I/O and knows nothing of sessions: the gateway and ``llm.openai()`` do that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from pipeline.errors import TurnstileError
+from schemas import ChatMessage, FinishReason, SamplingParams, ToolCall, ToolSpec
+from schemas.base import TOLERANT
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """A request in Turnstile's terms: what the session sends, and how the reply should be shaped."""
+
+    messages: list[ChatMessage]
+    tools: list[ToolSpec]
+    sampling: SamplingParams
+    n: int
+    logprobs: bool
+    top_logprobs: int
+    stream: bool
+    include_usage: bool
+    model: str
+    tool_choice: str | dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class ChoiceData:
+    """One recorded reply, as a dialect renders it."""
+
+    text: str
+    tool_calls: list[ToolCall]
+    finish_reason: FinishReason
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    token_texts: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        tokens = len(self.completion_token_ids)
+        if len(self.completion_logprobs) != tokens:
+            raise ValueError(f"{len(self.completion_logprobs)} logprobs for {tokens} completion tokens")
+        if self.token_texts is not None and len(self.token_texts) != tokens:
+            raise ValueError(f"{len(self.token_texts)} token texts for {tokens} completion tokens")
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """The replies to a call (``n`` of them), the prompt's token count, and top-level extras (Turnstile's
+    own ``turnstile`` field: turn ids and token ids)."""
+
+    choices: list[ChoiceData]
+    prompt_tokens: int
+    extra: dict[str, Any] | None = None
+
+
+ChatHandler = Callable[[ChatCall], Awaitable[ChatResult]]
+
+
+@dataclass(frozen=True)
+class WireReply:
+    """A reply in a wire API's shape: a JSON body, or the bytes of a server-sent event stream."""
+
+    body: dict[str, Any] | None = None
+    events: bytes | None = None
+
+
+class RequestError(TurnstileError):
+    """A request the wire API refuses: the HTTP status, the message, the field it names (``param``, in the
+    dialect's path notation) and a machine-readable ``code``. Each dialect renders it in its own shape."""
+
+    def __init__(
+        self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
+        self.message, self.param, self.status, self.code = message, param, status, code
+        super().__init__(message)
+
+
+class Dialect(Protocol):
+    """One wire API. The gateway adds a POST route for each of ``paths``; the registry is in
+    ``pipeline.dialects``. Adding an API is one module with one of these and one line in the registry."""
+
+    name: str
+    paths: tuple[str, ...]
+    """The chat routes, e.g. ``/v1/chat/completions``."""
+
+    def parse(
+        self, body: object, *, defaults: SamplingParams, known_arguments: Mapping[str, str]
+    ) -> ChatCall:
+        """A request body -> ``ChatCall``, or ``RequestError`` naming the field. ``known_arguments``: the
+        recorded argument text of the session's tool calls by id (for APIs that send arguments parsed)."""
+        ...
+
+    def render(self, call: ChatCall, result: ChatResult, *, model: str) -> WireReply:
+        """The reply as this API sends it: whole, or as the events of a stream when ``call.stream``."""
+        ...
+
+    def error_body(self, error: RequestError) -> dict[str, Any]:
+        """The error object this API's servers send for ``error``."""
+        ...
+
+
+# ---- the one validation helper -----------------------------------------------------------------------
+
+ParamPath = Callable[[str, Sequence[int | str]], str]
+"""Joins a parent path and a pydantic error location into the name of a request field."""
+
+
+def bracket_path(path: str, location: Iterable[int | str]) -> str:
+    """``messages[2].content[0].type`` (OpenAI's notation); pydantic's union tags are skipped."""
+    for part in location:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not part.startswith("function-"):
+            path = f"{path}.{part}" if path else part
+    return path
+
+
+def dotted_path(path: str, location: Iterable[int | str]) -> str:
+    """``stop_sequences.0`` (Anthropic's notation); a tool's ``function`` wrapper is not named, and an error
+    of the whole body names ``request``."""
+    parts = [str(part) for part in location if not str(part).startswith("function-")]
+    return ".".join([path, *parts] if path else parts).replace(".function.", ".") or "request"
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters, for error messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def validated(
+    model: type[_Model],
+    data: object,
+    path: str,
+    *,
+    error: type[RequestError],
+    param_path: ParamPath = bracket_path,
+    renames: Mapping[str, str] | None = None,
+) -> _Model:
+    """``model`` validated from ``data`` (unknown keys ignored), or ``error`` naming the first bad field
+    (``renames`` maps model field names to the API's) with the problem, the count of the others, and what
+    was sent."""
+    try:
+        return model.model_validate(data, context=TOLERANT)
+    except ValidationError as failure:
+        first = failure.errors()[0]
+        location = [(renames or {}).get(str(part), part) for part in first["loc"]]
+        more = failure.error_count() - 1
+        problem = first["msg"] + (f" ({more} more problems in this request)" if more else "")
+        raise invalid(param_path(path, location), problem, first["input"], error=error) from None
+
+
+def invalid(param: str, problem: str, got: object, *, error: type[RequestError]) -> RequestError:
+    """``error`` saying ``invalid <param>: <problem>, got <what was sent>``."""
+    return error(f"invalid {param}: {problem}, got {shown(got)}", param=param)

@@ -1,0 +1,322 @@
+"""What the gateway does for a request, apart from HTTP: authentication, admission, the sessions it starts
+and ends, and the turns it records.
+
+Admission (``POST /admin/sessions`` answers 429 with ``Retry-After``):
+
+- ``capacity``: at most this many sessions started by the gateway are open at once.
+- ``max_staleness``: the newest ``PolicyVersionPublished`` of the session's policy in the log, minus the
+  newest policy version the inference consumers have answered this gateway's calls with, is at most
+  this. Until a consumer has answered a call for the policy there is nothing to compare and sessions are
+  admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from collections.abc import Iterator
+from typing import Any, Final
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+
+from pipeline.dialects import ChatCall, ChatResult
+from pipeline.episodes import ChatReply, EpisodeSession, InvalidLLMCall, MaxTurnsExceeded, chat_result
+from pipeline.errors import InvalidEvent, StoreUnavailable, WrongExpectedVersion
+from pipeline.gateway.errors import GatewayError
+from pipeline.gateway.sessions import SessionEntry, SessionRegistry, key_digest
+from pipeline.inference import (
+    InferenceError,
+    InferenceTimeout,
+    LLMClient,
+    NoInferenceConsumer,
+    RequestRejected,
+)
+from pipeline.log import Store
+from schemas import PolicyVersionPublished, SamplingParams
+from schemas.episode import Termination
+
+BAD_KEY: Final = (
+    "invalid API key: it names no open session of this gateway (a session's key stops working when it ends)"
+)
+STALENESS_CACHE_S: Final = 1.0
+
+
+# ---- request bodies of the session endpoints ---------------------------------------------------------
+
+
+class SessionSpec(BaseModel):
+    """``POST /admin/sessions``: the episode to start."""
+
+    model_config = ConfigDict(extra="forbid")
+    task: dict[str, Any] = Field(default_factory=dict)
+    task_id: str = ""
+    policy: str | None = Field(default=None, min_length=1)
+    group_id: str | None = None
+    group_size: int = Field(default=1, ge=1)
+    agent: str = "gateway"
+    sampling: SamplingParams | None = None
+    tags: dict[str, str] = Field(default_factory=dict)
+    max_turns: int | None = Field(default=None, ge=1)
+    episode_id: str | None = Field(default=None, min_length=1, max_length=200)
+
+
+class RewardSpec(BaseModel):
+    """``.../reward``: ``turn_id`` a turn's id, ``"last"`` for the latest turn, or none for the episode."""
+
+    model_config = ConfigDict(extra="forbid")
+    value: float
+    turn_id: str | None = None
+    source: str = "gateway"
+
+
+class EndSpec(BaseModel):
+    """``.../end``: how the episode ended (none: ``done``; ``max_turns`` when a call went over the session's
+    ``max_turns``, ``truncated`` when its last reply was cut)."""
+
+    model_config = ConfigDict(extra="forbid")
+    termination: Termination | None = None
+    error: str | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+# ---- the gateway -------------------------------------------------------------------------------------
+
+
+class Gateway:
+    """What the HTTP app serves: the registry, and sessions started on the store and LLM client."""
+
+    def __init__(
+        self,
+        store: Store | None,
+        llm: LLMClient | None,
+        *,
+        registry: SessionRegistry | None = None,
+        admin_key: str | None = None,
+        policy_default: str | None = None,
+        capacity: int | None = None,
+        max_staleness: int | None = None,
+        retry_after: float = 1.0,
+        idle_timeout: float | None = None,
+        runner_id: str | None = None,
+        public_url: str | None = None,
+    ) -> None:
+        self.store = store
+        self.llm = llm
+        self.registry = registry if registry is not None else SessionRegistry()
+        self.admin_digest = key_digest(admin_key) if admin_key else None
+        self.policy_default = policy_default
+        self.capacity = capacity
+        self.max_staleness = max_staleness
+        self.retry_after = retry_after
+        self.idle_timeout = idle_timeout
+        self.runner_id = runner_id
+        self.public_url = public_url.rstrip("/") if public_url else None
+        self.served_versions: dict[str, int] = {}
+        self._published: dict[str, tuple[float, int | None]] = {}
+        self._starting = 0
+
+    # -- auth --
+
+    def is_admin(self, request: Request) -> bool:
+        if self.admin_digest is None:
+            return False
+        return any(hmac.compare_digest(key_digest(key), self.admin_digest) for key in request_keys(request))
+
+    def require_admin(self, request: Request) -> None:
+        if not self.is_admin(request):
+            raise GatewayError(401, "invalid admin key: send Authorization: Bearer <admin key>")
+
+    def session_of(self, request: Request) -> SessionEntry:
+        for key in request_keys(request):
+            entry = self.registry.lookup(key)
+            if entry is not None:
+                return entry
+        raise GatewayError(401, BAD_KEY)
+
+    # -- admission --
+
+    def check_capacity(self) -> None:
+        if self.capacity is not None and self.registry.owned_count() + self._starting >= self.capacity:
+            raise GatewayError(
+                429,
+                f"the gateway holds its capacity of {self.capacity} open sessions; end one or retry later",
+                headers=self._retry_after(),
+            )
+
+    async def check_staleness(self, policy: str) -> None:
+        served = self.served_versions.get(policy)
+        if self.max_staleness is None or served is None:
+            return
+        published = await self.published_version(policy)
+        if published is not None and published - served > self.max_staleness:
+            raise GatewayError(
+                429,
+                f"policy {policy!r} is at version {published} and the inference consumers still answer with "
+                f"version {served}: more than --max-staleness {self.max_staleness} behind; retry once they "
+                "have loaded a newer version",
+                headers=self._retry_after(),
+            )
+
+    def _retry_after(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
+
+    async def published_version(self, policy: str) -> int | None:
+        """The newest PolicyVersionPublished of ``policy`` in the log (looked up at most once a second)."""
+        checked_at, version = self._published.get(policy, (float("-inf"), None))
+        if self.store is None or time.monotonic() - checked_at < STALENESS_CACHE_S:
+            return version
+        events = await self.store.read_stream(f"policy-{policy}")
+        versions = [r.event.version for r in events if isinstance(r.event, PolicyVersionPublished)]
+        version = max(versions, default=None)
+        self._published[policy] = (time.monotonic(), version)
+        return version
+
+    # -- sessions --
+
+    async def start_session(self, spec: SessionSpec) -> tuple[EpisodeSession, str]:
+        if self.store is None or self.llm is None:
+            raise GatewayError(404, "this gateway serves registered sessions only; it starts none")
+        policy = spec.policy or self.policy_default
+        if policy is None:
+            raise GatewayError(400, "no policy: give 'policy' (this gateway has no default)", param="policy")
+        self.check_capacity()
+        self._starting += 1  # a slot held while the session starts, so concurrent starts cannot overfill
+        try:
+            await self.check_staleness(policy)
+            session = EpisodeSession(
+                self.store,
+                self.llm,
+                policy=policy,
+                task=spec.task,
+                task_id=spec.task_id,
+                agent=spec.agent,
+                episode_id=spec.episode_id,
+                group_id=spec.group_id,
+                group_size=spec.group_size,
+                sampling=spec.sampling,
+                tags=spec.tags,
+                max_turns=spec.max_turns,
+                runner_id=self.runner_id,
+            )
+            try:
+                await session.start()
+            except WrongExpectedVersion:
+                raise GatewayError(
+                    409, f"episode {session.episode_id} already exists", param="episode_id"
+                ) from None
+            except InvalidEvent as error:
+                raise GatewayError(400, f"the session cannot be recorded: {error}") from None
+            return session, self.registry.register(session, owned=True)
+        finally:
+            self._starting -= 1
+
+    async def reward(self, entry: SessionEntry, spec: RewardSpec) -> dict[str, Any]:
+        session = entry.session
+        if session.finished:
+            raise GatewayError(409, f"session {entry.session_id} has already ended")
+        turn_id: str | None = spec.turn_id
+        if turn_id == "last":
+            if not session.turns:
+                raise GatewayError(400, "turn_id 'last': the session has no turn yet", param="turn_id")
+            turn_id = str(session.turns[-1].turn_id)
+        try:
+            await session.reward(spec.value, turn_id, source=spec.source)
+        except InvalidLLMCall as error:
+            raise GatewayError(400, str(error), param="turn_id" if turn_id else "value") from None
+        return {"session_id": entry.session_id, "turn_id": turn_id, "value": spec.value}
+
+    async def end(self, entry: SessionEntry, spec: EndSpec) -> dict[str, Any]:
+        if not entry.owned:
+            raise GatewayError(
+                409, "this session belongs to a runner's episode: it ends when the agent's run() returns"
+            )
+        if await self.registry.close(entry.session_id) is None:
+            raise GatewayError(409, f"session {entry.session_id} has already ended")
+        session = entry.session
+        termination: Termination = spec.termination or "done"
+        if spec.termination is None and session.max_turns_hit:
+            termination = "max_turns"
+        elif spec.termination is None and session.turns and session.turns[-1].finish_reason == "length":
+            termination = "truncated"
+        await session.finish(termination, error=spec.error, metrics=spec.metrics)
+        return describe(entry) | {"termination": termination, "open": False}
+
+    async def reap_idle(self) -> list[str]:
+        """End the gateway's sessions unused for ``idle_timeout`` seconds as ``timeout``."""
+        if self.idle_timeout is None:
+            return []
+        cutoff = time.monotonic() - self.idle_timeout
+        reaped = []
+        for entry in self.registry.entries():
+            if entry.owned and not entry.calls and entry.last_used < cutoff:
+                error = f"no call for {self.idle_timeout:g} s (the gateway's --idle-timeout)"
+                await self.end(entry, EndSpec(termination="timeout", error=error))
+                reaped.append(entry.session_id)
+        return reaped
+
+    async def close_all(self, termination: Termination = "cancelled") -> None:
+        """End every open session the gateway started (when it stops)."""
+        for entry in self.registry.entries():
+            if entry.owned:
+                with contextlib.suppress(Exception):
+                    await self.registry.close(entry.session_id, cancel=True)
+                    await entry.session.finish(termination, error="the gateway stopped")
+
+    # -- turns --
+
+    async def chat(self, entry: SessionEntry, call: ChatCall) -> ChatResult:
+        """``call.n`` turns of the session (siblings when ``n`` > 1), each recorded before it returns."""
+        session = entry.session
+
+        async def turns() -> list[ChatReply]:
+            return list(
+                await asyncio.gather(
+                    *(session.chat(call.messages, call.tools, call.sampling) for _ in range(call.n))
+                )
+            )
+
+        try:
+            replies = await entry.run(turns())
+        except MaxTurnsExceeded as error:
+            raise GatewayError(400, str(error), code="max_turns_exceeded") from None
+        except (InvalidLLMCall, RequestRejected) as error:
+            raise GatewayError(400, str(error), param=getattr(error, "field", None)) from None
+        except NoInferenceConsumer as error:
+            raise GatewayError(503, str(error), headers={"Retry-After": "5"}) from None
+        except InferenceTimeout as error:
+            raise GatewayError(504, str(error)) from None
+        except InferenceError as error:
+            raise GatewayError(502, str(error)) from None
+        except StoreUnavailable as error:
+            raise GatewayError(503, str(error)) from None
+        for reply in replies:
+            known = self.served_versions.get(session.policy, -1)
+            self.served_versions[session.policy] = max(known, reply.policy_version)
+            entry.tool_arguments.update((call.id, call.function.arguments) for call in reply.tool_calls)
+        return chat_result(session.episode_id, replies)
+
+
+def describe(entry: SessionEntry) -> dict[str, Any]:
+    session = entry.session
+    episode = session.episode()
+    return {
+        "session_id": entry.session_id,
+        "policy": session.policy,
+        "turns": len(episode.turns),
+        "last_turn_id": str(episode.turns[-1].turn_id) if episode.turns else None,
+        "reward": episode.total_reward if episode.rewards else None,
+        "open": True,
+    }
+
+
+def request_keys(request: Request) -> Iterator[str]:
+    """The keys a request carries: ``Authorization: Bearer <key>`` and ``x-api-key: <key>``."""
+    authorization = request.headers.get("authorization", "")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        yield token.strip()
+    if api_key := request.headers.get("x-api-key", "").strip():
+        yield api_key

@@ -1,0 +1,107 @@
+"""Session keys: API keys -> the open sessions (episodes) they may use. Keys are
+``secrets.token_urlsafe(32)`` and only their SHA-256 digests are kept. A session started elsewhere (a
+runner's episode, see ``pipeline.runners.proxy``) can be registered too: the gateway then serves its calls
+and rewards but leaves starting and ending it to its owner."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import secrets
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from pipeline.episodes import EpisodeSession
+from pipeline.errors import TurnstileError
+from pipeline.gateway.errors import GatewayError
+
+_T = TypeVar("_T")
+
+
+def key_digest(api_key: str) -> bytes:
+    return hashlib.sha256(api_key.encode()).digest()
+
+
+class SessionEntry:
+    """An open session as the gateway holds it: whose it is, when it was last used, its calls in flight."""
+
+    def __init__(self, session: EpisodeSession, digest: bytes, *, owned: bool) -> None:
+        self.session = session
+        self.digest = digest
+        self.owned = owned
+        self.last_used = time.monotonic()
+        self.calls: set[asyncio.Task[Any]] = set()
+        self.tool_arguments: dict[str, str] = {}
+        """Tool call id -> the arguments text the model wrote, for every turn served here: an API that
+        sends arguments back parsed (Anthropic's ``tool_use.input``) gets the exact text restored."""
+
+    @property
+    def session_id(self) -> str:
+        return self.session.episode_id
+
+    async def run(self, work: Coroutine[Any, Any, _T]) -> _T:
+        """Run one call of this session as a task the session can wait for (or cancel) when it closes."""
+        self.last_used = time.monotonic()
+        task = asyncio.create_task(work)
+        self.calls.add(task)
+        task.add_done_callback(self.calls.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and not (current is not None and current.cancelling()):
+                raise GatewayError(409, "the session was closed while this call was in flight") from None
+            raise
+        finally:
+            self.last_used = time.monotonic()
+
+
+class SessionRegistry:
+    """API keys -> open sessions. Keys are kept only as SHA-256 digests."""
+
+    def __init__(self) -> None:
+        self._by_digest: dict[bytes, SessionEntry] = {}
+        self._by_id: dict[str, SessionEntry] = {}
+
+    def register(self, session: EpisodeSession, *, owned: bool = False) -> str:
+        """A fresh key for ``session`` (``owned``: the gateway started it and ends it)."""
+        if session.episode_id in self._by_id:
+            raise TurnstileError(f"session {session.episode_id} is already registered")
+        api_key = "ts-" + secrets.token_urlsafe(32)
+        entry = SessionEntry(session, key_digest(api_key), owned=owned)
+        self._by_digest[entry.digest] = entry
+        self._by_id[entry.session_id] = entry
+        return api_key
+
+    def lookup(self, api_key: str) -> SessionEntry | None:
+        digest = key_digest(api_key)
+        entry = self._by_digest.get(digest)
+        return entry if entry is not None and hmac.compare_digest(entry.digest, digest) else None
+
+    def get(self, session_id: str) -> SessionEntry | None:
+        return self._by_id.get(session_id)
+
+    def entries(self) -> list[SessionEntry]:
+        return list(self._by_id.values())
+
+    def owned_count(self) -> int:
+        return sum(entry.owned for entry in self._by_id.values())
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    async def close(self, session_id: str, *, cancel: bool = False) -> SessionEntry | None:
+        """Forget the session (its key stops working at once), then wait for its calls in flight to be
+        recorded, or cancel them (``cancel``)."""
+        entry = self._by_id.pop(session_id, None)
+        if entry is None:
+            return None
+        self._by_digest.pop(entry.digest, None)
+        calls = list(entry.calls)
+        if cancel:
+            for call in calls:
+                call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        return entry
