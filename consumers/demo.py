@@ -14,22 +14,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
-import psycopg
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from consumers.runtime import stop_on_signals
+from pipeline.dev.demo import POLICY, ServiceProcesses, Summary, loop_status, query, summarize
 from pipeline.dev.embedded import EmbeddedServers
 from pipeline.dev.plot import line_chart
 from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
@@ -38,10 +35,9 @@ from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.db import migrate
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
-from pipeline.settings import SERVERS_FILE, libpq_url
+from pipeline.settings import SERVERS_FILE
 from schemas import SamplingParams
 
-POLICY: Final = "demo"
 TRY_QUERIES: Final = (
     "SELECT policy_version, episodes, round(mean_reward::numeric, 3) AS mean_reward "
     "FROM reward_by_policy_version WHERE policy = 'demo' ORDER BY policy_version",
@@ -65,114 +61,14 @@ class DemoConfig:
     window: int = 200
 
 
-@dataclass
-class Summary:
-    episodes: int = 0
-    turns: int = 0
-    seconds: float = 0.0
-    batches_trained: int = 0
-    policy_version: int = 0
-    first_update_s: float | None = None
-    first_window: tuple[float, float, int] = (0.0, 0.0, 0)
-    last_window: tuple[float, float, int] = (0.0, 0.0, 0)
-    curve: list[tuple[int, float, float]] = field(default_factory=list)
-
-    @property
-    def improved(self) -> bool:
-        (first, first_ci, _), (last, last_ci, _) = self.first_window, self.last_window
-        return last - last_ci > first + first_ci
-
-
-def mean_ci(values: list[float]) -> tuple[float, float, int]:
-    """Mean, 95% confidence half-width (normal approximation) and count."""
-    n = len(values)
-    if n == 0:
-        return 0.0, 0.0, 0
-    mean = sum(values) / n
-    variance = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
-    return mean, 1.96 * math.sqrt(variance / n), n
-
-
-class Services:
-    """The service processes, stopped with SIGTERM (then SIGKILL) on exit."""
-
-    def __init__(self, env: dict[str, str], logs: Path) -> None:
-        self.env, self.logs = env, logs
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, *args: str) -> None:
-        self.logs.mkdir(parents=True, exist_ok=True)
-        log = (self.logs / f"{name}.log").open("ab")
-        self.processes[name] = subprocess.Popen(
-            [sys.executable, "-m", "consumers.cli", *args],
-            env=self.env,
-            stdout=log,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # Ctrl-C reaches the demo; the demo stops them in order
-        )
-
-    def check(self) -> None:
-        for name, process in self.processes.items():
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"the {name} process exited ({process.returncode}); see {self.logs}/{name}.log"
-                )
-
-    def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def _query(database_url: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
-    with psycopg.connect(libpq_url(database_url)) as connection:
-        return connection.execute(sql, params).fetchall()
-
-
-def _rewards_since(database_url: str, since_position: int) -> list[float]:
-    """Mean reward per turn of each finished episode recorded after ``since_position``, in finish order."""
-    rows = _query(
-        database_url,
-        "SELECT reward / turns FROM episodes WHERE policy = %s AND status = 'finished' "
-        "AND termination IN ('done', 'truncated', 'max_turns') AND turns > 0 AND started_position > %s "
-        "ORDER BY finished_position",
-        POLICY,
-        since_position,
+def _status_line(status: dict[str, Any]) -> str:
+    mean = status["mean_reward_recent"]
+    shown = "-" if mean is None else f"{mean:.3f}"
+    return (
+        f"{status['elapsed']:.0f} s: {status['episodes']} episodes, {status['turns_per_s']:.0f} turns/s, "
+        f"{status['batches_trained']} batches trained, policy version {status['policy_version']}, "
+        f"mean reward (last 200) {shown}"
     )
-    return [float(r[0] or 0.0) for r in rows]
-
-
-def _status(database_url: str, since_position: int, started: float) -> dict[str, Any]:
-    rewards = _rewards_since(database_url, since_position)
-    trained = _query(database_url, "SELECT count(*) FROM trained_batches WHERE outcome = 'trained'")[0][0]
-    version = _query(
-        database_url,
-        "SELECT coalesce(max((data->>'version')::int), 0) FROM events WHERE stream = %s",
-        f"policy-{POLICY}",
-    )[0][0]
-    turns = _query(
-        database_url,
-        "SELECT count(*) FROM events WHERE type = 'TurnCompleted' AND position > %s",
-        since_position,
-    )[0][0]
-    recent = rewards[-200:]
-    elapsed = time.monotonic() - started
-    return {
-        "episodes": len(rewards),
-        "turns": int(turns),
-        "turns_per_s": turns / max(elapsed, 1e-9),
-        "batches_trained": int(trained),
-        "policy_version": int(version),
-        "mean_reward_recent": sum(recent) / len(recent) if recent else None,
-        "elapsed": elapsed,
-    }
 
 
 def _status_table(status: dict[str, Any], minutes: float) -> Table:
@@ -246,8 +142,8 @@ def run_demo(config: DemoConfig, console: Console) -> Summary:
             build_tiny_model(model)
         env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
         env.update(TURNSTILE_DATABASE_URL=database_url, TURNSTILE_NATS_URL=nats_url, HF_HUB_OFFLINE="1")
-        services = Services(env, config.data_dir / "logs")
-        since = int(_query(database_url, "SELECT coalesce(max(position), 0) FROM events")[0][0])
+        services = ServiceProcesses(env, config.data_dir / "logs")
+        since = int(query(database_url, "SELECT coalesce(max(position), 0) FROM events")[0][0])
         started_wall = time.time()
         try:
             services.start("inference", "serve", "inference", "--policy", POLICY, "--model", str(model),
@@ -271,95 +167,46 @@ def run_demo(config: DemoConfig, console: Console) -> Summary:
         finally:
             services.stop()
             servers_file.unlink(missing_ok=True)
-        summary = _summarize(config, database_url, since, started_wall)
+        summary = summarize(database_url, since, started_wall, config.window)
     return summary
 
 
 async def _drive(
-    config: DemoConfig, console: Console, database_url: str, nats_url: str, since: int, services: Services
+    config: DemoConfig,
+    console: Console,
+    database_url: str,
+    nats_url: str,
+    since: int,
+    services: ServiceProcesses,
 ) -> None:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    started = time.monotonic()
-    deadline = started + config.minutes * 60
-    runner = asyncio.create_task(_run_loop(config, database_url, nats_url, stop))
-    render = console.is_terminal
-    try:
-        with (
-            Live(console=console, refresh_per_second=2, transient=False)
-            if render
-            else contextlib.nullcontext() as live
-        ):
-            last_line = 0.0
-            while not stop.is_set() and time.monotonic() < deadline and not runner.done():
-                services.check()
-                status = await asyncio.to_thread(_status, database_url, since, started)
-                if live is not None:
-                    live.update(_status_table(status, config.minutes))
-                elif time.monotonic() - last_line >= 10:
-                    last_line = time.monotonic()
-                    mean = status["mean_reward_recent"]
-                    shown = "-" if mean is None else f"{mean:.3f}"
-                    console.print(
-                        f"{status['elapsed']:.0f} s: {status['episodes']} episodes, "
-                        f"{status['turns_per_s']:.0f} turns/s, {status['batches_trained']} batches trained, "
-                        "policy version "
-                        f"{status['policy_version']}, mean reward (last 200) {shown}"
-                    )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
+    with stop_on_signals(stop.set):
+        started = time.monotonic()
+        deadline = started + config.minutes * 60
+        runner = asyncio.create_task(_run_loop(config, database_url, nats_url, stop))
+        render = console.is_terminal
+        try:
+            with (
+                Live(console=console, refresh_per_second=2, transient=False)
+                if render
+                else contextlib.nullcontext() as live
+            ):
+                last_line = 0.0
+                while not stop.is_set() and time.monotonic() < deadline and not runner.done():
+                    services.check()
+                    status = await asyncio.to_thread(loop_status, database_url, since, started)
+                    if live is not None:
+                        live.update(_status_table(status, config.minutes))
+                    elif time.monotonic() - last_line >= 10:
+                        last_line = time.monotonic()
+                        console.print(_status_line(status))
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 1.0)
 
-    finally:
-        # the runner closes its open episodes (cancelled) while the event store's writers still run
-        stop.set()
-        await runner
-
-
-def _summarize(config: DemoConfig, database_url: str, since: int, started_wall: float) -> Summary:
-    rewards = _rewards_since(database_url, since)
-    summary = Summary(episodes=len(rewards))
-    summary.turns = int(
-        _query(
-            database_url, "SELECT count(*) FROM events WHERE type = 'TurnCompleted' AND position > %s", since
-        )[0][0]
-    )
-    window = min(config.window, max(len(rewards) // 3, 1))
-    summary.first_window = mean_ci(rewards[:window])
-    summary.last_window = mean_ci(rewards[-window:])
-    bucket = max(len(rewards) // 30, 1)
-    for start in range(0, len(rewards), bucket):
-        mean, ci, _ = mean_ci(rewards[start : start + bucket])
-        summary.curve.append((start + bucket, mean, ci))
-    summary.batches_trained = int(
-        _query(
-            database_url,
-            "SELECT count(*) FROM trained_batches "
-            "WHERE outcome = 'trained' AND trained_at >= to_timestamp(%s)",
-            started_wall,
-        )[0][0]
-    )
-    versions = _query(
-        database_url,
-        "SELECT (data->>'version')::int, extract(epoch FROM recorded_at) FROM events WHERE stream = %s "
-        "AND position > %s ORDER BY position",
-        f"policy-{POLICY}",
-        since,
-    )
-    if versions:
-        summary.policy_version = int(versions[-1][0])
-        summary.first_update_s = float(versions[0][1]) - started_wall
-    first_row = _query(
-        database_url,
-        "SELECT extract(epoch FROM min(recorded_at)), extract(epoch FROM max(recorded_at)) FROM events "
-        "WHERE type = 'TurnCompleted' AND position > %s",
-        since,
-    )[0]
-    if first_row[0] is not None:
-        summary.seconds = float(first_row[1]) - float(first_row[0])
-    return summary
+        finally:
+            # the runner closes its open episodes (cancelled) while the event store's writers still run
+            stop.set()
+            await runner
 
 
 def report(summary: Summary, config: DemoConfig, console: Console) -> None:
@@ -399,5 +246,5 @@ def report(summary: Summary, config: DemoConfig, console: Console) -> None:
         json.dumps({**asdict(summary), "improved": summary.improved}, indent=2)
     )
     console.print("\nthe data stays; bring the servers back with `turnstile up` and try:")
-    for query in TRY_QUERIES:
-        console.print(f'  turnstile sql "{query}"', soft_wrap=True, highlight=False)
+    for sql_text in TRY_QUERIES:
+        console.print(f'  turnstile sql "{sql_text}"', soft_wrap=True, highlight=False)

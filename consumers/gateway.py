@@ -2,21 +2,19 @@
 
 Wiring only: the store, a NATS LLM client and a runner lease (each session's EpisodeStarted records the
 lease's id, so if the gateway dies its open sessions are closed ``aborted`` by the next runner or gateway
-that starts), the app from ``pipeline.gateway.app`` on uvicorn, and a clean stop on Ctrl-C / SIGTERM that ends
+that starts), the app from ``pipeline.gateway`` on uvicorn, and a clean stop on Ctrl-C / SIGTERM that ends
 the open sessions as ``cancelled``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rich.console import Console
 
-from consumers.runner import Connections, runner_services
+from consumers.runtime import Connections, episode_services, running
 from pipeline.errors import ConfigError
 from pipeline.gateway import HttpServer, create_gateway
 
@@ -58,58 +56,38 @@ async def serve_gateway(
 ) -> None:
     """Serve until Ctrl-C, SIGTERM or ``stop``; ``ready(url)`` once it listens."""
     console = console or Console(stderr=True)
-    stop = stop or asyncio.Event()
-    with _stop_on_signals(stop):
-        await _serve(config, stop, ready, console)
-
-
-@contextlib.contextmanager
-def _stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
-    loop = asyncio.get_running_loop()
-    handled = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-            handled.append(sig)
-    try:
-        yield
-    finally:
-        for sig in handled:
-            loop.remove_signal_handler(sig)
-
-
-async def _serve(
-    config: GatewayConfig, stop: asyncio.Event, ready: Callable[[str], object] | None, console: Console
-) -> None:
     connections = Connections(
         config.database_url,
         config.nats_url,
         heartbeat_timeout=config.heartbeat_timeout,
         lease_timeout=config.lease_timeout,
     )
-    async with runner_services(connections) as (store, _, llm, lease, recovered):
-        if recovered:
-            console.print(f"closed {len(recovered)} episodes left open by stopped runners as aborted")
+    async with running("gateway", stop=stop) as runtime, episode_services(connections) as services:
+        if services.recovered:
+            console.print(
+                f"closed {len(services.recovered)} episodes left open by stopped runners as aborted"
+            )
         app = create_gateway(
-            store,
-            llm,
+            services.store,
+            services.llm,
             admin_key=config.admin_key,
             policy_default=config.policy_default,
             capacity=config.capacity,
             max_staleness=config.max_staleness,
             idle_timeout=config.idle_timeout,
-            runner_id=lease.runner_id,
+            runner_id=services.lease.runner_id,
             public_url=config.public_url,
         )
         server = HttpServer(app, host=config.host, port=config.port)
         url = await server.start()
+        runtime.check("nats", lambda: services.connection.is_connected)
         console.print(
-            f"gateway [bold]{lease.runner_id}[/bold] on {url}: OpenAI and Anthropic clients use "
+            f"gateway [bold]{services.lease.runner_id}[/bold] on {url}: OpenAI and Anthropic clients use "
             f"base_url {config.public_url or url}/v1 with a session key from POST {url}/admin/sessions"
         )
         if ready is not None:
             ready(url)
-        stopping = asyncio.create_task(stop.wait())
+        stopping = asyncio.create_task(runtime.stop.wait())
         serving = asyncio.create_task(server.wait())
         try:
             await asyncio.wait({stopping, serving}, return_when=asyncio.FIRST_COMPLETED)
@@ -117,6 +95,5 @@ async def _serve(
             for waiting in (stopping, serving):
                 waiting.cancel()
             await asyncio.gather(stopping, serving, return_exceptions=True)
-            await (
-                server.stop()
-            )  # the app's shutdown ends the open sessions as cancelled; raises if it crashed
+            # the app's shutdown ends the open sessions as cancelled; raises if the server crashed
+            await server.stop()

@@ -177,7 +177,8 @@ def run(
     """Run AGENT on every task of a file, recording every episode; Ctrl-C cancels cleanly."""
     import asyncio
 
-    from consumers.runner import Connections, run_task_file
+    from consumers.runner import run_task_file
+    from consumers.runtime import Connections
     from pipeline.runners import load_agent, load_reward_function
     from pipeline.runners.progress import stats_table
     from pipeline.runners.runner import RunnerConfig
@@ -262,8 +263,8 @@ def serve_runner(
     """Take tasks from the TASKS work queue and run AGENT on them, on as many machines as you like."""
     import asyncio
 
-    from consumers.runner import Connections
     from consumers.runner import serve_runner as serve
+    from consumers.runtime import Connections
     from pipeline.runners import load_agent, load_reward_function
     from pipeline.runners.runner import RunnerConfig
 
@@ -441,6 +442,7 @@ def sql(
     """
     from rich.markup import escape
 
+    from pipeline.materialize import rebuild_schema
     from pipeline.sql.readonly import SqlError, run_readonly, to_csv, to_json, to_table
 
     if as_csv and as_json:
@@ -450,7 +452,7 @@ def sql(
     if timeout <= 0:
         raise ConfigError(f"--timeout must be more than 0 seconds, got {timeout:g}")
     text = sys.stdin.read() if query == "-" else query
-    search_path = None if schema in (None, "main", "public") else f"rm_{schema}"
+    search_path = None if schema in (None, "main", "public") else rebuild_schema(schema)
     database_url = Settings().require_database_url()
     try:
         result = run_readonly(

@@ -10,6 +10,7 @@ from pipeline.episodes.leases import (
     close_abandoned_episodes,
     find_abandoned_episodes,
     new_runner_id,
+    recover_abandoned_episodes,
 )
 from pipeline.episodes.openai_client import chat_result, episode_openai_client
 from pipeline.episodes.session import (
@@ -45,6 +46,7 @@ __all__ = [
     "find_abandoned_episodes",
     "fold_episode",
     "new_runner_id",
+    "recover_abandoned_episodes",
     "run_episode",
     "same_assistant_message",
     "slot_episode_id",

@@ -142,3 +142,16 @@ async def close_abandoned_episodes(
     if closed:
         log.info("closed %d abandoned episodes as aborted", len(closed))
     return closed
+
+
+async def recover_abandoned_episodes(
+    store: EventStore, *, every: float, lease_timeout: float = 30.0, orphan_after: float = 3600.0
+) -> None:
+    """Close abandoned episodes every ``every`` seconds, until cancelled; a failed pass is logged and the
+    next one tries again (a holder of a lease runs this beside its work)."""
+    while True:
+        await asyncio.sleep(every)
+        try:
+            await close_abandoned_episodes(store, lease_timeout=lease_timeout, orphan_after=orphan_after)
+        except Exception as error:
+            log.warning("recovery pass failed (%s); next pass in %.0f s", error, every)

@@ -8,6 +8,8 @@ from pipeline.materialize.materializer import (
     Materializer,
     MaterializerConfig,
     batch_id_for,
+    drop_rebuild,
+    rebuild_schema,
 )
 from pipeline.materialize.trajectory import (
     Sample,
@@ -35,8 +37,10 @@ __all__ = [
     "children",
     "concat_samples",
     "discounted_rewards",
+    "drop_rebuild",
     "group_advantages",
     "individual_samples",
     "monte_carlo_returns",
     "parents",
+    "rebuild_schema",
 ]

@@ -91,7 +91,7 @@ class MaterializerConfig:
     @property
     def schema(self) -> str:
         """``public`` for the live materializer, ``rm_<name>`` for a rebuild."""
-        return "public" if self.name == "main" else f"rm_{self.name}"
+        return "public" if self.name == "main" else rebuild_schema(self.name)
 
     @property
     def checkpoint(self) -> str:
@@ -105,6 +105,24 @@ class MaterializerConfig:
     def config_hash(self) -> str:
         canonical = json.dumps(self.semantics(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def rebuild_schema(name: str) -> str:
+    """The schema of the rebuild ``name`` (``turnstile rematerialize --name``): ``rm_<name>``."""
+    return f"rm_{name}"
+
+
+async def drop_rebuild(database_url: str, name: str) -> None:
+    """Drop the rebuild ``name``: its schema, its recorded configuration and its checkpoint."""
+    if name == "main":
+        raise ConfigError("the live materializer 'main' is not a rebuild; it cannot be replaced")
+    connection = await psycopg.AsyncConnection.connect(libpq_url(database_url), autocommit=True)
+    async with connection, connection.transaction():
+        await connection.execute(
+            sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(rebuild_schema(name)))
+        )
+        await connection.execute("DELETE FROM materializers WHERE name = %s", (name,))
+        await connection.execute("DELETE FROM checkpoints WHERE name = %s", (f"materializer:{name}",))
 
 
 def batch_id_for(config_hash: str, sample_ids: Sequence[str]) -> str:

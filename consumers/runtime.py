@@ -1,0 +1,245 @@
+"""The runtime every ``turnstile serve ...`` service runs on, so that services are wiring only.
+
+- ``setup_logging()``: one line format with times for long-running services.
+- ``running(name)``: a service's life: a stop event that SIGINT and SIGTERM set (``stop_on_signals`` for
+  other callbacks), and its health checks.
+- ``connect_nats`` / ``connect_store``: the first connect is retried with exponential backoff and jitter
+  (``stamina``) for at most ``connect_for`` seconds, so a service started before its servers waits for
+  them but one pointed at a wrong address says so instead of hanging; once connected, nats-py reconnects
+  on its own forever and the event store retries its appends (``retry_for``).
+- Health and metrics: a service registers named checks on its ``Runtime``; ``Runtime.health()`` is what a
+  health endpoint serves. The endpoint itself (and metrics) live here when they come, not in each service.
+
+stamina rather than tenacity directly: it is tenacity with production defaults (jittered exponential
+backoff, a bound on time and attempts) and typed async retry contexts, which is all a connect needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+import nats
+import stamina
+from nats.aio.client import Client as NatsConnection
+
+from pipeline.episodes import RunnerLease, close_abandoned_episodes, recover_abandoned_episodes
+from pipeline.errors import ConfigError
+from pipeline.inference import NatsLLMClient
+from pipeline.log import EventStore, is_connection_error
+
+log = logging.getLogger(__name__)
+
+CONNECT_FOR: Final = 60.0
+"""Seconds a service keeps trying to reach NATS or PostgreSQL at start before it gives up."""
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Log lines with times, for long-running services."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@contextlib.contextmanager
+def stop_on_signals(callback: Callable[[], object]) -> Iterator[None]:
+    """SIGINT and SIGTERM call ``callback`` in the running loop while the block runs (then the handlers
+    are removed: a second Ctrl-C after the block behaves as Python's default)."""
+    loop = asyncio.get_running_loop()
+    handled = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread, or no signals
+            loop.add_signal_handler(sig, callback)
+            handled.append(sig)
+    try:
+        yield
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+
+
+HealthCheck = Callable[[], bool]
+
+
+@dataclass
+class Runtime:
+    """One running service: its name, the event that stops it, and its health checks."""
+
+    name: str
+    stop: asyncio.Event
+    checks: dict[str, HealthCheck] = field(default_factory=dict)
+
+    def check(self, name: str, healthy: HealthCheck) -> None:
+        """Register a health check (e.g. "nats": the connection is up)."""
+        self.checks[name] = healthy
+
+    def health(self) -> dict[str, Any]:
+        """``{"service": name, "healthy": bool, "checks": {name: bool}}``: what a health endpoint serves."""
+        results = {}
+        for name, healthy in self.checks.items():
+            try:
+                results[name] = bool(healthy())
+            except Exception:
+                log.exception("health check %s failed", name)
+                results[name] = False
+        return {"service": self.name, "healthy": all(results.values()), "checks": results}
+
+
+@contextlib.asynccontextmanager
+async def running(name: str, *, stop: asyncio.Event | None = None) -> AsyncIterator[Runtime]:
+    """The service's runtime for the block: ``runtime.stop`` is set by SIGINT, SIGTERM or the caller."""
+    runtime = Runtime(name, stop or asyncio.Event())
+    with stop_on_signals(runtime.stop.set):
+        yield runtime
+
+
+async def connect_nats(
+    url: str, *, stop: asyncio.Event | None = None, connect_for: float = CONNECT_FOR
+) -> NatsConnection | None:
+    """A NATS connection that reconnects forever once made. The first connect is retried with jittered
+    backoff for ``connect_for`` seconds (then ``ConfigError``); None if ``stop`` is set first."""
+
+    async def attempt() -> NatsConnection:
+        # nats-py's own first connect never gives up when reconnects are unlimited (and has no jitter), so
+        # each attempt allows one reconnect only; once connected, reconnecting is unlimited.
+        connection = await nats.connect(
+            url, max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=_log_nats_error
+        )
+        connection.options["max_reconnect_attempts"] = -1
+        connection.options["reconnect_time_wait"] = 0.5
+        return connection
+
+    return await _first_connect(attempt, f"NATS at {url}", "TURNSTILE_NATS_URL", stop, connect_for)
+
+
+async def _log_nats_error(error: Exception) -> None:
+    log.warning("nats: %s", error or type(error).__name__)
+
+
+async def connect_store(
+    url: str, *, stop: asyncio.Event | None = None, connect_for: float = CONNECT_FOR, **options: Any
+) -> EventStore | None:
+    """The event store, once PostgreSQL answers (retried like ``connect_nats``); None if stopped first."""
+
+    async def attempt() -> EventStore:
+        store = await EventStore.connect(url, **options)
+        try:
+            await store.head()  # a round trip: the server is up and the database exists
+        except BaseException:
+            await store.close()
+            raise
+        return store
+
+    return await _first_connect(attempt, "PostgreSQL", "TURNSTILE_DATABASE_URL", stop, connect_for)
+
+
+_Connection = TypeVar("_Connection")
+
+
+async def _first_connect(
+    attempt: Callable[[], Awaitable[_Connection]],
+    what: str,
+    setting: str,
+    stop: asyncio.Event | None,
+    connect_for: float,
+) -> _Connection | None:
+    connecting = asyncio.ensure_future(_retrying(attempt, what, setting, connect_for))
+    if stop is None:
+        return await connecting
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not connecting.done():
+        connecting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await connecting
+        return None
+    return connecting.result()
+
+
+def _unreachable(error: Exception) -> bool:
+    return is_connection_error(error) or isinstance(error, (nats.errors.Error, TimeoutError))
+
+
+async def _retrying(
+    attempt: Callable[[], Awaitable[_Connection]], what: str, setting: str, connect_for: float
+) -> _Connection:
+    try:
+        async for retry in stamina.retry_context(
+            on=_unreachable, attempts=None, timeout=connect_for, wait_initial=0.2, wait_max=5.0
+        ):
+            with retry:
+                if retry.num > 1:
+                    log.warning("cannot reach %s yet; retrying (attempt %d)", what, retry.num)
+                return await attempt()
+    except Exception as error:
+        if not _unreachable(error):
+            raise
+        reason = (str(error) or type(error).__name__).splitlines()[0]
+        raise ConfigError(
+            f"cannot reach {what} after {connect_for:g} s ({reason}); check that it runs and that {setting} "
+            "points at it"
+        ) from error
+    raise AssertionError("unreachable: the retry loop returns or raises")
+
+
+# ---- what a service that records episodes needs (the runner and the gateway) ---------------------------
+
+
+@dataclass(frozen=True)
+class Connections:
+    """Where the servers are, and how long a consumer's silence or a runner's lease may last."""
+
+    database_url: str
+    nats_url: str
+    heartbeat_timeout: float = 15.0
+    lease_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
+class EpisodeServices:
+    store: EventStore
+    connection: NatsConnection
+    llm: NatsLLMClient
+    lease: RunnerLease
+    recovered: list[str]
+    """Episodes that dead runners had left open, closed ``aborted`` at start."""
+
+
+@contextlib.asynccontextmanager
+async def episode_services(
+    connections: Connections, *, recover: bool = False
+) -> AsyncIterator[EpisodeServices]:
+    """The store, a NATS connection, an LLM client and a runner lease. Episodes left open by dead runners
+    are closed first (``aborted``); with ``recover``, again every ``lease_timeout`` while the block runs."""
+    store = await connect_store(connections.database_url)
+    assert store is not None  # None only when stopped, and no stop event was given
+    try:
+        connection = await connect_nats(connections.nats_url)
+        assert connection is not None
+        llm = NatsLLMClient(connection, heartbeat_timeout=connections.heartbeat_timeout)
+        try:
+            recovered = await close_abandoned_episodes(store, lease_timeout=connections.lease_timeout)
+            async with RunnerLease(store, interval=connections.lease_timeout / 6) as lease:
+                every = connections.lease_timeout
+                recovery = (
+                    asyncio.create_task(recover_abandoned_episodes(store, every=every, lease_timeout=every))
+                    if recover
+                    else None
+                )
+                try:
+                    yield EpisodeServices(store, connection, llm, lease, recovered)
+                finally:
+                    if recovery is not None:
+                        recovery.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await recovery
+        finally:
+            await llm.close()
+            with contextlib.suppress(Exception):
+                await connection.drain()
+    finally:
+        await store.close()

@@ -1,0 +1,175 @@
+"""The demo's machinery (``turnstile demo``): a supervisor for the service processes, and the statistics
+of the closed loop read back from the database (rewards per episode, status, the summary)."""
+
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import psycopg
+
+from pipeline.settings import libpq_url
+
+POLICY: Final = "demo"
+
+
+@dataclass
+class Summary:
+    episodes: int = 0
+    turns: int = 0
+    seconds: float = 0.0
+    batches_trained: int = 0
+    policy_version: int = 0
+    first_update_s: float | None = None
+    first_window: tuple[float, float, int] = (0.0, 0.0, 0)
+    last_window: tuple[float, float, int] = (0.0, 0.0, 0)
+    curve: list[tuple[int, float, float]] = field(default_factory=list)
+
+    @property
+    def improved(self) -> bool:
+        (first, first_ci, _), (last, last_ci, _) = self.first_window, self.last_window
+        return last - last_ci > first + first_ci
+
+
+def mean_ci(values: list[float]) -> tuple[float, float, int]:
+    """Mean, 95% confidence half-width (normal approximation) and count."""
+    n = len(values)
+    if n == 0:
+        return 0.0, 0.0, 0
+    mean = sum(values) / n
+    variance = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, 1.96 * math.sqrt(variance / n), n
+
+
+class ServiceProcesses:
+    """The service processes, stopped with SIGTERM (then SIGKILL) on exit."""
+
+    def __init__(self, env: dict[str, str], logs: Path) -> None:
+        self.env, self.logs = env, logs
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, *args: str) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        log = (self.logs / f"{name}.log").open("ab")
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", "consumers.cli", *args],
+            env=self.env,
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C reaches the demo; the demo stops them in order
+        )
+
+    def check(self) -> None:
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"the {name} process exited ({process.returncode}); see {self.logs}/{name}.log"
+                )
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def query(database_url: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        return connection.execute(sql, params).fetchall()
+
+
+def rewards_since(database_url: str, since_position: int) -> list[float]:
+    """Mean reward per turn of each finished episode recorded after ``since_position``, in finish order."""
+    rows = query(
+        database_url,
+        "SELECT reward / turns FROM episodes WHERE policy = %s AND status = 'finished' "
+        "AND termination IN ('done', 'truncated', 'max_turns') AND turns > 0 AND started_position > %s "
+        "ORDER BY finished_position",
+        POLICY,
+        since_position,
+    )
+    return [float(r[0] or 0.0) for r in rows]
+
+
+def loop_status(database_url: str, since_position: int, started: float) -> dict[str, Any]:
+    rewards = rewards_since(database_url, since_position)
+    trained = query(database_url, "SELECT count(*) FROM trained_batches WHERE outcome = 'trained'")[0][0]
+    version = query(
+        database_url,
+        "SELECT coalesce(max((data->>'version')::int), 0) FROM events WHERE stream = %s",
+        f"policy-{POLICY}",
+    )[0][0]
+    turns = query(
+        database_url,
+        "SELECT count(*) FROM events WHERE type = 'TurnCompleted' AND position > %s",
+        since_position,
+    )[0][0]
+    recent = rewards[-200:]
+    elapsed = time.monotonic() - started
+    return {
+        "episodes": len(rewards),
+        "turns": int(turns),
+        "turns_per_s": turns / max(elapsed, 1e-9),
+        "batches_trained": int(trained),
+        "policy_version": int(version),
+        "mean_reward_recent": sum(recent) / len(recent) if recent else None,
+        "elapsed": elapsed,
+    }
+
+
+def summarize(database_url: str, since: int, started_wall: float, window: int) -> Summary:
+    """The run's figures: episodes and turns since position ``since``, the mean reward of the first and last
+    ``window`` episodes with 95% intervals, the reward curve, batches trained and the first update's time."""
+    rewards = rewards_since(database_url, since)
+    summary = Summary(episodes=len(rewards))
+    summary.turns = int(
+        query(
+            database_url, "SELECT count(*) FROM events WHERE type = 'TurnCompleted' AND position > %s", since
+        )[0][0]
+    )
+    window = min(window, max(len(rewards) // 3, 1))
+    summary.first_window = mean_ci(rewards[:window])
+    summary.last_window = mean_ci(rewards[-window:])
+    bucket = max(len(rewards) // 30, 1)
+    for start in range(0, len(rewards), bucket):
+        mean, ci, _ = mean_ci(rewards[start : start + bucket])
+        summary.curve.append((start + bucket, mean, ci))
+    summary.batches_trained = int(
+        query(
+            database_url,
+            "SELECT count(*) FROM trained_batches "
+            "WHERE outcome = 'trained' AND trained_at >= to_timestamp(%s)",
+            started_wall,
+        )[0][0]
+    )
+    versions = query(
+        database_url,
+        "SELECT (data->>'version')::int, extract(epoch FROM recorded_at) FROM events WHERE stream = %s "
+        "AND position > %s ORDER BY position",
+        f"policy-{POLICY}",
+        since,
+    )
+    if versions:
+        summary.policy_version = int(versions[-1][0])
+        summary.first_update_s = float(versions[0][1]) - started_wall
+    first_row = query(
+        database_url,
+        "SELECT extract(epoch FROM min(recorded_at)), extract(epoch FROM max(recorded_at)) FROM events "
+        "WHERE type = 'TurnCompleted' AND position > %s",
+        since,
+    )[0]
+    if first_row[0] is not None:
+        summary.seconds = float(first_row[1]) - float(first_row[0])
+    return summary
