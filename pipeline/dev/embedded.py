@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -264,6 +265,13 @@ class EmbeddedServers:
         with contextlib.suppress(Exception):
             self.nats.stop()
         self.postgres.stop()
+
+    def watch(self, stop: threading.Event, *, every: float = 0.5) -> None:
+        """Block until ``stop`` is set; ``EmbeddedServerError`` (naming the log) as soon as a server exits."""
+        while not stop.wait(every):
+            for name, server in (("PostgreSQL", self.postgres), ("nats-server", self.nats)):
+                if server.process is None or server.process.poll() is not None:
+                    raise EmbeddedServerError(f"{name} exited unexpectedly; see its log in {server.data_dir}")
 
     def __enter__(self) -> EmbeddedServers:
         self.start()

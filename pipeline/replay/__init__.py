@@ -34,6 +34,7 @@ from pipeline.replay.rerun import (
     compare_request,
     ordinal,
     render_rerun,
+    rerun_all,
     rerun_by_id,
     rerun_episode,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "probability_style",
     "render_rerun",
     "render_transcript",
+    "rerun_all",
     "rerun_by_id",
     "rerun_episode",
     "resolve_episode_id",

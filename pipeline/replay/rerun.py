@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -412,3 +412,30 @@ async def rerun_by_id(
     if spec not in agents:
         agents[spec] = load_agent(spec)
     return await rerun_episode(replayed.episode, agents[spec], agent_name=spec, timeout=timeout)
+
+
+async def rerun_all(
+    store: EventStore,
+    episode_ids: Sequence[str],
+    *,
+    agent: str | None = None,
+    timeout: float | None = None,  # noqa: ASYNC109 - passed on to rerun_episode
+    each: Callable[[str, RerunResult | TurnstileError], object] | None = None,
+) -> RerunSummary:
+    """Rerun every episode of ``episode_ids`` in turn (one agent instance per spec, as a runner has); an
+    episode that cannot be rerun is counted with its error and the others go on. ``each(id, outcome)``
+    sees every result or error as it comes."""
+    summary = RerunSummary()
+    agents = {agent: load_agent(agent)} if agent else {}
+    for episode_id in episode_ids:
+        try:
+            result = await rerun_by_id(store, episode_id, agent=agent, timeout=timeout, agents=agents)
+        except TurnstileError as error:
+            summary.errors.append((episode_id, str(error)))
+            if each is not None:
+                each(episode_id, error)
+            continue
+        summary.results.append(result)
+        if each is not None:
+            each(episode_id, result)
+    return summary

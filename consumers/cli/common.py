@@ -1,0 +1,116 @@
+"""What the command groups share: the console, option types declared once (choices as enums, so the CLI
+validates them and ``--help`` lists them), and the small parsers of option values."""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from pipeline.errors import ConfigError, describe_validation_error
+from schemas import SamplingParams
+
+console = Console(stderr=True)
+
+
+class Backend(enum.StrEnum):
+    torch = "torch"
+    vllm = "vllm"
+    scripted = "scripted"
+
+
+class Style(enum.StrEnum):
+    individual = "individual"
+    concat = "concat"
+
+
+class Advantage(enum.StrEnum):
+    grpo = "grpo"
+    mean = "mean"
+    none = "none"
+
+
+class Stale(enum.StrEnum):
+    drop = "drop"
+    flag = "flag"
+
+
+class Status(enum.StrEnum):
+    running = "running"
+    finished = "finished"
+
+
+class Termination(enum.StrEnum):
+    done = "done"
+    max_turns = "max_turns"
+    truncated = "truncated"
+    error = "error"
+    cancelled = "cancelled"
+    timeout = "timeout"
+    aborted = "aborted"
+
+
+# -- options of `turnstile run` and `turnstile serve runner` --
+
+AGENT_HELP = "the agent, as package.module:Name (e.g. pipeline.examples.calculator:CalculatorAgent)"
+Agent = Annotated[str, typer.Option(help=AGENT_HELP)]
+Concurrency = Annotated[int, typer.Option(help="episodes in flight at most")]
+MaxTurns = Annotated[
+    int | None, typer.Option(help="LLM turns an episode may take [default: no limit]", show_default=False)
+]
+Retries = Annotated[int, typer.Option(help="times an episode that ends in error is run again")]
+EpisodeTimeout = Annotated[
+    float | None, typer.Option(help="seconds an episode may take [default: no limit]", show_default=False)
+]
+Reward = Annotated[
+    str | None,
+    typer.Option(help="reward function package.module:name (task, episode) -> float", show_default=False),
+]
+Temperature = Annotated[float, typer.Option(help="sampling temperature")]
+MaxTokens = Annotated[int, typer.Option(help="completion tokens per turn at most")]
+HeartbeatTimeout = Annotated[float, typer.Option(help="seconds an LLM call waits for a silent consumer")]
+
+# -- options of `turnstile serve materializer` and `turnstile rematerialize` --
+
+Discount = Annotated[
+    float, typer.Option(help="reward backprop: a turn's value = its reward + discount x its child's")
+]
+StyleOption = Annotated[
+    Style, typer.Option(help="individual (a sample per turn) | concat (a sample per path)")
+]
+AdvantageOption = Annotated[
+    Advantage, typer.Option(help="grpo (r - mean) / std over the group | mean (r - mean) | none (r)")
+]
+BatchSamples = Annotated[int, typer.Option(help="samples per batch (groups are kept whole)")]
+BatchTokens = Annotated[
+    int | None, typer.Option(help="tokens per batch instead of a sample count", show_default=False)
+]
+SampleStaleness = Annotated[
+    int | None,
+    typer.Option(help="samples older than newest version - N are stale [default: never]", show_default=False),
+]
+StaleOption = Annotated[Stale, typer.Option(help="drop stale samples from batches, or flag them")]
+GroupTimeout = Annotated[
+    float, typer.Option(help="log seconds a group waits for missing members before it goes out")
+]
+StepEvents = Annotated[int, typer.Option(help="events folded per transaction")]
+
+
+def sampling(temperature: float, max_tokens: int, seed: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    except ValidationError as error:
+        raise ConfigError(f"sampling options: {describe_validation_error(error)}") from None
+
+
+def tags(pairs: list[str]) -> dict[str, str]:
+    found = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--tag {pair!r}: write it as key=value")
+        found[key] = value
+    return found

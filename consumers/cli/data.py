@@ -1,0 +1,330 @@
+"""``turnstile rematerialize``, ``sql``, ``replay`` and ``episodes``: reading and rebuilding the log."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+from rich.console import Console
+
+from consumers.cli.common import (
+    Advantage,
+    AdvantageOption,
+    BatchSamples,
+    BatchTokens,
+    Discount,
+    GroupTimeout,
+    SampleStaleness,
+    Stale,
+    StaleOption,
+    Status,
+    StepEvents,
+    Style,
+    StyleOption,
+    Termination,
+    console,
+)
+from pipeline.errors import ConfigError, TurnstileError
+from pipeline.settings import Settings
+
+if TYPE_CHECKING:
+    from pipeline.materialize import MaterializerConfig
+
+
+def materializer_config(
+    name: str,
+    discount: float,
+    style: Style,
+    advantage: Advantage,
+    batch_samples: int,
+    batch_tokens: int | None,
+    max_staleness: int | None,
+    stale: Stale,
+    group_timeout: float,
+    step_events: int,
+) -> MaterializerConfig:
+    """The options of ``serve materializer`` and ``rematerialize`` as the materializer's configuration."""
+    from pipeline.materialize import MaterializerConfig
+
+    return MaterializerConfig(
+        name=name,
+        discount=discount,
+        style=style.value,
+        advantage=advantage.value,
+        batch_samples=batch_samples,
+        batch_tokens=batch_tokens,
+        max_staleness=max_staleness,
+        stale=stale.value,
+        group_timeout_s=group_timeout,
+        step_events=step_events,
+    )
+
+
+def rematerialize(
+    name: str = typer.Option(..., help="the rebuild's name: its tables go to schema rm_<name>"),
+    discount: Discount = 1.0,
+    style: StyleOption = Style.individual,
+    advantage: AdvantageOption = Advantage.grpo,
+    batch_samples: BatchSamples = 64,
+    batch_tokens: BatchTokens = None,
+    max_staleness: SampleStaleness = None,
+    stale: StaleOption = Stale.drop,
+    group_timeout: GroupTimeout = 600.0,
+    step_events: StepEvents = 2000,
+    replace: bool = typer.Option(False, help="drop an earlier rebuild of that name first"),
+) -> None:
+    """Rebuild read models and batches from position 0 into schema rm_NAME; the log and the live
+    materializer are untouched. The same options give byte-identical batches."""
+    import asyncio
+
+    from consumers.materializer import rematerialize as rebuild
+    from consumers.runtime import setup_logging
+
+    setup_logging()
+    if name == "main":
+        raise ConfigError("'main' is the live materializer; give the rebuild another --name")
+    config = materializer_config(
+        name, discount, style, advantage, batch_samples, batch_tokens, max_staleness, stale, group_timeout,
+        step_events,
+    )  # fmt: skip
+    done = asyncio.run(rebuild(Settings().require_database_url(), config, replace=replace))
+    console.print(
+        f"rebuilt [bold]{name}[/bold] up to position {done.position} in schema {config.schema}; "
+        f'query it with turnstile sql --schema {name} "SELECT ..."'
+    )
+
+
+def sql(
+    query: str = typer.Argument(
+        ..., help="one query (SELECT, WITH, VALUES, TABLE, EXPLAIN or SHOW); '-' reads it from stdin"
+    ),
+    as_csv: bool = typer.Option(False, "--csv", help="print CSV: a header line, NULL as an empty field"),
+    as_json: bool = typer.Option(False, "--json", help="print a JSON array with an object per row"),
+    schema: str | None = typer.Option(
+        None,
+        help="read the tables of the rebuild NAME (schema rm_NAME) before the live ones; the views stay live",
+    ),
+    limit: int | None = typer.Option(None, help="fetch at most N rows"),
+    timeout: float = typer.Option(60.0, help="seconds the query may run before it is cancelled"),
+) -> None:
+    """Run one read-only query (as role turnstile_reader) and print its rows as a table, CSV or JSON.
+
+    Views: episode_stats, reward_by_policy_version, group_rewards, turn_latency_by_consumer,
+    prefix_break_rate_by_agent, batch_staleness, terminations; worked queries in docs/queries.sql.
+    """
+    from rich.markup import escape
+
+    from pipeline.materialize import rebuild_schema
+    from pipeline.sql import SqlError, run_readonly, to_csv, to_json, to_table
+
+    if as_csv and as_json:
+        raise ConfigError("--csv and --json: choose one")
+    if limit is not None and limit < 0:
+        raise ConfigError(f"--limit must be 0 or more, got {limit}")
+    if timeout <= 0:
+        raise ConfigError(f"--timeout must be more than 0 seconds, got {timeout:g}")
+    text = sys.stdin.read() if query == "-" else query
+    search_path = None if schema in (None, "main", "public") else rebuild_schema(schema)
+    database_url = Settings().require_database_url()
+    try:
+        result = run_readonly(
+            database_url, text, search_path=search_path, limit_rows=limit, timeout_s=timeout
+        )
+    except SqlError as error:
+        # main() prints errors as rich markup; PostgreSQL's words and the query may hold [brackets].
+        raise TurnstileError(escape(str(error))) from None
+    if as_csv:
+        sys.stdout.write(to_csv(result))
+    elif as_json:
+        sys.stdout.write(to_json(result))
+    elif result.columns:
+        # In a terminal the table fits its width; piped, it keeps its natural width rather than folding at 80.
+        Console(width=None if sys.stdout.isatty() else 100_000).print(to_table(result))
+    shown = f"{len(result.rows)} row{'' if len(result.rows) == 1 else 's'}"
+    console.print(f"{shown} (more not fetched: --limit {limit})" if result.truncated else shown)
+
+
+def replay(
+    episode_id: str = typer.Argument(
+        None, help="the episode's id, or enough of its beginning to be unambiguous"
+    ),
+    until: int = typer.Option(None, help="show the state as of turn N (the fold of the events up to it)"),
+    tokens: bool = typer.Option(False, "--tokens", help="show completion tokens shaded by logprob"),
+    model_dir: Path = typer.Option(
+        None, "--model", help="a local tokenizer directory: --tokens shows decoded token texts, not ids"
+    ),
+    as_json: bool = typer.Option(False, "--json", help="print the folded episode (or the rerun) as JSON"),
+    discount: float = typer.Option(1.0, help="discounted returns: a turn's reward + discount x its child's"),
+    rerun: bool = typer.Option(
+        False, "--rerun", help="run the agent again on the recorded replies and report the first divergence"
+    ),
+    agent: str = typer.Option(None, help="--rerun: this agent instead of the recorded one (pkg.mod:Name)"),
+    all_episodes: bool = typer.Option(False, "--all", help="--rerun every episode --where selects"),
+    where: str = typer.Option(
+        None, help="--all: an SQL condition over the episodes read model, e.g. \"policy = 'main'\""
+    ),
+    timeout: float = typer.Option(60.0, help="--rerun: seconds the agent may take per episode"),
+) -> None:
+    """Show a recorded episode as a transcript, or rerun its agent on the recorded replies.
+
+    Reads the log itself (no materializer needed). --rerun writes nothing and exits 1 when one diverged.
+
+    --all --where selects the episodes from the episodes read model (read-only SQL).
+    """
+    import asyncio
+
+    from rich.markup import escape
+
+    from pipeline.log import EventStore
+    from pipeline.replay import (
+        RerunResult,
+        RerunSummary,
+        episode_json,
+        load_episode,
+        load_tokenizer,
+        render_rerun,
+        render_transcript,
+        rerun_all,
+        rerun_by_id,
+        resolve_episode_id,
+    )
+
+    if not rerun and (agent or all_episodes or where):
+        raise ConfigError("--agent, --all and --where rerun episodes: add --rerun")
+    if rerun and (tokens or model_dir):
+        raise ConfigError("--tokens and --model show a transcript; they do not combine with --rerun")
+    if where is not None and not all_episodes:
+        raise ConfigError("--where selects the episodes of --all; add --all (or give one EPISODE_ID)")
+    if all_episodes == (episode_id is not None):
+        raise ConfigError("give one EPISODE_ID, or --rerun --all [--where CONDITION], not both")
+    if all_episodes and until is not None:
+        raise ConfigError("--until is for one episode; it does not combine with --all")
+    if not 0.0 <= discount <= 1.0:
+        raise ConfigError(f"--discount must be within [0, 1], got {discount}")
+    if timeout <= 0:
+        raise ConfigError(f"--timeout must be more than 0 seconds, got {timeout:g}")
+    database_url = Settings().require_database_url()
+    # In a terminal the output fits its width; piped (a file, CI) it is 120 columns, without colour.
+    out = Console(width=None if sys.stdout.isatty() else 120)
+    tokenizer = load_tokenizer(model_dir) if model_dir else None
+
+    async def one() -> int:
+        store = await EventStore.connect(database_url)
+        try:
+            found = await resolve_episode_id(store, episode_id)
+            if rerun:
+                result = await rerun_by_id(store, found, agent=agent, until=until, timeout=timeout)
+                if as_json:
+                    sys.stdout.write(json.dumps(result.to_json(), indent=2) + "\n")
+                else:
+                    out.print(render_rerun(result))
+                return 0 if result.identical else 1
+            replayed = await load_episode(store, found, until=until)
+            if as_json:
+                sys.stdout.write(json.dumps(episode_json(replayed, discount), indent=2) + "\n")
+            else:
+                shaded = tokens or tokenizer is not None
+                out.print(render_transcript(replayed, discount=discount, tokens=shaded, tokenizer=tokenizer))
+            return 0
+        finally:
+            await store.close()
+
+    def shown(episode_id: str, outcome: RerunResult | TurnstileError) -> None:
+        if as_json:
+            return
+        if isinstance(outcome, TurnstileError):
+            out.print(f"[bold red]failed[/bold red]    {escape(episode_id)}  {escape(str(outcome))}")
+        else:
+            out.print(render_rerun(outcome))
+
+    async def many(ids: list[str]) -> RerunSummary:
+        store = await EventStore.connect(database_url)
+        try:
+            return await rerun_all(store, ids, agent=agent, timeout=timeout, each=shown)
+        finally:
+            await store.close()
+
+    if not all_episodes:
+        raise SystemExit(asyncio.run(one()))
+    from pipeline.sql import SqlError, run_readonly
+
+    try:
+        rows = run_readonly(
+            database_url, f"SELECT episode_id FROM episodes WHERE ({where or 'true'}) ORDER BY started_at"
+        ).rows
+    except SqlError as error:
+        raise TurnstileError(f"--where: {escape(str(error))}") from None
+    if not rows:
+        console.print(
+            "no episode matched (--all --where reads the episodes read model, which "
+            "`turnstile serve materializer` fills)"
+        )
+        return
+    summary = asyncio.run(many([str(row[0]) for row in rows]))
+    if as_json:
+        results = [result.to_json() for result in summary.results]
+        errors = [{"episode_id": episode, "error": error} for episode, error in summary.errors]
+        sys.stdout.write(json.dumps({"results": results, "errors": errors}, indent=2) + "\n")
+    else:
+        out.print(summary.line())
+    if summary.diverged or summary.errors:
+        raise SystemExit(1)
+
+
+def episodes(
+    policy: str = typer.Option(None, help="only this policy"),
+    status: Status = typer.Option(None, help="running | finished"),
+    termination: Termination = typer.Option(
+        None, help="only episodes ended so: done, max_turns, truncated, error, cancelled, timeout, aborted"
+    ),
+    agent: str = typer.Option(None, help="only this agent (as recorded: package.module:Name)"),
+    min_reward: float = typer.Option(None, help="only episodes whose rewards sum to at least this"),
+    max_reward: float = typer.Option(None, help="only episodes whose rewards sum to at most this"),
+    since: str = typer.Option(None, help="started since: 30m, 1h, 2d, 1w ago, or a date/time (local)"),
+    limit: int = typer.Option(20, help="show at most N episodes"),
+    as_json: bool = typer.Option(False, "--json", help="print a JSON array with an object per episode"),
+) -> None:
+    """List recorded episodes, newest first, from the log itself (no materializer needed)."""
+    import asyncio
+
+    from pipeline.log import EventStore
+    from pipeline.replay import (
+        EpisodeFilter,
+        EpisodeRow,
+        episode_row_json,
+        episodes_table,
+        list_episodes,
+        parse_since,
+    )
+
+    if limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {limit}")
+    filters = EpisodeFilter(
+        policy=policy,
+        status=None if status is None else status.value,
+        termination=None if termination is None else termination.value,
+        agent=agent,
+        min_reward=min_reward,
+        max_reward=max_reward,
+        since=parse_since(since) if since else None,
+        limit=limit,
+    )
+    database_url = Settings().require_database_url()
+
+    async def fetch() -> tuple[list[EpisodeRow], bool]:
+        store = await EventStore.connect(database_url)
+        try:
+            return await list_episodes(store, filters)
+        finally:
+            await store.close()
+
+    rows, more = asyncio.run(fetch())
+    if as_json:
+        sys.stdout.write(json.dumps([episode_row_json(row) for row in rows], indent=2) + "\n")
+    elif rows:
+        Console(width=None if sys.stdout.isatty() else 100_000).print(episodes_table(rows))
+    shown = f"{len(rows)} episode{'' if len(rows) == 1 else 's'}, newest first"
+    console.print(f"{shown} (more: --limit {limit * 2})" if more else shown)

@@ -1,0 +1,126 @@
+"""``turnstile run``, ``submit`` and ``demo``: agents over tasks, and the closed loop on one machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from consumers.cli.common import (
+    Agent,
+    Concurrency,
+    EpisodeTimeout,
+    MaxTokens,
+    MaxTurns,
+    Retries,
+    Reward,
+    Temperature,
+    console,
+    sampling,
+    tags,
+)
+from pipeline.errors import ConfigError
+from pipeline.settings import Settings
+
+
+def run(
+    agent: Agent,
+    tasks: Path = typer.Option(..., help="a JSONL file, one task object per line"),
+    policy: str = typer.Option(..., help="the policy: requests go to llm.<policy>.requests"),
+    group_size: int = typer.Option(1, help="episodes per task (one group, for group-relative advantages)"),
+    concurrency: Concurrency = 64,
+    max_turns: MaxTurns = None,
+    retries: Retries = 1,
+    timeout: EpisodeTimeout = None,
+    reward: Reward = None,
+    temperature: Temperature = 1.0,
+    max_tokens: MaxTokens = 256,
+    seed: int = typer.Option(None, help="sampling seed"),
+    tag: list[str] = typer.Option([], help="key=value recorded with every episode (repeatable)"),
+) -> None:
+    """Run AGENT on every task of a file, recording every episode; Ctrl-C cancels cleanly."""
+    import asyncio
+
+    from consumers.runner import run_task_file
+    from consumers.runtime import Connections
+    from pipeline.runners import load_agent, load_reward_function
+    from pipeline.runners.progress import stats_table
+    from pipeline.runners.runner import RunnerConfig
+
+    settings = Settings()
+    connections = Connections(settings.require_database_url(), settings.require_nats_url())
+    loaded = load_agent(agent)
+    reward_fn = load_reward_function(reward) if reward else None
+    if not tasks.is_file():
+        raise ConfigError(f"task file {str(tasks)!r} does not exist")
+    config = RunnerConfig(
+        policy=policy,
+        agent_name=agent,
+        group_size=group_size,
+        concurrency=concurrency,
+        max_turns=max_turns,
+        retries=retries,
+        timeout=timeout,
+        sampling=sampling(temperature, max_tokens, seed),
+        tags=tags(tag),
+    )
+    result = asyncio.run(
+        run_task_file(connections, loaded, config, tasks, reward_fn=reward_fn, console=console)
+    )
+    console.print(stats_table(result.stats, "cancelled" if result.cancelled else "finished"))
+    if result.cancelled:
+        raise SystemExit(130)
+
+
+def submit(
+    tasks: Path = typer.Argument(..., help="a JSONL file, one task object per line"),
+    policy: str = typer.Option(..., help="tasks go to the work queue subject tasks.<policy>"),
+    group_size: int = typer.Option(1, help="episodes per task"),
+) -> None:
+    """Put every task of a file on the JetStream work queue TASKS for `turnstile serve runner`."""
+    import asyncio
+
+    import nats
+
+    from pipeline.runners.runner import TaskLineError, TaskSpec, read_tasks
+    from pipeline.runners.taskqueue import submit_tasks
+
+    if group_size < 1:
+        raise ConfigError(f"--group-size must be at least 1, got {group_size}")
+    specs: list[TaskSpec] = []
+    for item in read_tasks(tasks):
+        if isinstance(item, TaskLineError):
+            console.print(f"[red]task file {tasks}, {item}[/red] (skipped; the other tasks are submitted)")
+        else:
+            specs.append(item)
+
+    async def send() -> int:
+        connection = await nats.connect(Settings().require_nats_url())
+        try:
+            return len(await submit_tasks(connection, policy, specs, group_size=group_size))
+        finally:
+            await connection.drain()
+
+    console.print(f"submitted {asyncio.run(send())} tasks to tasks.{policy} (group size {group_size})")
+
+
+def demo(
+    minutes: float = typer.Option(3.0, help="how long the loop runs"),
+    data_dir: Path = typer.Option(
+        None, help="servers, model, checkpoints and logs [default: $TURNSTILE_DATA_DIR or .turnstile]"
+    ),
+    seed: int = typer.Option(0, help="trainer seed"),
+    concurrency: int = typer.Option(64, help="episodes in flight"),
+) -> None:
+    """The closed loop on this machine: embedded servers, tiny model, inference, materializer, relay,
+    trainer and a runner on a task the model learns; live progress, then a summary and a reward curve."""
+    from consumers.demo import DemoConfig, report, run_demo
+
+    if minutes <= 0:
+        raise ConfigError(f"--minutes must be positive, got {minutes}")
+    config = DemoConfig(
+        data_dir=data_dir or Settings().data_dir, minutes=minutes, seed=seed, concurrency=concurrency
+    )
+    summary = run_demo(config, console)
+    report(summary, config, Console())

@@ -1,0 +1,272 @@
+"""``turnstile serve ...``: the long-running services, one command each (what a deployment runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from consumers.cli.common import (
+    Advantage,
+    AdvantageOption,
+    Agent,
+    Backend,
+    BatchSamples,
+    BatchTokens,
+    Concurrency,
+    Discount,
+    EpisodeTimeout,
+    GroupTimeout,
+    HeartbeatTimeout,
+    MaxTokens,
+    MaxTurns,
+    Retries,
+    Reward,
+    SampleStaleness,
+    Stale,
+    StaleOption,
+    StepEvents,
+    Style,
+    StyleOption,
+    Temperature,
+    console,
+    sampling,
+)
+from consumers.cli.data import materializer_config
+from pipeline.errors import ConfigError
+from pipeline.settings import Settings
+
+
+def inference(
+    policy: str = typer.Option(..., help="the policy served: requests arrive on llm.<policy>.requests"),
+    backend: Backend = typer.Option(
+        Backend.torch, help="torch | vllm | scripted (instant fixed replies, for benchmarks)"
+    ),
+    model_dir: Path = typer.Option(None, "--model", help="a Hugging Face model directory (local)"),
+    consumer_id: str = typer.Option(
+        "", help="this consumer's id in sticky subjects [default: host-pid-random]"
+    ),
+    max_batch: int = typer.Option(16, help="torch backend: requests batched together"),
+) -> None:
+    """Answer LLM requests for POLICY over NATS (queue group `inference`), reloading published versions."""
+    import asyncio
+
+    from consumers.inference import InferenceConfig, create_app
+    from consumers.runtime import setup_logging
+
+    setup_logging()
+    config = InferenceConfig(
+        nats_url=Settings().require_nats_url(),
+        policy=policy,
+        backend=backend.value,
+        model=model_dir,
+        consumer_id=consumer_id,
+        max_batch=max_batch,
+    )
+    application, service = create_app(config)
+    console.print(
+        f"inference consumer [bold]{service.consumer_id}[/bold] serving policy {policy!r} ({backend.value})"
+    )
+    asyncio.run(application.run())
+
+
+def runner(
+    agent: Agent,
+    policy: str = typer.Option(..., help="take tasks from tasks.<policy>, send requests to llm.<policy>"),
+    concurrency: Concurrency = 64,
+    max_turns: MaxTurns = None,
+    retries: Retries = 1,
+    timeout: EpisodeTimeout = None,
+    reward: Reward = None,
+    temperature: Temperature = 1.0,
+    max_tokens: MaxTokens = 256,
+    ack_wait: float = typer.Option(
+        60.0, help="seconds without progress before a task goes to another runner"
+    ),
+    lease_timeout: float = typer.Option(
+        30.0, help="seconds after which a silent runner's episodes are aborted"
+    ),
+    heartbeat_timeout: HeartbeatTimeout = 15.0,
+) -> None:
+    """Take tasks from the TASKS work queue and run AGENT on them, on as many machines as you like."""
+    import asyncio
+
+    from consumers.runner import serve_runner
+    from consumers.runtime import Connections, setup_logging
+    from pipeline.runners import load_agent, load_reward_function
+    from pipeline.runners.runner import RunnerConfig
+
+    setup_logging()
+    settings = Settings()
+    connections = Connections(
+        settings.require_database_url(),
+        settings.require_nats_url(),
+        heartbeat_timeout=heartbeat_timeout,
+        lease_timeout=lease_timeout,
+    )
+    loaded = load_agent(agent)
+    reward_fn = load_reward_function(reward) if reward else None
+    config = RunnerConfig(
+        policy=policy,
+        agent_name=agent,
+        concurrency=concurrency,
+        max_turns=max_turns,
+        retries=retries,
+        timeout=timeout,
+        sampling=sampling(temperature, max_tokens, None),
+    )
+    asyncio.run(
+        serve_runner(connections, loaded, config, reward_fn=reward_fn, ack_wait=ack_wait, console=console)
+    )
+    console.print("runner stopped")
+
+
+def materializer(
+    name: str = typer.Option("main", help="the read models' name (main: the public tables)"),
+    discount: Discount = 1.0,
+    style: StyleOption = Style.individual,
+    advantage: AdvantageOption = Advantage.grpo,
+    batch_samples: BatchSamples = 64,
+    batch_tokens: BatchTokens = None,
+    max_staleness: SampleStaleness = None,
+    stale: StaleOption = Stale.drop,
+    group_timeout: GroupTimeout = 600.0,
+    step_events: StepEvents = 2000,
+) -> None:
+    """Fold the log into read models and training batches as events arrive (exactly once)."""
+    import asyncio
+
+    from consumers.materializer import serve_materializer
+    from consumers.runtime import setup_logging
+
+    setup_logging()
+    config = materializer_config(
+        name, discount, style, advantage, batch_samples, batch_tokens, max_staleness, stale, group_timeout,
+        step_events,
+    )  # fmt: skip
+    console.print(f"materializer {name!r} running ({config.semantics()})")
+    done = asyncio.run(serve_materializer(Settings().require_database_url(), config))
+    console.print(f"materializer stopped at position {done.position}")
+
+
+def relay(
+    schema: str = typer.Option("public", help="the schema whose batch_outbox is published"),
+    poll_interval: float = typer.Option(
+        1.0, help="seconds between passes when no NOTIFY wakes the relay sooner"
+    ),
+) -> None:
+    """Publish the materializer's batches to JetStream BATCHES (batches.<policy>), each once."""
+    import asyncio
+
+    from consumers.relay import RelayConfig, serve_relay
+
+    if poll_interval <= 0:
+        raise ConfigError(f"--poll-interval must be more than 0, got {poll_interval}")
+    from consumers.runtime import setup_logging
+
+    setup_logging()
+    settings = Settings()
+    config = RelayConfig(
+        settings.require_database_url(),
+        settings.require_nats_url(),
+        schema=schema,
+        poll_interval=poll_interval,
+    )
+    asyncio.run(serve_relay(config, console=console))
+    console.print("relay stopped")
+
+
+def trainer(
+    policy: str = typer.Option(..., help="train on batches.<policy>; publish policy.<policy>.versions"),
+    model_dir: Path = typer.Option(..., "--model", help="the starting weights (a local model directory)"),
+    checkpoints: Path = typer.Option(..., help="where checkpoints v000001, v000002, ... are written"),
+    durable: str = typer.Option("trainer", help="this trainer's name (its JetStream consumer and record)"),
+    lr: float = typer.Option(3e-3, help="Adam learning rate"),
+    clip: float = typer.Option(0.2, help="PPO ratio clip"),
+    version_every: int = typer.Option(1, help="batches per published policy version"),
+    max_staleness: int = typer.Option(None, help="skip batches more than N versions behind [default: never]"),
+    ack_wait: float = typer.Option(120.0, help="seconds before an unfinished batch is delivered again"),
+    seed: int = typer.Option(0, help="torch seed"),
+    threads: int = typer.Option(1, help="torch CPU threads"),
+) -> None:
+    """PPO-clip on the batch stream; checkpoints and publishes new policy versions (exactly once)."""
+    import asyncio
+
+    from consumers.runtime import setup_logging
+    from consumers.trainer import TrainerConfig, serve_trainer
+
+    setup_logging()
+    settings = Settings()
+    config = TrainerConfig(
+        database_url=settings.require_database_url(),
+        nats_url=settings.require_nats_url(),
+        policy=policy,
+        model=model_dir,
+        checkpoints=checkpoints,
+        durable=durable,
+        lr=lr,
+        clip=clip,
+        version_every=version_every,
+        max_staleness=max_staleness,
+        ack_wait=ack_wait,
+        seed=seed,
+        threads=threads,
+    )
+    stats = asyncio.run(serve_trainer(config))
+    console.print(f"trainer stopped at policy version {stats.version} ({stats.trained} batches trained)")
+
+
+def gateway(
+    policy_default: str = typer.Option(None, help="the policy of sessions that name none"),
+    host: str = typer.Option("127.0.0.1", help="the address to listen on (0.0.0.0: every interface)"),
+    port: int = typer.Option(8000, help="the port to listen on (0: a free one)"),
+    admin_key_env: str = typer.Option(
+        "TURNSTILE_ADMIN_KEY", help="the environment variable that holds the admin key (required)"
+    ),
+    max_open_sessions: int = typer.Option(
+        None, help="open sessions at most; starting one more gets 429 [default: no limit]"
+    ),
+    max_staleness: int = typer.Option(
+        None,
+        help="starting a session gets 429 while the newest published policy version is more than N ahead "
+        "of the version the inference consumers answer with [default: never]",
+    ),
+    idle_timeout: float = typer.Option(
+        3600.0, help="seconds without a call before a session ends as timeout (0: never)"
+    ),
+    public_url: str = typer.Option(
+        None, help="the URL clients reach the gateway at, for the base_url it hands out [default: Host]"
+    ),
+    heartbeat_timeout: HeartbeatTimeout = 15.0,
+) -> None:
+    """Serve the OpenAI- and Anthropic-compatible gateway: every call of a session is a recorded turn."""
+    import asyncio
+    import os
+
+    from consumers.gateway import GatewayConfig, serve_gateway
+
+    admin_key = os.environ.get(admin_key_env, "").strip()
+    if not admin_key:
+        raise ConfigError(
+            f"no admin key: set {admin_key_env} to a secret (e.g. `export {admin_key_env}=$(openssl rand "
+            "-hex 32)`); it protects session creation, and the gateway does not start without one"
+        )
+    from consumers.runtime import setup_logging
+
+    setup_logging()
+    settings = Settings()
+    config = GatewayConfig(
+        database_url=settings.require_database_url(),
+        nats_url=settings.require_nats_url(),
+        admin_key=admin_key,
+        policy_default=policy_default,
+        host=host,
+        port=port,
+        capacity=max_open_sessions,
+        max_staleness=max_staleness,
+        idle_timeout=idle_timeout or None,
+        public_url=public_url,
+        heartbeat_timeout=heartbeat_timeout,
+    )
+    asyncio.run(serve_gateway(config, console=console))
+    console.print("gateway stopped")

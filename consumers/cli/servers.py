@@ -1,0 +1,76 @@
+"""``turnstile up``, ``migrate``, ``export-schemas`` and ``model init-tiny``: servers, schema and models."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import typer
+
+import schemas
+from consumers.cli.common import console
+from pipeline.settings import SERVERS_FILE, Settings
+
+
+def up(
+    data_dir: Path = typer.Option(
+        None, help="where the servers keep their data [default: $TURNSTILE_DATA_DIR or .turnstile]"
+    ),
+) -> None:
+    """Start embedded PostgreSQL and NATS (JetStream) on free ports, migrate, run until Ctrl-C or SIGTERM."""
+    from pipeline.dev.embedded import EmbeddedServers
+    from pipeline.log.db import migrate
+
+    directory = data_dir or Settings().data_dir
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    console.print(f"starting PostgreSQL and NATS in {directory.absolute()} ...")
+    with EmbeddedServers(directory) as servers:
+        migrate(servers.postgres.url)
+        exports = servers.exports()
+        servers_file = servers.data_dir / SERVERS_FILE
+        servers_file.write_text(exports)
+        sys.stdout.write(exports)
+        sys.stdout.flush()
+        console.print(
+            "[green]ready[/green]: paste the lines above into other shells (also in "
+            f"{servers_file}, which other turnstile commands in this directory read); Ctrl-C stops both "
+            "servers, the data stays."
+        )
+        try:
+            servers.watch(stop)
+        finally:
+            servers_file.unlink(missing_ok=True)
+        console.print("stopping ...")
+    console.print("stopped.")
+
+
+def migrate() -> None:
+    """Bring the database named by TURNSTILE_DATABASE_URL to the newest schema (idempotent)."""
+    from pipeline.log.db import migrate as run_migrations
+
+    run_migrations(Settings().require_database_url())
+    console.print("[green]database is at the newest schema[/green]")
+
+
+def export_schemas(
+    directory: Path = typer.Argument(Path(schemas.__file__).parent / "json"),
+) -> None:
+    """Write the JSON Schema of every event and wire message (for agents in other languages)."""
+    written = schemas.json_schemas()
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, schema in written.items():
+        (directory / name).write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")
+    console.print(f"wrote {len(written)} schemas to {directory}")
+
+
+def init_tiny_model(directory: Path = typer.Argument(..., help="where to write the model")) -> None:
+    """Build a tiny random-init causal LM with a locally trained tokenizer (offline, byte-identical)."""
+    from pipeline.inference.tinymodel import build_tiny_model  # torch: imported only when asked for
+
+    build_tiny_model(directory)
+    console.print(f"tiny model written to {directory}")
