@@ -13,9 +13,9 @@ from pipeline.episodes.leases import (
     recover_abandoned_episodes,
 )
 from pipeline.episodes.openai_client import chat_result, episode_openai_client
+from pipeline.episodes.reply import ChatReply
 from pipeline.episodes.session import (
     RUNNER_METADATA,
-    ChatReply,
     EpisodeLLM,
     EpisodeSession,
     episode_stream,

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+
+from openai import AsyncOpenAI
 
 from pipeline.dialects import ChatCall, ChatResult, ChoiceData, OpenAIRequestError, openai_client
 from pipeline.episodes.errors import InvalidLLMCall
-from pipeline.inference.client import RequestRejected
+from pipeline.episodes.reply import ChatReply
+from pipeline.inference import RequestRejected
+from schemas import ChatMessage, SamplingParams, ToolSpec
 
-if TYPE_CHECKING:
-    from openai import AsyncOpenAI
-
-    from pipeline.episodes.session import ChatReply, EpisodeSession
+ChatTurn = Callable[[list[ChatMessage], list[ToolSpec], SamplingParams], Awaitable[ChatReply]]
+"""One recorded turn of an episode (``EpisodeSession.chat``)."""
 
 
 def chat_result(episode_id: str, replies: Sequence[ChatReply]) -> ChatResult:
@@ -40,8 +41,11 @@ def chat_result(episode_id: str, replies: Sequence[ChatReply]) -> ChatResult:
     return ChatResult(choices=choices, prompt_tokens=len(replies[0].prompt_token_ids), extra=extra)
 
 
-def episode_openai_client(session: EpisodeSession) -> AsyncOpenAI:
-    """Every ``chat.completions.create`` becomes ``n`` recorded turns (``n`` > 1: sibling branches).
+def episode_openai_client(
+    chat: ChatTurn, *, episode_id: str, policy: str, defaults: SamplingParams
+) -> AsyncOpenAI:
+    """An OpenAI client of the episode: every ``chat.completions.create`` becomes ``n`` recorded turns
+    (``n`` > 1: sibling branches), made with ``chat``; ``policy`` is the model it names.
 
     Besides the OpenAI fields, the body carries ``turnstile``: the turn ids and the engine's token ids.
     ``tool_choice`` is accepted but not enforced (the engine samples freely).
@@ -50,10 +54,10 @@ def episode_openai_client(session: EpisodeSession) -> AsyncOpenAI:
     async def handle(call: ChatCall) -> ChatResult:
         try:
             replies = await asyncio.gather(
-                *(session.chat(call.messages, call.tools, call.sampling) for _ in range(call.n))
+                *(chat(call.messages, call.tools, call.sampling) for _ in range(call.n))
             )
         except (InvalidLLMCall, RequestRejected) as error:
             raise OpenAIRequestError(str(error), param=getattr(error, "field", None)) from None
-        return chat_result(session.episode_id, replies)
+        return chat_result(episode_id, replies)
 
-    return openai_client(handle, model=session.policy, defaults=session.started.sampling)
+    return openai_client(handle, model=policy, defaults=defaults)

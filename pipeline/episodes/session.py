@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from pipeline.episodes.errors import InvalidLLMCall, MaxTurnsExceeded
 from pipeline.episodes.fold import Episode, fold_episode
 from pipeline.episodes.openai_client import episode_openai_client
+from pipeline.episodes.reply import ChatReply
 from pipeline.errors import TurnstileError, describe_validation_error
 from pipeline.inference.client import LLMClient
 from pipeline.log import AppendResult, Store
@@ -28,12 +29,10 @@ from schemas import (
     EpisodeFinished,
     EpisodeStarted,
     Event,
-    FinishReason,
     LLMRequest,
     RewardAssigned,
     SamplingParams,
     TokenPrefix,
-    ToolCall,
     ToolSpec,
     TurnCompleted,
     TurnReply,
@@ -56,25 +55,6 @@ def slot_episode_id(group_id: str, slot: int, attempt: int) -> str:
     """The id of attempt ``attempt`` at slot ``slot`` of a task group: the same on every runner, so a
     redelivered task finds the episodes its first runner left behind."""
     return uuid.uuid5(EPISODE_NAMESPACE, f"{group_id}/{slot}/{attempt}").hex
-
-
-@dataclass(frozen=True, slots=True)
-class ChatReply:
-    """What ``llm.chat`` returns: the reply, and the engine's tokens for it."""
-
-    turn_id: uuid.UUID
-    text: str
-    tool_calls: list[ToolCall]
-    finish_reason: FinishReason
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
-    completion_logprobs: list[float]
-    policy_version: int
-
-    @property
-    def message(self) -> ChatMessage:
-        """The assistant message to append to the conversation for the next turn."""
-        return ChatMessage(role="assistant", content=self.text, tool_calls=self.tool_calls or None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,4 +342,10 @@ class EpisodeLLM:
 
     def openai(self) -> AsyncOpenAI:
         """An ``openai.AsyncOpenAI`` whose chat completions go through this episode, in process."""
-        return episode_openai_client(self._session)
+        session = self._session
+        return episode_openai_client(
+            session.chat,
+            episode_id=session.episode_id,
+            policy=session.policy,
+            defaults=session.started.sampling,
+        )
