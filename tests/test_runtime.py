@@ -1,0 +1,90 @@
+"""The service runtime: bounded first connects that name what to fix, reconnects after a restart, signals,
+health checks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from consumers.runtime import Runtime, connect_nats, connect_store, running, stop_on_signals
+from pipeline.dev.embedded import EmbeddedNats, free_port
+from pipeline.errors import ConfigError
+
+
+async def test_an_unreachable_nats_is_a_clear_error_after_the_bound() -> None:
+    url = f"nats://127.0.0.1:{free_port()}"
+    with pytest.raises(ConfigError) as refused:
+        await connect_nats(url, connect_for=1.0)
+    message = str(refused.value)
+    assert f"cannot reach NATS at {url} after 1 s" in message
+    assert "TURNSTILE_NATS_URL" in message
+
+
+async def test_an_unreachable_postgresql_is_a_clear_error_after_the_bound() -> None:
+    with pytest.raises(ConfigError) as refused:
+        await connect_store(f"postgresql://postgres@127.0.0.1:{free_port()}/turnstile", connect_for=1.0)
+    assert "cannot reach PostgreSQL after 1 s" in str(refused.value)
+    assert "TURNSTILE_DATABASE_URL" in str(refused.value)
+
+
+async def test_a_stop_ends_the_wait_for_a_server_that_never_comes() -> None:
+    stop = asyncio.Event()
+    waiting = asyncio.create_task(connect_nats(f"nats://127.0.0.1:{free_port()}", stop=stop))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    stop.set()
+    assert await asyncio.wait_for(waiting, 10) is None
+
+
+async def test_a_server_that_starts_late_is_waited_for_and_a_restart_is_survived(tmp_path: Path) -> None:
+    server = EmbeddedNats(tmp_path / "nats")
+    await asyncio.to_thread(server.start)
+    url = server.url
+    await asyncio.to_thread(server.stop)
+    connecting = asyncio.create_task(connect_nats(url, connect_for=60.0))
+    await asyncio.sleep(0.5)
+    assert not connecting.done()  # nothing listens yet
+    await asyncio.to_thread(server.start)
+    connection = await asyncio.wait_for(connecting, 60)
+    assert connection is not None
+    try:
+        await asyncio.to_thread(server.stop)
+        await asyncio.to_thread(server.start)  # same port: the connection reconnects on its own
+        inbox = await connection.subscribe("runtime.test")
+        await connection.publish("runtime.test", b"after the restart")
+        message = await inbox.next_msg(timeout=30)
+        assert message.data == b"after the restart"
+    finally:
+        await connection.close()
+        await asyncio.to_thread(server.stop)
+
+
+async def test_sigterm_sets_the_stop_event_while_the_service_runs() -> None:
+    async with running("test") as runtime:
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(runtime.stop.wait(), 10)
+    called = asyncio.Event()
+    with stop_on_signals(called.set):
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.wait_for(called.wait(), 10)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handed back
+
+
+def test_health_is_every_check_and_a_failing_check_is_unhealthy() -> None:
+    runtime = Runtime("relay", asyncio.Event())
+    runtime.check("nats", lambda: True)
+    assert runtime.health() == {"service": "relay", "healthy": True, "checks": {"nats": True}}
+
+    def broken() -> bool:
+        raise RuntimeError("no connection object yet")
+
+    runtime.check("postgres", broken)
+    assert runtime.health() == {
+        "service": "relay",
+        "healthy": False,
+        "checks": {"nats": True, "postgres": False},
+    }
