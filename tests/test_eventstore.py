@@ -8,7 +8,8 @@ import asyncio
 import psycopg
 import pytest
 
-from pipeline.errors import InvalidEvent, WrongExpectedVersion
+from pipeline.dev.embedded import free_port
+from pipeline.errors import InvalidEvent, StoreUnavailable, WrongExpectedVersion
 from pipeline.log import EventStore
 from pipeline.settings import libpq_url
 from tests.factories import finished, new_stream, reward, started, turn
@@ -103,3 +104,16 @@ async def test_an_explicit_transaction_appends_atomically(store: EventStore) -> 
             await transaction.append(stream, [finished()], 2)
             raise Abandon
     assert await store.stream_version(stream) == 2
+
+
+async def test_an_append_to_an_unreachable_postgresql_is_store_unavailable_after_retry_for() -> None:
+    store = await EventStore.connect(
+        f"postgresql://postgres@127.0.0.1:{free_port()}/turnstile", retry_for=1.0
+    )
+    try:
+        with pytest.raises(StoreUnavailable) as unavailable:
+            await store.append(new_stream(), [started()], 0)
+        assert "PostgreSQL unreachable for 1 s while appending" in str(unavailable.value)
+        assert "TURNSTILE_DATABASE_URL" in str(unavailable.value)
+    finally:
+        await store.close()

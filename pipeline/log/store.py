@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from typing import Any, Final
 import psycopg
 import sqlalchemy as sa
 import sqlalchemy.exc
+import stamina
 from psycopg import postgres, pq
 from psycopg.adapt import Dumper
 from pydantic import ValidationError
@@ -210,29 +210,26 @@ class EventStore:
         """
         position = after
         listener: psycopg.AsyncConnection[Any] | None = None
-        delay = 0.1
         try:
             while True:
-                try:
-                    if listener is None or listener.closed:
-                        listener = await psycopg.AsyncConnection.connect(self.libpq_url, autocommit=True)
-                        await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                    batch = await self.read_all(position, batch_size)
-                    delay = 0.1
-                except Exception as error:
-                    if not is_connection_error(error):
-                        raise
-                    log.warning("tail: connection lost (%s); reconnecting in %.1f s", error, delay)
-                    await _close_quietly(listener)
-                    listener = None
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-                    continue
+                async for attempt in stamina.retry_context(
+                    on=is_connection_error, attempts=None, timeout=None, wait_initial=0.1, wait_max=5.0
+                ):
+                    with attempt:
+                        if attempt.num > 1:
+                            log.warning("tail: connection lost; reconnecting (attempt %d)", attempt.num)
+                            await _close_quietly(listener)
+                            listener = None
+                        if listener is None or listener.closed:
+                            listener = await psycopg.AsyncConnection.connect(self.libpq_url, autocommit=True)
+                            await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                        batch = await self.read_all(position, batch_size)
                 for recorded in batch:
                     position = recorded.position
                     yield recorded
                 if len(batch) == batch_size:
                     continue
+                assert listener is not None  # the attempt above connected it
                 try:
                     async for _ in listener.notifies(timeout=poll_interval, stop_after=1):
                         pass
@@ -304,30 +301,42 @@ class _Writer:
     async def commit_retrying(self, batch: list[PendingAppend]) -> list[AppendResult | TurnstileError]:
         # A lost connection leaves a commit ambiguous; retrying is safe because a batch that did commit
         # is found again by its event ids and reported as recorded (idempotent by event id).
-        deadline = time.monotonic() + self.store.retry_for
-        delay = 0.05
-        while True:
-            try:
-                connection = await self.connect()
-                async with connection.transaction():
-                    outcomes = await write_appends(connection, batch)
-                self.store.stats.transactions += 1
-                self.store.stats.appends += len(batch)
-                self.store.stats.events += sum(len(a.events) for a in batch)
-                return outcomes
-            except Exception as error:
-                if not is_connection_error(error):
-                    raise
+        try:
+            async for attempt in stamina.retry_context(
+                on=is_connection_error,
+                attempts=None,
+                timeout=self.store.retry_for,
+                wait_initial=0.05,
+                wait_max=2.0,
+            ):
+                with attempt:
+                    if attempt.num > 1:
+                        log.warning("append: connection lost; retrying (attempt %d)", attempt.num)
+                    return await self.commit(batch)
+        except Exception as error:
+            if not is_connection_error(error):
+                raise
+            raise StoreUnavailable(
+                f"PostgreSQL unreachable for {self.store.retry_for:.0f} s while appending ({error}); "
+                "check that it runs and that TURNSTILE_DATABASE_URL points at it"
+            ) from error
+        raise AssertionError("unreachable: the retry loop returns or raises")
+
+    async def commit(self, batch: list[PendingAppend]) -> list[AppendResult | TurnstileError]:
+        """One attempt: the batch in one transaction on this writer's connection (dropped if it broke)."""
+        try:
+            connection = await self.connect()
+            async with connection.transaction():
+                outcomes = await write_appends(connection, batch)
+        except Exception as error:
+            if is_connection_error(error):
                 await _close_quietly(self._connection)
                 self._connection = None
-                if time.monotonic() + delay > deadline:
-                    raise StoreUnavailable(
-                        f"PostgreSQL unreachable for {self.store.retry_for:.0f} s while appending ({error}); "
-                        "check that it runs and that TURNSTILE_DATABASE_URL points at it"
-                    ) from error
-                log.warning("append: connection lost (%s); retrying in %.2f s", error, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+            raise
+        self.store.stats.transactions += 1
+        self.store.stats.appends += len(batch)
+        self.store.stats.events += sum(len(a.events) for a in batch)
+        return outcomes
 
     async def connect(self) -> psycopg.AsyncConnection[Any]:
         if self._connection is None or self._connection.closed or self._connection.broken:

@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable
 from typing import Any, Final
 
+import stamina
 from nats.aio.client import Client as NatsConnection
 from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError, NoServersError
@@ -31,6 +32,7 @@ from schemas import TOLERANT, TaskSubmitted
 log = logging.getLogger(__name__)
 
 TASKS_STREAM: Final = "TASKS"
+ACK_ATTEMPTS: Final = 5
 
 
 def task_subject(policy: str) -> str:
@@ -181,10 +183,11 @@ class TaskWorker:
     async def _ack(self, message: Msg) -> None:
         # ack_sync: the server confirms, so a task is not reported done while its ack is lost. If the
         # ack is lost anyway (the server restarting), the task comes back and resumes as all finished.
-        for delay in (0.2, 0.5, 1.0, 2.0, 4.0):
-            try:
-                await message.ack_sync(timeout=5.0)
-                return
-            except Exception as error:
-                log.warning("task ack failed (%s); retrying", error)
-                await asyncio.sleep(delay)
+        try:
+            async for attempt in stamina.retry_context(
+                on=Exception, attempts=ACK_ATTEMPTS, timeout=None, wait_initial=0.2, wait_max=4.0
+            ):
+                with attempt:
+                    await message.ack_sync(timeout=5.0)
+        except Exception as error:
+            log.warning("task ack failed %d times (%s); the task will come back", ACK_ATTEMPTS, error)
