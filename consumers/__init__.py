@@ -1,1 +1,2 @@
-"""Deployable services, one module each: thin FastStream wiring over ``pipeline``."""
+"""Deployable services, one module each, wiring over ``pipeline`` on one runtime (``runtime``); the
+``turnstile`` command (``cli``) is the composition root."""
