@@ -12,6 +12,7 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Final
 
 from pydantic import BaseModel, ValidationError
@@ -23,7 +24,7 @@ from pipeline.errors import (
     WrongExpectedVersion,
     describe_validation_error,
 )
-from pipeline.log.port import AppendResult
+from pipeline.log.port import AppendResult, RecordedEvent
 from pipeline.log.tokens import pack_tokens, unpack_tokens
 from schemas import CATEGORY_OF, EVENT_TYPES, Event, TurnCompleted, parse_event
 
@@ -223,3 +224,26 @@ def _idempotent_outcome(
             )
     recorded = [was for was in found if was is not None]
     return AppendResult(append.stream, tuple(was.position for was in recorded), recorded[-1].version, True)
+
+
+def recorded_event(
+    *,
+    position: int,
+    stream: str,
+    version: int,
+    event_id: uuid.UUID,
+    type_: str,
+    data: Mapping[str, Any],
+    tokens: bytes | None,
+    metadata: dict[str, Any],
+    recorded_at: datetime,
+) -> RecordedEvent:
+    """A stored event with its envelope; ``InvalidEvent`` naming the position if it does not parse."""
+    try:
+        event = decode_event(type_, data, tokens)
+    except ValidationError as error:
+        problem = describe_validation_error(error)
+        raise InvalidEvent(
+            f"stored event at position {position} ({type_}) does not parse: {problem}"
+        ) from None
+    return RecordedEvent(position, stream, version, event_id, type_, event, metadata, recorded_at)

@@ -17,10 +17,8 @@ from datetime import UTC, datetime
 from typing import Any, Final
 from uuid import UUID
 
-from pydantic import ValidationError
-
-from pipeline.errors import InvalidEvent, TurnstileError, describe_validation_error
-from pipeline.log.appends import RecordedId, decode_event, plan_appends, prepare_append
+from pipeline.errors import InvalidEvent, TurnstileError
+from pipeline.log.appends import RecordedId, plan_appends, prepare_append, recorded_event
 from pipeline.log.port import AppendResult, RecordedEvent
 from schemas import Event
 
@@ -122,20 +120,14 @@ class InMemoryStore:
 
 
 def _decode(row: _Row) -> RecordedEvent:
-    try:
-        event = decode_event(row.type, json.loads(row.data), row.tokens)
-    except ValidationError as error:
-        problem = describe_validation_error(error)
-        raise InvalidEvent(
-            f"stored event at position {row.position} ({row.type}) does not parse: {problem}"
-        ) from None
-    return RecordedEvent(
+    return recorded_event(
         position=row.position,
         stream=row.stream,
         version=row.version,
         event_id=row.event_id,
-        type=row.type,
-        event=event,
+        type_=row.type,
+        data=json.loads(row.data),
+        tokens=row.tokens,
         metadata=json.loads(row.metadata),
         recorded_at=row.recorded_at,
     )

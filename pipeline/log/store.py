@@ -34,16 +34,14 @@ import sqlalchemy.exc
 import stamina
 from psycopg import postgres, pq
 from psycopg.adapt import Dumper
-from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from pipeline.errors import (
     InvalidEvent,
     StoreUnavailable,
     TurnstileError,
-    describe_validation_error,
 )
-from pipeline.log.appends import PendingAppend, RecordedId, decode_event, plan_appends, prepare_append
+from pipeline.log.appends import PendingAppend, RecordedId, plan_appends, prepare_append, recorded_event
 from pipeline.log.db import create_engine
 from pipeline.log.port import AppendResult, RecordedEvent
 from pipeline.log.tables import events as events_table
@@ -420,20 +418,14 @@ class JsonTextBinaryDumper(Dumper):
 
 
 def decode_row(row: sa.Row[Any]) -> RecordedEvent:
-    try:
-        event = decode_event(row.type, row.data, row.tokens)
-    except ValidationError as error:
-        problem = describe_validation_error(error)
-        raise InvalidEvent(
-            f"stored event at position {row.position} ({row.type}) does not parse: {problem}"
-        ) from None
-    return RecordedEvent(
+    return recorded_event(
         position=row.position,
         stream=row.stream,
         version=row.version,
         event_id=row.event_id,
-        type=row.type,
-        event=event,
+        type_=row.type,
+        data=row.data,
+        tokens=row.tokens,
         metadata=row.metadata,
         recorded_at=row.recorded_at,
     )
