@@ -2,5 +2,46 @@
 (proxy-style agents through an in-process gateway included) and live progress."""
 
 from pipeline.runners.loading import import_object, load_agent, load_reward_function
+from pipeline.runners.progress import live_progress, stats_line, stats_table
+from pipeline.runners.proxy import ProxyAgent, ProxyAgentAdapter, local_gateway, proxy_agent_adapter
+from pipeline.runners.runner import (
+    Runner,
+    RunnerConfig,
+    RunStats,
+    TaskLineError,
+    TaskSpec,
+    read_tasks,
+    run_tasks,
+)
+from pipeline.runners.taskqueue import (
+    TASKS_STREAM,
+    TaskWorker,
+    ensure_tasks_stream,
+    submit_tasks,
+    task_subject,
+)
 
-__all__ = ["import_object", "load_agent", "load_reward_function"]
+__all__ = [
+    "TASKS_STREAM",
+    "ProxyAgent",
+    "ProxyAgentAdapter",
+    "RunStats",
+    "Runner",
+    "RunnerConfig",
+    "TaskLineError",
+    "TaskSpec",
+    "TaskWorker",
+    "ensure_tasks_stream",
+    "import_object",
+    "live_progress",
+    "load_agent",
+    "load_reward_function",
+    "local_gateway",
+    "proxy_agent_adapter",
+    "read_tasks",
+    "run_tasks",
+    "stats_line",
+    "stats_table",
+    "submit_tasks",
+    "task_subject",
+]
