@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from pipeline.inference.backends import Generation
-from schemas import LLMRequest
+from schemas import LLMRequest, LLMResponse
 
 Rule = Callable[[LLMRequest], str]
 
@@ -72,3 +72,29 @@ def calculator_rule(request: LLMRequest) -> str:
 
 def echo_rule(request: LLMRequest) -> str:
     return f"reply {len(request.messages)}"
+
+
+PREFIX_ECHO_COMPLETION = [7, 8, 2]
+
+
+class PrefixEcho:
+    """An in-process LLM client: the prompt is the request's prefix ids plus one id per new message."""
+
+    def __init__(self) -> None:
+        self.requests: list[LLMRequest] = []
+
+    async def __call__(self, request: LLMRequest) -> LLMResponse:
+        self.requests.append(request)
+        prefix = list(request.prefix.token_ids) if request.prefix else []
+        skipped = request.prefix.message_count if request.prefix else 0
+        new = [100 + len(message.content or "") for message in request.messages[skipped:]]
+        return LLMResponse(
+            request_id=request.request_id,
+            text=f"reply {len(self.requests)}",
+            finish_reason="stop",
+            prompt_token_ids=prefix + new,
+            completion_token_ids=PREFIX_ECHO_COMPLETION,
+            completion_logprobs=[-0.25] * len(PREFIX_ECHO_COMPLETION),
+            policy_version=3,
+            consumer_id="in-process",
+        )

@@ -1,4 +1,5 @@
-"""Episode-session logic on the in-memory store with an in-process LLM client: no PostgreSQL, no NATS.
+"""Episode-session and runner logic on the in-memory store with an in-process LLM client: no PostgreSQL,
+no NATS.
 
 The same logic runs against the real servers in test_episodes.py and test_runner.py; these tests pin the
 parts that are pure bookkeeping (parents, token prefixes, expected versions, endings) quickly.
@@ -14,33 +15,10 @@ import pytest
 from pipeline.episodes import EpisodeLLM, EpisodeSession, FunctionAgent, fold_episode, run_episode
 from pipeline.errors import WrongExpectedVersion
 from pipeline.log import InMemoryStore
+from pipeline.runners import Runner, RunnerConfig, TaskSpec
 from schemas import Event, LLMRequest, LLMResponse, TurnCompleted
-from tests.agents import ThreeTurnAgent
-
-COMPLETION = [7, 8, 2]
-
-
-class PrefixEcho:
-    """An in-process LLM client: the prompt is the request's prefix ids plus one id per new message."""
-
-    def __init__(self) -> None:
-        self.requests: list[LLMRequest] = []
-
-    async def __call__(self, request: LLMRequest) -> LLMResponse:
-        self.requests.append(request)
-        prefix = list(request.prefix.token_ids) if request.prefix else []
-        skipped = request.prefix.message_count if request.prefix else 0
-        new = [100 + len(message.content or "") for message in request.messages[skipped:]]
-        return LLMResponse(
-            request_id=request.request_id,
-            text=f"reply {len(self.requests)}",
-            finish_reason="stop",
-            prompt_token_ids=prefix + new,
-            completion_token_ids=COMPLETION,
-            completion_logprobs=[-0.25] * len(COMPLETION),
-            policy_version=3,
-            consumer_id="in-process",
-        )
+from tests.agents import FailingAgent, ThreeTurnAgent
+from tests.backends import PrefixEcho
 
 
 async def recorded(store: InMemoryStore, session: EpisodeSession) -> list[Event]:
@@ -120,3 +98,18 @@ async def test_an_agent_cancelled_mid_turn_ends_cancelled_with_its_turn_recorded
     assert len(episode.turns) == 1
     assert episode.finished is not None
     assert episode.finished.termination == "cancelled"
+
+
+async def test_a_runner_group_retries_a_failing_slot_and_a_resumed_group_counts_each_slot_once() -> None:
+    store, llm = InMemoryStore(), PrefixEcho()
+    config = RunnerConfig(policy="main", agent_name="tests.agents:FailingAgent", group_size=3, retries=1)
+    runner = Runner(FailingAgent(), store=store, llm=llm, config=config)
+    outcomes = await runner.run_group(TaskSpec(task={"id": 7, "fail": True}, task_id="t7"), "g1")
+
+    assert [o.termination for o in outcomes] == ["error"] * 3
+    assert all(o.retry_of is not None for o in outcomes)  # each slot ran twice: an attempt and its retry
+    assert await store.head() == 3 * 2 * 3  # 6 episodes x (started, turn, finished)
+    again = Runner(FailingAgent(), store=store, llm=llm, config=config)
+    resumed = await again.run_group(TaskSpec(task={"id": 7, "fail": True}, task_id="t7"), "g1", resume=True)
+    assert [o.episode_id for o in resumed] == [o.episode_id for o in outcomes]
+    assert await store.head() == 18  # a redelivered task finds its episodes recorded: nothing runs again

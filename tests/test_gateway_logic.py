@@ -1,0 +1,83 @@
+"""Gateway logic on the in-memory store and an in-process LLM client (no PostgreSQL, no NATS, no socket):
+admission, keys, both dialects' routes and error shapes, turns recorded. The real servers and the official
+SDKs are in test_gateway.py."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from pipeline.gateway import create_gateway
+from pipeline.log import InMemoryStore
+from schemas import TurnCompleted
+from tests.backends import PrefixEcho
+
+ADMIN = {"Authorization": "Bearer admin-key"}
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[tuple[httpx.AsyncClient, InMemoryStore]]:
+    store = InMemoryStore()
+    app = create_gateway(store, PrefixEcho(), admin_key="admin-key", capacity=1, policy_default="main")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+        yield client, store
+
+
+async def test_sessions_need_the_admin_key_and_stop_at_capacity(
+    gateway: tuple[httpx.AsyncClient, InMemoryStore],
+) -> None:
+    client, store = gateway
+    refused = await client.post("/admin/sessions", json={})
+    assert refused.status_code == 401
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    created = await client.post("/admin/sessions", json={"task": {"id": 1}}, headers=ADMIN)
+    assert created.status_code == 201
+    assert created.json()["api_key"].startswith("ts-")
+    full = await client.post("/admin/sessions", json={}, headers=ADMIN)
+    assert (full.status_code, full.headers["retry-after"]) == (429, "1")
+    assert full.json()["error"]["code"] == "rate_limit_exceeded"
+    assert await store.head() == 1  # one EpisodeStarted
+
+
+async def test_both_dialects_record_turns_and_answer_errors_in_their_own_shape(
+    gateway: tuple[httpx.AsyncClient, InMemoryStore],
+) -> None:
+    client, store = gateway
+    session = (await client.post("/admin/sessions", json={}, headers=ADMIN)).json()
+    key = {"Authorization": f"Bearer {session['api_key']}"}
+
+    chat = await client.post(
+        "/v1/chat/completions",
+        json={"model": "main", "messages": [{"role": "user", "content": "hi"}]},
+        headers=key,
+    )
+    assert chat.status_code == 200
+    assert chat.json()["object"] == "chat.completion"
+    message = await client.post(
+        "/v1/v1/messages",
+        json={"model": "main", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]},
+        headers={"x-api-key": session["api_key"]},
+    )
+    assert message.status_code == 200
+    assert (message.json()["type"], message.json()["content"][0]["text"]) == ("message", "reply 2")
+    turns = [r.event for r in await store.read_all() if isinstance(r.event, TurnCompleted)]
+    assert [str(t.turn_id) for t in turns] == [
+        *chat.json()["turnstile"]["turn_ids"],
+        *message.json()["turnstile"]["turn_ids"],
+    ]
+
+    anthropic_error = await client.post("/v1/messages", json={"messages": []}, headers=key)
+    assert anthropic_error.status_code == 400
+    assert anthropic_error.json()["type"] == "error"
+    assert "max_tokens" in anthropic_error.json()["error"]["message"]
+    openai_error = await client.post("/v1/chat/completions", json={"messages": "hi"}, headers=key)
+    assert (openai_error.status_code, openai_error.json()["error"]["param"]) == (400, "messages")
+    assert (await client.post("/v2/messages", json={})).json()["type"] == "error"  # Anthropic's shape
+    assert (await client.get("/v1/embeddings")).json()["error"]["code"] == "not_found"  # OpenAI's
+
+    ended = await client.post("/v1/session/end", headers=key)
+    assert ended.json()["termination"] == "done"
+    assert (await client.post("/v1/chat/completions", json={}, headers=key)).status_code == 401
+    assert (await store.read_all())[-1].type == "EpisodeFinished"
