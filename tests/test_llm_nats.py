@@ -182,3 +182,20 @@ async def test_the_queue_client_hands_requests_to_a_driver() -> None:
     )
     call.reply(response)
     assert await pending == response
+
+
+async def test_the_same_request_sent_twice_in_sequence_or_at_once_is_generated_once(
+    servers: Servers, client: NatsLLMClient
+) -> None:
+    policy, backend = new_policy(), ScriptedBackend()
+    async with consumer(servers.nats_url, policy, "dedupe", backend):
+        request = ask(policy, "e1")
+        first = await client(request)
+        again = await client(request)  # a retry after a lost reply: the consumer answers from its memory
+        assert backend.requests_seen == 1
+        assert again == first
+        twice = ask(policy, "e2")
+        together = await asyncio.gather(client(twice), client(twice))
+        assert backend.requests_seen == 2
+        assert together[0] == together[1]
+        assert together[0].request_id == twice.request_id

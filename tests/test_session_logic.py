@@ -16,7 +16,7 @@ from pipeline.episodes import EpisodeLLM, EpisodeSession, FunctionAgent, fold_ep
 from pipeline.errors import WrongExpectedVersion
 from pipeline.log import InMemoryStore
 from pipeline.runners import Runner, RunnerConfig, TaskSpec
-from schemas import Event, LLMRequest, LLMResponse, TurnCompleted
+from schemas import Event, LLMRequest, LLMResponse, RewardAssigned, TurnCompleted
 from tests.agents import FailingAgent, ThreeTurnAgent
 from tests.backends import PrefixEcho
 
@@ -113,3 +113,15 @@ async def test_a_runner_group_retries_a_failing_slot_and_a_resumed_group_counts_
     resumed = await again.run_group(TaskSpec(task={"id": 7, "fail": True}, task_id="t7"), "g1", resume=True)
     assert [o.episode_id for o in resumed] == [o.episode_id for o in outcomes]
     assert await store.head() == 18  # a redelivered task finds its episodes recorded: nothing runs again
+
+
+async def test_a_rival_writer_on_a_live_session_makes_its_next_turn_fail_and_nothing_is_recorded() -> None:
+    store = InMemoryStore()
+    session = EpisodeSession(store, PrefixEcho(), policy="main")
+    await session.start()
+    await session.chat([{"role": "user", "content": "one"}])
+    await store.append(session.stream, [RewardAssigned(value=1.0, source="rival")])  # any version
+    with pytest.raises(WrongExpectedVersion, match="expected 2, actual 3"):
+        await session.chat([{"role": "user", "content": "two"}])
+    recorded = [r.type for r in await store.read_stream(session.stream)]
+    assert recorded == ["EpisodeStarted", "TurnCompleted", "RewardAssigned"]
