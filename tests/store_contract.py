@@ -178,8 +178,18 @@ class StoreContract:
         assert [r.event for r in await store.read_all()] == [literal]
 
     async def test_tail_wakes_on_notify_not_by_polling(self, store: Store) -> None:
+        waiting = asyncio.Event()
+        read_all = store.read_all
+
+        async def reading(after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
+            batch = await read_all(after, limit)
+            if not batch:
+                waiting.set()  # the tailer found nothing new: next it waits for a wake-up
+            return batch
+
+        store.read_all = reading  # type: ignore[method-assign]
         tailer = Tailer(store, poll_interval=3600)
-        await asyncio.sleep(0.3)  # the tailer has read the empty log and is waiting
+        await asyncio.wait_for(waiting.wait(), 20)
         event = started()
         await store.append(new_stream(), [event])
         seen = await tailer.wait_for(1, within=10)  # a poll would take an hour
