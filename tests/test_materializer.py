@@ -9,6 +9,8 @@ import os
 import random
 import signal
 import sys
+from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +246,20 @@ def test_events_delivered_twice_are_folded_once() -> None:
     assert len(fold.writes.turns) == 1
     assert len(fold.writes.samples) == 1
     assert len(fold.writes.batches) == 1
+
+
+def test_a_group_timeout_counts_log_time_never_the_wall_clock() -> None:
+    """The log's times are from 2026-01-01, long before this test's wall clock: only log time may count."""
+    member = [started("m0", group="m", size=2), turn([1], [2]), RewardAssigned(value=1.0),
+              EpisodeFinished(termination="done")]  # fmt: skip
+    log = fold_rows([*(("episode-m0", event) for event in member), ("episode-soon", started("soon"))])
+    fold = Fold(MaterializerConfig(group_timeout_s=600.0, batch_samples=1, advantage="none"))
+    for row in log:
+        fold.apply(row)
+    assert fold.writes.batches == []  # one log second after the member: the group still waits for its second
+    (late,) = fold_rows([("episode-late", started("late"))])
+    fold.apply(replace(late, position=len(log) + 1, recorded_at=log[3].recorded_at + timedelta(seconds=601)))
+    assert len(fold.writes.batches) == 1  # 601 log seconds later it goes out without its missing member
 
 
 async def random_log(store: EventStore, groups: int, seed: int = 7) -> None:
