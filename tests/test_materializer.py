@@ -401,6 +401,26 @@ async def test_rebuilds_are_byte_identical_and_a_config_change_is_refused(
         MaterializerConfig(discount=2.0)
 
 
+async def test_a_rebuild_in_another_process_gives_the_same_batch_ids_and_bytes(
+    store: EventStore, database_url: str
+) -> None:
+    """Batch ids and payloads are a function of the log and the options alone: not of the process (its
+    hash seed, its memory), so a rebuild by `turnstile rematerialize` elsewhere matches one made here."""
+    await random_log(store, groups=3)
+    await materialize(database_url, MaterializerConfig(name="here", batch_samples=4), create=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    env.update(TURNSTILE_DATABASE_URL=database_url, PYTHONHASHSEED="12345")
+    elsewhere = await asyncio.create_subprocess_exec(
+        *TURNSTILE, "rematerialize", "--name", "elsewhere", "--batch-samples", "4", env=env,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await elsewhere.communicate()
+    assert elsewhere.returncode == 0, stderr.decode()
+    here, there = read_models(database_url, "rm_here"), read_models(database_url, "rm_elsewhere")
+    assert here["outbox"]
+    assert there["outbox"] == here["outbox"]
+
+
 def test_rematerialize_command_and_its_bad_options(database_url: str, tmp_path: Path) -> None:
     import subprocess
 
