@@ -7,6 +7,7 @@ import asyncio
 
 import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 
 from pipeline.dev.embedded import free_port
 from pipeline.errors import InvalidEvent, StoreUnavailable, WrongExpectedVersion
@@ -104,6 +105,74 @@ async def test_an_explicit_transaction_appends_atomically(store: EventStore) -> 
             await transaction.append(stream, [finished()], 2)
             raise Abandon
     assert await store.stream_version(stream) == 2
+
+
+class CommitCutter:
+    """A TCP proxy in front of PostgreSQL that, once, lets a COMMIT through and then cuts the connection
+    before the client hears PostgreSQL's answer: the append is committed but its outcome unknown."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.armed = True
+        self.cut = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> CommitCutter:
+        self.server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self.server is not None
+        host, port = self.server.sockets[0].getsockname()[:2]
+        return host, port
+
+    async def _connection(self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter) -> None:
+        server_in, server_out = await asyncio.open_connection(self.host, self.port)
+        commit_sent = asyncio.Event()
+
+        async def upstream() -> None:
+            while data := await client_in.read(65536):
+                if self.armed and b"COMMIT" in data:
+                    self.armed = False
+                    commit_sent.set()
+                server_out.write(data)
+                await server_out.drain()
+
+        async def downstream() -> None:
+            while data := await server_in.read(65536):
+                if commit_sent.is_set():  # PostgreSQL's answer to the COMMIT: never delivered
+                    self.cut.set()
+                    break
+                client_out.write(data)
+                await client_out.drain()
+            client_out.close()
+            server_out.close()
+
+        await asyncio.gather(upstream(), downstream(), return_exceptions=True)
+
+
+async def test_an_append_whose_commit_outcome_is_unknown_is_retried_to_exactly_one_copy(
+    database_url: str,
+) -> None:
+    url = make_url(libpq_url(database_url))
+    async with CommitCutter(url.host or "127.0.0.1", url.port or 5432) as cutter:
+        host, port = cutter.address
+        through = url.set(host=host, port=port).render_as_string(hide_password=False)
+        store = await EventStore.connect(through)
+        try:
+            events = [started(), turn()]
+            result = await store.append(new_stream(), events, expected_version=0)
+            assert cutter.cut.is_set()  # the first COMMIT's answer was lost
+            assert result.positions == (1, 2)
+            assert result.duplicate  # the retry found the committed events by their ids
+            assert [r.event for r in await store.read_all()] == events
+        finally:
+            await store.close()
 
 
 async def test_an_append_to_an_unreachable_postgresql_is_store_unavailable_after_retry_for() -> None:
