@@ -23,6 +23,7 @@ from pipeline.batches.relay import OutboxRelay
 from pipeline.log import EventStore
 from pipeline.materialize.materializer import Materializer, MaterializerConfig
 from pipeline.settings import libpq_url, sqlalchemy_url
+from pipeline.training import BatchSubscription, checkpoint_dir
 from pipeline.training.subscription import published_version, to_tensors
 from schemas import PolicyVersionPublished
 from tests.conftest import Servers
@@ -85,10 +86,28 @@ async def batches_on_the_stream(
 
 
 async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads_them(
-    servers: Servers, store: EventStore, database_url: str, tiny_model_dir: Path, tmp_path: Path
+    servers: Servers,
+    store: EventStore,
+    database_url: str,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     policy, published = await batches_on_the_stream(servers, store, database_url, groups=4, batch_samples=6)
     assert published >= 3
+    # The promised order: a batch is recorded as trained into version v only once v's checkpoint is whole
+    # on disk (a crash in between must leave the batch untrained, to be delivered again).
+    on_disk_when_recorded: list[bool] = []
+    record = BatchSubscription.commit
+
+    async def commit(self: BatchSubscription, batches: Any, version: int, **options: Any) -> None:
+        if options.get("outcome", "trained") == "trained":
+            directory = checkpoint_dir(tmp_path / "checkpoints", version)
+            whole = (directory / "model.safetensors").is_file() and (directory / "optimizer.pt").is_file()
+            on_disk_when_recorded.append(whole)
+        await record(self, batches, version, **options)
+
+    monkeypatch.setattr(BatchSubscription, "commit", commit)
 
     config = TrainerConfig(
         database_url=database_url, nats_url=servers.nats_url, policy=policy, model=tiny_model_dir,
@@ -111,6 +130,7 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
 
     assert stats.version == published
     assert stats.trained == published
+    assert on_disk_when_recorded == [True] * published
     newest = await published_version(store, policy)
     assert isinstance(newest, PolicyVersionPublished)
     assert newest.version == published
