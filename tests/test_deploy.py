@@ -49,6 +49,7 @@ from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
 from tests.backends import RuleBackend, echo_rule
 from tests.serving import serving
 from tests.test_relay import insert_batch
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -351,10 +352,7 @@ async def test_the_relay_publishes_batches_and_the_trainer_reads_them_and_publis
         version = PolicyVersionPublished(policy=policy, version=1, checkpoint="/checkpoints/v000001")
         await trainer.nc.publish(f"policy.{policy}.versions", version.model_dump_json().encode())
         await trainer.nc.flush()
-        for _ in range(100):
-            if backend.policy_version == 1:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: backend.policy_version == 1, 30, "the consumer to load version 1")
     assert backend.policy_version == 1  # the inference consumer loaded the trainer's version
     assert trainer.errors == []
 

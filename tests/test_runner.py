@@ -8,10 +8,9 @@ import json
 import os
 import signal
 import sys
-import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from tests.agents import ThreeTurnAgent
 from tests.backends import RuleBackend, calculator_rule, echo_rule
 from tests.conftest import Servers
 from tests.serving import serving
+from tests.waiting import wait_until
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 
@@ -67,16 +67,6 @@ def open_episodes(database_url: str) -> int:
         "(SELECT 1 FROM events f WHERE f.stream = s.stream AND f.type = 'EpisodeFinished')",
     )
     return int(rows[0][0])
-
-
-async def wait_until(condition: Callable[[], bool | Awaitable[bool]], within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        result = condition()
-        if result if isinstance(result, bool) else await result:
-            return
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out after {within} s waiting for {what}")
 
 
 def env_for(servers: Servers, database_url: str, **extra: str) -> dict[str, str]:
