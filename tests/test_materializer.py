@@ -262,14 +262,14 @@ def test_a_group_timeout_counts_log_time_never_the_wall_clock() -> None:
     assert len(fold.writes.batches) == 1  # 601 log seconds later it goes out without its missing member
 
 
-async def random_log(store: EventStore, groups: int, seed: int = 7) -> None:
+async def random_log(store: EventStore, groups: int, seed: int = 7, policy: str = "main") -> None:
     """``groups`` groups of 4 episodes, 1-3 turns each, interleaved as a busy runner records them."""
     rng = random.Random(seed)
     streams: list[tuple[str, list[Event]]] = []
     for g in range(groups):
         for slot in range(4):
             episode_id = f"e{g}-{slot}"
-            events: list[Event] = [started(episode_id, group=f"g{g}", size=4)]
+            events: list[Event] = [started(episode_id, group=f"g{g}", size=4, policy=policy)]
             prompt = [1, g % 900, slot, 2]
             for _ in range(rng.randint(1, 3)):
                 completion = [rng.randrange(3, 999) for _ in range(rng.randint(1, 5))] + [2]

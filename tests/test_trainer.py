@@ -53,24 +53,13 @@ def test_batches_become_right_padded_tensors_aligned_with_their_masks() -> None:
     assert tensors.sample_ids == ["s1", "s2"]
 
 
-def unique_policy_log(database_url: str) -> str:
-    """random_log records policy 'main'; tests share the NATS server, so each renames its policy."""
-    policy = f"p{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(libpq_url(database_url)) as connection:
-        connection.execute(
-            "UPDATE events SET data = jsonb_set(data, '{policy}', to_jsonb(%s::text)) "
-            "WHERE type = 'EpisodeStarted'",
-            (policy,),
-        )
-    return policy
-
-
 async def batches_on_the_stream(
     servers: Servers, store: EventStore, database_url: str, *, groups: int, batch_samples: int
 ) -> tuple[str, int]:
-    """Record a log under a policy of its own, materialize it and relay its batches: (policy, batches)."""
-    await random_log(store, groups=groups)
-    policy = unique_policy_log(database_url)
+    """Record a log under a policy of its own (tests share the NATS server), materialize it and relay its
+    batches: (policy, batches)."""
+    policy = f"p{uuid.uuid4().hex[:10]}"
+    await random_log(store, groups=groups, policy=policy)
     materializer = Materializer(database_url, MaterializerConfig(batch_samples=batch_samples))
     await materializer.open()
     await materializer.catch_up()
