@@ -16,7 +16,7 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    # position is assigned by the appender while it holds the append lock (see pipeline/eventstore.py),
+    # position is assigned by the appender while it holds the append lock (see pipeline/log/store.py),
     # so positions are gapless and increase in commit order; there is deliberately no sequence.
     op.execute(
         """
