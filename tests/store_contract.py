@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from datetime import datetime
 
 import pytest
 
@@ -53,7 +54,8 @@ class StoreContract:
     async def test_appended_events_read_back_equal_with_envelope(self, store: Store) -> None:
         stream = new_stream()
         events = [started(), turn(prompt_len=1000, completion_len=200), reward(0.5), finished()]
-        result = await store.append(stream, events, expected_version=0, metadata={"trace": "abc"})
+        metadata = {"trace": "abc", "runner": "r1"}
+        result = await store.append(stream, events, expected_version=0, metadata=metadata)
         assert result.positions == (1, 2, 3, 4)
         assert result.version == 4
         recorded = await store.read_stream(stream)
@@ -66,7 +68,8 @@ class StoreContract:
             "RewardAssigned",
             "EpisodeFinished",
         }
-        assert all(r.metadata == {"trace": "abc"} for r in recorded)
+        assert all(r.metadata == metadata for r in recorded)
+        assert all(isinstance(r.recorded_at, datetime) and r.recorded_at.tzinfo for r in recorded)
         assert await store.stream_version(stream) == 4
         assert await store.head() == 4
 

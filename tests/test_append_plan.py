@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
+import json
+import uuid
+
 import pytest
 
 from pipeline.errors import DuplicateEventConflict, InvalidEvent, WrongExpectedVersion
 from pipeline.log import AppendResult, encode_event
-from pipeline.log.appends import RecordedId, plan_appends, prepare_append
+from pipeline.log.appends import (
+    TOKEN_FIELDS,
+    RecordedId,
+    decode_event,
+    plan_appends,
+    prepare_append,
+    recorded_event,
+)
+from pipeline.log.tokens import pack_tokens, unpack_tokens
+from schemas import RewardAssigned, SamplingParams
 from tests.factories import reward, started, turn
 
 LIMIT = 1 << 20
@@ -85,3 +99,65 @@ def test_bad_input_is_refused_before_the_database(
 ) -> None:
     with pytest.raises(InvalidEvent, match=message):
         prepare_append(stream, events, expected, None, LIMIT)  # type: ignore[arg-type]
+
+
+def test_a_retry_of_a_recorded_append_does_not_stop_the_appends_after_it_in_the_batch() -> None:
+    event = started("a")
+    recorded = {event.event_id: RecordedId("episode-a", 7, 1, encode_event(event).content_hash)}
+    retry = prepare_append("episode-a", [event], 0, None, LIMIT)
+    new = prepare_append("episode-b", [started("b")], 0, None, LIMIT)
+    plan = plan_appends([retry, new], recorded, {"episode-a": 1}, head=7)
+    assert plan.outcomes == [
+        AppendResult("episode-a", (7,), 1, duplicate=True),
+        AppendResult("episode-b", (8,), 1),
+    ]
+
+
+def test_the_stored_form_of_an_event_is_a_format() -> None:
+    """What the log stores (and hashes) must not change under recorded events: a retry after an upgrade
+    is recognised by this hash, and readers parse this JSON."""
+    event = RewardAssigned(event_id=uuid.UUID(int=1), value=0.5, source="test")
+    data = (
+        '{"type":"RewardAssigned","schema_version":1,"event_id":"00000000-0000-0000-0000-000000000001",'
+        '"turn_id":null,"value":0.5,"source":"test"}'
+    )
+    encoded = encode_event(event)
+    assert (encoded.data, encoded.tokens) == (data, None)
+    assert encoded.content_hash == hashlib.sha256(b"RewardAssigned\0" + data.encode() + b"\0").digest()
+    with_tokens = encode_event(turn(prompt_len=3, completion_len=2))
+    assert not TOKEN_FIELDS & json.loads(with_tokens.data).keys()  # token arrays go to `tokens` only
+    assert with_tokens.tokens == pack_tokens(*unpack_tokens(with_tokens.tokens or b""))
+
+
+def test_readers_ignore_unknown_fields_keep_unknown_types_and_name_the_position_of_a_broken_event() -> None:
+    event = reward(2.0)
+    data = {**json.loads(encode_event(event).data), "from_the_future": True}
+    assert decode_event("RewardAssigned", data, None) == event
+    assert decode_event("EpisodePaused", {}, None) is None
+    with pytest.raises(
+        InvalidEvent, match=r"stored event at position 9 \(RewardAssigned\) does not parse: .*value"
+    ):
+        recorded_event(
+            position=9, stream="episode-x", version=1, event_id=event.event_id, type_="RewardAssigned",
+            data={**data, "value": "lots"}, tokens=None, metadata={}, recorded_at=dt.datetime.now(dt.UTC),
+        )  # fmt: skip
+
+
+def test_refusals_name_the_event_the_stream_and_the_limit_exactly() -> None:
+    with pytest.raises(InvalidEvent, match="event 1 has unknown type 'EpisodeExploded'"):
+        prepare_append("episode-a", [started("a"), {"type": "EpisodeExploded"}], 0, None, LIMIT)
+    with pytest.raises(
+        InvalidEvent, match="event 0 is a SamplingParams, not an event; known types: EpisodeStarted, "
+    ):
+        prepare_append("episode-a", [SamplingParams()], 0, None, LIMIT)  # type: ignore[list-item]
+    with pytest.raises(InvalidEvent, match="event 1 is a int; pass an event model or a dict"):
+        prepare_append("episode-a", [started("a"), 5], 0, None, LIMIT)  # type: ignore[list-item]
+    with pytest.raises(InvalidEvent, match="bad stream name 42"):
+        prepare_append(42, [started("a")], 0, None, LIMIT)  # type: ignore[arg-type]
+    with pytest.raises(InvalidEvent, match="metadata of the append to 'episode-a' is not JSON"):
+        prepare_append("episode-a", [started("a")], 0, {"score": float("nan")}, LIMIT)
+    big = turn(prompt_len=2000, completion_len=10)
+    size = len(encode_event(big).data) + len(encode_event(big).tokens or b"")  # JSON and token arrays
+    assert prepare_append("episode-a", [big], 0, None, size).events  # exactly at the limit: accepted
+    with pytest.raises(InvalidEvent, match=f"is {size:,} bytes, over the limit of {size - 1:,} bytes"):
+        prepare_append("episode-a", [big], 0, None, size - 1)

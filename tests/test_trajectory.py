@@ -315,3 +315,22 @@ def test_a_single_turn_is_a_root_leaf_and_one_sample_each_way() -> None:
         assert (made.input_ids, made.loss_mask, made.logprobs) == ((1, 2, 3), (0, 0, 1), (0.0, 0.0, -0.5))
         assert made.policy_version == 2
         assert made.reward == pytest.approx(0.4)
+
+
+def test_a_group_of_two_is_compared_within_itself() -> None:
+    # rewards 1 and 0: mean 0.5, population std 0.5, so GRPO gives +-0.5 / (0.5 + 1e-6) and "mean" gives +-0.5
+    assert group_advantages([1.0, 0.0]) == pytest.approx([0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6)])
+    assert group_advantages([1.0, 0.0], mode="mean") == [0.5, -0.5]
+    assert group_advantages([0.7]) == [0.0]
+    with pytest.raises(ValueError, match="unknown advantage mode 'best'"):
+        group_advantages([1.0, 0.0], mode="best")  # type: ignore[arg-type]
+
+
+def test_samples_carry_their_episode_and_the_oldest_policy_version_of_their_path() -> None:
+    first = make(0, [1, 2], [3, 4], version=2, episode="ep-7")
+    second = make(1, [1, 2, 3, 4, 5], [6], version=3, episode="ep-7")
+    tree = parents([first, second])
+    values = {first.turn_id: 1.0, second.turn_id: 1.0}
+    assert [s.episode_id for s in individual_samples([first, second], values)] == ["ep-7", "ep-7"]
+    (path,) = concat_samples([first, second], tree, values)
+    assert (path.episode_id, path.policy_version) == ("ep-7", 2)
