@@ -10,7 +10,6 @@ order assertions never see another test's events.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -27,9 +26,6 @@ from pipeline.dev.embedded import EmbeddedServers
 from pipeline.log import EventStore
 from pipeline.log.db import migrate
 from pipeline.settings import libpq_url
-
-# vLLM lives in a virtualenv of its own (.ci/run); elsewhere its test module is not collected at all.
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["test_vllm_backend.py"]
 
 
 @dataclass(frozen=True)
