@@ -48,6 +48,7 @@ from schemas import (
 from tests.backends import RuleBackend, calculator_rule
 from tests.conftest import Servers
 from tests.serving import serving
+from tests.waiting import wait_until
 
 ADMIN = "admin-" + uuid.uuid4().hex
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
@@ -644,11 +645,12 @@ async def test_capacity_and_staleness_refuse_new_sessions_with_429(
 @pytest.mark.parametrize("gateway", [{"idle_timeout": 0.3}], indirect=True)
 async def test_idle_sessions_end_as_timeout(gateway: Gateway, store: EventStore) -> None:
     session = await gateway.session()
-    for _ in range(50):
-        await asyncio.sleep(0.1)
-        events = await events_of(store, session["session_id"])
-        if isinstance(events[-1], EpisodeFinished):
-            break
+
+    async def ended() -> bool:
+        return isinstance((await events_of(store, session["session_id"]))[-1], EpisodeFinished)
+
+    await wait_until(ended, 60, "the idle session to end")  # a bound for a loaded machine
+    events = await events_of(store, session["session_id"])
     assert isinstance(events[-1], EpisodeFinished)
     assert events[-1].termination == "timeout"
     async with gateway.openai(session["api_key"]) as client:
