@@ -51,6 +51,7 @@ TRY_QUERIES: Final = (
 class DemoConfig:
     data_dir: Path
     minutes: float = 3.0
+    until_batches: int | None = None  # stop once this many batches are trained in this run (minutes bound it)
     seed: int = 0
     group_size: int = 8
     concurrency: int = 64
@@ -126,7 +127,8 @@ async def _run_loop(config: DemoConfig, database_url: str, nats_url: str, stop: 
 
 
 def run_demo(config: DemoConfig, console: Console) -> Summary:
-    """Run the closed loop for ``config.minutes`` (or until Ctrl-C) and summarize it."""
+    """Run the closed loop for ``config.minutes``, or until ``config.until_batches`` batches are trained, or
+    until Ctrl-C; then summarize it."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"starting PostgreSQL and NATS in {config.data_dir.absolute()} ...")
     with EmbeddedServers(config.data_dir) as servers:
@@ -144,6 +146,9 @@ def run_demo(config: DemoConfig, console: Console) -> Summary:
         env.update(TURNSTILE_DATABASE_URL=database_url, TURNSTILE_NATS_URL=nats_url, HF_HUB_OFFLINE="1")
         services = ServiceProcesses(env, config.data_dir / "logs")
         since = int(query(database_url, "SELECT coalesce(max(position), 0) FROM events")[0][0])
+        trained_before = int(
+            query(database_url, "SELECT count(*) FROM trained_batches WHERE outcome = 'trained'")[0][0]
+        )
         started_wall = time.time()
         try:
             services.start("inference", "serve", "inference", "--policy", POLICY, "--model", str(model),
@@ -163,7 +168,7 @@ def run_demo(config: DemoConfig, console: Console) -> Summary:
                 f"services started (logs in {services.logs}); `turnstile sql` works from this directory "
                 "while the demo runs. Ctrl-C stops everything."
             )
-            asyncio.run(_drive(config, console, database_url, nats_url, since, services))
+            asyncio.run(_drive(config, console, database_url, nats_url, since, trained_before, services))
         finally:
             services.stop()
             servers_file.unlink(missing_ok=True)
@@ -177,6 +182,7 @@ async def _drive(
     database_url: str,
     nats_url: str,
     since: int,
+    trained_before: int,
     services: ServiceProcesses,
 ) -> None:
     stop = asyncio.Event()
@@ -195,6 +201,9 @@ async def _drive(
                 while not stop.is_set() and time.monotonic() < deadline and not runner.done():
                     services.check()
                     status = await asyncio.to_thread(loop_status, database_url, since, started)
+                    wanted = config.until_batches
+                    if wanted is not None and status["batches_trained"] - trained_before >= wanted:
+                        break
                     if live is not None:
                         live.update(_status_table(status, config.minutes))
                     elif time.monotonic() - last_line >= 10:

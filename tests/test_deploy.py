@@ -3,7 +3,8 @@
 - The compose file: every service's command parses with the real CLI (``deploy/check_compose.py``).
 - NATS: a nats-server started from ``deploy/nats.conf`` itself (its users and permissions), driven with each
   role's credentials: what a role may do works, what it may not is refused by the server.
-- PostgreSQL: the group roles of migration 0006 (``SET ROLE``): ``events`` is append-only for all of them.
+- PostgreSQL: the group roles of migration 0006, each through a login user that is a member of it (as
+  deploy/postgres-init.sql makes the compose users; no ``SET ROLE``): ``events`` is append-only for all.
 - The whole compose file run as local processes (slow): its services, commands, environments, credentials,
   init script and healthchecks, until the closed loop publishes a policy version that inference serves.
 """
@@ -30,6 +31,7 @@ import nats.errors
 import psycopg
 import pytest
 from nats.aio.client import Client as NatsConnection
+from sqlalchemy.engine import make_url
 
 from consumers.inference import InferenceConfig
 from pipeline.batches.relay import (
@@ -47,6 +49,7 @@ from pipeline.runners.taskqueue import ensure_tasks_stream
 from pipeline.settings import libpq_url
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
 from tests.backends import RuleBackend, echo_rule
+from tests.conftest import Servers
 from tests.serving import serving
 from tests.test_relay import insert_batch
 from tests.waiting import wait_until
@@ -364,60 +367,81 @@ async def test_the_relay_publishes_batches_and_the_trainer_reads_them_and_publis
     assert await trainer.refused("publish", f"llm.{policy}.requests")
 
 
-# -- PostgreSQL: the group roles of migration 0006 ---------------------------------------------------------
+# -- PostgreSQL: the group roles of migration 0006, each used by a login of its own ------------------------
 
 EVENT = (
     "INSERT INTO events (position, stream, version, event_id, type, data, content_hash) "
     "VALUES (1, 'episode-x', 1, gen_random_uuid(), 'EpisodeStarted', '{}', '\\x00')"
 )
 REFUSED = psycopg.errors.InsufficientPrivilege
+GROUP_ROLES = ("turnstile_writer", "turnstile_materializer", "turnstile_reader")
 
 
-def as_role(database_url: str, role: str, statement: str) -> None:
-    """Run one statement as ``role`` (SET ROLE) and commit."""
-    with psycopg.connect(libpq_url(database_url)) as connection:
-        connection.execute(f"SET ROLE {role}")
-        connection.execute(statement)
+@pytest.fixture(scope="module")
+def logins(servers: Servers) -> Iterator[dict[str, tuple[str, str]]]:
+    """A login user per group role, made as deploy/postgres-init.sql makes the compose users (``LOGIN``, a
+    password, member of the group role), under names of this run's own: (user, password) by group role."""
+    suffix = uuid.uuid4().hex[:8]
+    made = {role: (f"{role.removeprefix('turnstile_')}_{suffix}", uuid.uuid4().hex) for role in GROUP_ROLES}
+    with psycopg.connect(libpq_url(servers.database_url), autocommit=True) as admin:
+        for role, (user, password) in made.items():
+            admin.execute(f"CREATE ROLE \"{user}\" LOGIN PASSWORD '{password}' IN ROLE {role}")
+    yield made
+    with psycopg.connect(libpq_url(servers.database_url), autocommit=True) as admin:
+        for user, _ in made.values():
+            admin.execute(f'DROP ROLE IF EXISTS "{user}"')
 
 
-def test_events_are_append_only_for_the_writer_role(database_url: str) -> None:
-    as_role(database_url, "turnstile_writer", EVENT)
+@pytest.fixture
+def as_role(database_url: str, logins: dict[str, tuple[str, str]]) -> Callable[[str, str], None]:
+    def run(role: str, statement: str) -> None:
+        """Log in as the user of group role ``role`` (no SET ROLE), run one statement and commit."""
+        user, password = logins[role]
+        url = make_url(libpq_url(database_url)).set(username=user, password=password)
+        with psycopg.connect(url.render_as_string(hide_password=False)) as connection:
+            assert connection.execute("SELECT current_user, session_user").fetchone() == (user, user)
+            connection.execute(statement)
+
+    return run
+
+
+def test_events_are_append_only_for_the_writer_role(
+    database_url: str, as_role: Callable[[str, str], None]
+) -> None:
+    as_role("turnstile_writer", EVENT)
     for statement in ("UPDATE events SET type = 'x'", "DELETE FROM events", "TRUNCATE events"):
         with pytest.raises(REFUSED):
-            as_role(database_url, "turnstile_writer", statement)
+            as_role("turnstile_writer", statement)
+    as_role("turnstile_writer", "INSERT INTO runners (runner_id, host, pid) VALUES ('r', 'h', 1)")
+    as_role("turnstile_writer", "UPDATE runners SET heartbeat_at = now() WHERE runner_id = 'r'")
     as_role(
-        database_url, "turnstile_writer", "INSERT INTO runners (runner_id, host, pid) VALUES ('r', 'h', 1)"
-    )
-    as_role(database_url, "turnstile_writer", "UPDATE runners SET heartbeat_at = now() WHERE runner_id = 'r'")
-    as_role(
-        database_url,
         "turnstile_writer",
         "INSERT INTO trained_batches (trainer, batch_id, policy, policy_version, outcome) "
         "VALUES ('t', 'b', 'p', 1, 'trained')",
     )
     with pytest.raises(REFUSED):  # read models are the materializer's
-        as_role(database_url, "turnstile_writer", "DELETE FROM episodes")
+        as_role("turnstile_writer", "DELETE FROM episodes")
     with psycopg.connect(libpq_url(database_url)) as connection:
         assert connection.execute("SELECT count(*) FROM events").fetchone() == (1,)
 
 
-def test_the_materializer_role_writes_read_models_and_cannot_touch_the_log(database_url: str) -> None:
-    as_role(
-        database_url, "turnstile_materializer", "INSERT INTO checkpoints (name, position) VALUES ('m', 0)"
-    )
-    as_role(database_url, "turnstile_materializer", "UPDATE checkpoints SET position = 1 WHERE name = 'm'")
-    as_role(database_url, "turnstile_materializer", "SELECT * FROM batch_outbox FOR UPDATE SKIP LOCKED")
+def test_the_materializer_role_writes_read_models_and_cannot_touch_the_log(
+    as_role: Callable[[str, str], None],
+) -> None:
+    as_role("turnstile_materializer", "INSERT INTO checkpoints (name, position) VALUES ('m', 0)")
+    as_role("turnstile_materializer", "UPDATE checkpoints SET position = 1 WHERE name = 'm'")
+    as_role("turnstile_materializer", "SELECT * FROM batch_outbox FOR UPDATE SKIP LOCKED")
     for statement in (EVENT, "UPDATE events SET type = 'x'", "DELETE FROM events", "TRUNCATE events"):
         with pytest.raises(REFUSED):
-            as_role(database_url, "turnstile_materializer", statement)
+            as_role("turnstile_materializer", statement)
 
 
-def test_the_sql_role_only_reads(database_url: str) -> None:
-    as_role(database_url, "turnstile_writer", EVENT)
-    as_role(database_url, "turnstile_reader", "SELECT * FROM events")
+def test_the_sql_role_only_reads(as_role: Callable[[str, str], None]) -> None:
+    as_role("turnstile_writer", EVENT)
+    as_role("turnstile_reader", "SELECT * FROM events")
     for statement in ("DELETE FROM events", "DELETE FROM episodes", EVENT.replace("(1,", "(2,")):
         with pytest.raises(REFUSED):
-            as_role(database_url, "turnstile_reader", statement)
+            as_role("turnstile_reader", statement)
 
 
 def test_every_role_reads_every_table_and_view(database_url: str) -> None:

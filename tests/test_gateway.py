@@ -126,6 +126,8 @@ async def turns_of(store: EventStore, episode_id: str) -> list[TurnCompleted]:
 
 
 def assert_token_exact_child(parent: TurnCompleted, child: TurnCompleted) -> None:
+    """The child was prompted with the parent's exact tokens first. On the test backends this proves the
+    gateway sent the right prefix (they copy it: tests/backends.py); engines are checked elsewhere."""
     assert child.parent_turn_id == parent.turn_id
     prefix = [*parent.prompt_token_ids, *parent.completion_token_ids]
     assert child.prompt_token_ids[: len(prefix)] == prefix

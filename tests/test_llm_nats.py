@@ -10,17 +10,26 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from typing import Any
 
 import pytest
 
 from consumers.inference import InferenceConfig
 from pipeline.inference.backends import Backend
 from pipeline.inference.backends.scripted import ScriptedBackend
-from pipeline.inference.client import NatsLLMClient, NoInferenceConsumer, QueueLLMClient, RequestRejected
+from pipeline.inference.client import (
+    CONSUMER_HEADER,
+    HEARTBEAT_HEADER,
+    NatsLLMClient,
+    NoInferenceConsumer,
+    QueueLLMClient,
+    RequestRejected,
+)
 from pipeline.inference.service import InferenceService
-from schemas import ChatMessage, LLMRequest, LLMResponse
+from schemas import ChatMessage, LLMError, LLMRequest, LLMResponse, parse_wire
 from tests.conftest import Servers
 from tests.serving import serving
+from tests.waiting import wait_until
 
 
 def new_policy() -> str:
@@ -118,6 +127,8 @@ async def test_a_slow_consumer_that_sends_heartbeats_is_waited_for(
         response = await client(ask(policy, "e1"))
     assert response.consumer_id == "slow"
     assert slow.requests_seen == 1
+    assert client.heartbeats >= 1
+    assert client.silent_consumers == 0  # never given up on: the heartbeats kept the wait alive
 
 
 async def test_no_consumer_for_a_policy_is_a_clear_error(client: NatsLLMClient) -> None:
@@ -199,3 +210,70 @@ async def test_the_same_request_sent_twice_in_sequence_or_at_once_is_generated_o
         assert backend.requests_seen == 2
         assert together[0] == together[1]
         assert together[0].request_id == twice.request_id
+
+
+# -- the service itself, without NATS: what it answers for one message ---------------------------------------
+
+
+class Published:
+    """The service's publish port, recording what it sends (heartbeats)."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[str, bytes, dict[str, str]]] = []
+
+    async def __call__(self, subject: str, payload: bytes, headers: dict[str, str]) -> None:
+        self.messages.append((subject, payload, headers))
+
+
+class Held(ScriptedBackend):
+    """Generates only once released: the test decides when a request finishes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.arrived = 0
+
+    async def generate(self, request: LLMRequest) -> Any:
+        self.arrived += 1
+        await self.release.wait()
+        return await super().generate(request)
+
+
+async def test_a_request_with_fields_from_a_newer_client_is_answered() -> None:
+    service = InferenceService(ScriptedBackend(), policy="p", consumer_id="c", publish=Published())
+    request = ask("p", "e1")
+    newer = json.loads(request.model_dump_json()) | {"added_in_a_later_version": {"x": 1}}
+    reply = parse_wire(await service.handle(json.dumps(newer).encode(), None))
+    assert isinstance(reply, LLMResponse)
+    assert reply.request_id == request.request_id
+
+
+async def test_a_request_for_another_policy_is_refused_with_its_request_id() -> None:
+    service = InferenceService(ScriptedBackend(), policy="p", consumer_id="c", publish=Published())
+    request = ask("other", "e1")
+    reply = parse_wire(await service.handle(request.model_dump_json().encode(), None))
+    assert isinstance(reply, LLMError)
+    assert (reply.request_id, reply.code, reply.field) == (request.request_id, "invalid_request", "policy")
+
+
+async def test_heartbeats_go_to_the_reply_subject_while_a_request_runs_and_stop_after() -> None:
+    backend, published = Held(), Published()
+    service = InferenceService(
+        backend, policy="p", consumer_id="c", publish=published, heartbeat_interval=0.01
+    )
+    request = ask("p", "e1").model_dump_json().encode()
+    with_reply = asyncio.create_task(service.handle(request, "_INBOX.me.1"))
+    await wait_until(lambda: len(published.messages) >= 2, 60, "two heartbeats")
+    assert service.in_flight == 1
+    again = asyncio.create_task(service.handle(request, None))  # the same request, no reply subject
+    await asyncio.sleep(0)  # `again` runs up to its first wait: it has joined the request in flight
+    backend.release.set()
+    first, second = await with_reply, await again
+    assert first == second
+    assert backend.arrived == backend.requests_seen == 1
+    assert service.in_flight == 0  # finished requests leave the in-flight table
+    sent = len(published.messages)
+    assert {(subject, headers[HEARTBEAT_HEADER], headers[CONSUMER_HEADER]) for subject, _, headers in
+            published.messages} == {("_INBOX.me.1", "1", "c")}  # fmt: skip
+    await asyncio.sleep(0.05)  # five heartbeat intervals: a heartbeat left running would send here
+    assert len(published.messages) == sent

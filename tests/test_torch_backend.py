@@ -17,10 +17,11 @@ from consumers.inference import InferenceConfig
 from pipeline.inference.backends.torch_backend import TorchBackend
 from pipeline.inference.client import NatsLLMClient, versions_subject
 from pipeline.inference.service import InferenceService
-from schemas import ChatMessage, LLMRequest, PolicyVersionPublished, SamplingParams, TokenPrefix
+from schemas import ChatMessage, LLMRequest, LLMResponse, PolicyVersionPublished, SamplingParams, TokenPrefix
 from tests.conftest import Servers
 from tests.reference import recomputed_logprobs
 from tests.serving import serving
+from tests.waiting import wait_until
 
 
 def ask(content: str, *, policy: str = "p", episode: str | None = None, **sampling: Any) -> LLMRequest:
@@ -126,36 +127,54 @@ async def test_concurrent_episodes_over_two_torch_consumers_continue_token_exact
     assert all(first == second for first, second in served), "later turns stick to the first consumer"
 
 
-async def test_a_published_policy_version_is_loaded_between_requests(
+async def test_each_reply_comes_from_the_weights_of_the_version_it_is_tagged_with_across_a_reload(
     servers: Servers, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     checkpoint = tmp_path / "v1"
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
+        model.lm_head.weight.mul_(3.0)  # far from version 0: a reply tagged with the wrong version shows
     model.save_pretrained(str(checkpoint))
+    weights = {0: tiny_model_dir, 1: checkpoint}
     policy = f"p{uuid.uuid4().hex[:8]}"
     client = await NatsLLMClient.connect(servers.nats_url)
     publisher = await nats.connect(servers.nats_url)
-    async with torch_consumer(servers, policy, tiny_model_dir, "t1"):
-        before = await client(ask("hello", policy=policy, temperature=0, max_tokens=4))
-        in_flight = [
-            asyncio.create_task(client(ask(f"long {i}", policy=policy, max_tokens=64))) for i in range(4)
-        ]
-        await asyncio.sleep(0.05)
-        published = PolicyVersionPublished(policy=policy, version=1, checkpoint=str(checkpoint))
-        await publisher.publish(versions_subject(policy), published.model_dump_json().encode())
-        finished = await asyncio.gather(*in_flight)  # none dropped by the reload
-        async with asyncio.timeout(60):
-            after = await client(ask("hello", policy=policy, temperature=0, max_tokens=4))
-            while after.policy_version != 1:
-                await asyncio.sleep(0.2)
-                after = await client(ask("hello", policy=policy, temperature=0, max_tokens=4))
+    replies: list[LLMResponse] = []
+    in_flight: set[int] = set()
+    stop = asyncio.Event()
+
+    async def sender(index: int) -> int:
+        """Keep one request in flight at every moment until told to stop; the number answered."""
+        answered = 0
+        while not stop.is_set():
+            in_flight.add(index)
+            replies.append(await client(ask(f"sender {index} asks {answered}", policy=policy, max_tokens=24)))
+            in_flight.discard(index)
+            answered += 1
+        return answered
+
+    async with torch_consumer(servers, policy, tiny_model_dir, "t1") as service:
+        senders = [asyncio.create_task(sender(i)) for i in range(4)]
+        await wait_until(lambda: len(replies) >= 4, 120, "the first replies")
+        announced = PolicyVersionPublished(policy=policy, version=1, checkpoint=str(checkpoint))
+        await publisher.publish(versions_subject(policy), announced.model_dump_json().encode())
+        assert in_flight == {0, 1, 2, 3}  # and so they stay while the consumer loads and swaps the weights
+        await wait_until(
+            lambda: sum(reply.policy_version == 1 for reply in replies) >= 8, 120, "replies of version 1"
+        )
+        stop.set()
+        answered = await asyncio.gather(*senders)  # none failed or was dropped by the reload
+        assert service.backend.policy_version == 1
     await publisher.close()
     await client.close()
-    assert before.policy_version == 0
-    assert all(r.policy_version in (0, 1) and r.completion_token_ids for r in finished)
-    assert after.prompt_token_ids == before.prompt_token_ids
-    expected = recomputed_logprobs(checkpoint, after.prompt_token_ids, after.completion_token_ids)
-    assert max(abs(a - b) for a, b in zip(after.completion_logprobs, expected, strict=True)) <= 1e-4
-    assert after.completion_logprobs != before.completion_logprobs
+
+    assert sum(answered) == len(replies)
+    assert replies[0].policy_version == 0
+    assert {reply.policy_version for reply in replies} == {0, 1}
+    for reply in replies:
+        assert reply.completion_token_ids
+        expected = recomputed_logprobs(
+            weights[reply.policy_version], reply.prompt_token_ids, reply.completion_token_ids
+        )
+        error = max(abs(a - b) for a, b in zip(reply.completion_logprobs, expected, strict=True))
+        assert error <= 1e-4, f"a reply tagged version {reply.policy_version} is off by {error}"

@@ -4,6 +4,7 @@ across a kill -9 mid-batch."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -19,7 +20,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from consumers.inference import InferenceConfig
 from consumers.trainer import TrainerConfig, serve_trainer
 from pipeline.batches.format import BatchSample, TrainingBatch
-from pipeline.batches.relay import OutboxRelay
+from pipeline.batches.relay import BATCHES_STREAM, OutboxRelay
 from pipeline.log import EventStore
 from pipeline.materialize.materializer import Materializer, MaterializerConfig
 from pipeline.settings import libpq_url, sqlalchemy_url
@@ -29,6 +30,7 @@ from schemas import PolicyVersionPublished
 from tests.conftest import Servers
 from tests.serving import serving
 from tests.test_materializer import random_log
+from tests.waiting import wait_until
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 
@@ -54,24 +56,40 @@ def test_batches_become_right_padded_tensors_aligned_with_their_masks() -> None:
 
 
 async def batches_on_the_stream(
-    servers: Servers, store: EventStore, database_url: str, *, groups: int, batch_samples: int
+    servers: Servers,
+    store: EventStore,
+    database_url: str,
+    *,
+    groups: int,
+    batch_samples: int,
+    relay_first: int | None = None,
 ) -> tuple[str, int]:
     """Record a log under a policy of its own (tests share the NATS server), materialize it and relay its
-    batches: (policy, batches)."""
+    batches (only the first ``relay_first`` of them when given): (policy, batches made)."""
     policy = f"p{uuid.uuid4().hex[:10]}"
     await random_log(store, groups=groups, policy=policy)
     materializer = Materializer(database_url, MaterializerConfig(batch_samples=batch_samples))
     await materializer.open()
     await materializer.catch_up()
     await materializer.close()
+    if relay_first is None:
+        await relay_batches(servers, database_url)
+    else:
+        await relay_batches(servers, database_url, at_most=relay_first)
+    return policy, int(rows(database_url, "SELECT count(*) FROM batch_outbox")[0][0])
+
+
+async def relay_batches(servers: Servers, database_url: str, *, at_most: int | None = None) -> int:
+    """Publish the pending batches (at most ``at_most`` of them): the number published."""
     engine = create_async_engine(sqlalchemy_url(database_url))
     connection = await nats.connect(servers.nats_url)
     try:
-        published = await OutboxRelay(engine, connection).publish_pending()
+        if at_most is None:
+            return await OutboxRelay(engine, connection).publish_pending()
+        return await OutboxRelay(engine, connection, batch_limit=at_most).publish_next()
     finally:
         await connection.drain()
         await engine.dispose()
-    return policy, published
 
 
 async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads_them(
@@ -139,37 +157,51 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
 async def test_a_trainer_killed_mid_batch_trains_each_batch_once(
     servers: Servers, store: EventStore, database_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    policy, published = await batches_on_the_stream(servers, store, database_url, groups=6, batch_samples=4)
-    assert published >= 6
+    # Four batches reach the stream first: the trainer makes version 1 of the first three and then holds the
+    # fourth, trained but not yet recorded (a version takes three). It is killed there, whatever the
+    # machine's speed; the other batches are published while it is down.
+    policy, made = await batches_on_the_stream(
+        servers, store, database_url, groups=6, batch_samples=4, relay_first=4
+    )
+    assert made >= 6
+    durable = f"t{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
     env.update(TURNSTILE_DATABASE_URL=database_url, TURNSTILE_NATS_URL=servers.nats_url)
     command = [
-        *TURNSTILE, "serve", "trainer", "--policy", policy, "--model", str(tiny_model_dir),
-        "--checkpoints", str(tmp_path / "checkpoints"), "--version-every", "3", "--ack-wait", "2",
+        *TURNSTILE, "serve", "trainer", "--policy", policy, "--model", str(tiny_model_dir), "--durable",
+        durable, "--checkpoints", str(tmp_path / "checkpoints"), "--version-every", "3", "--ack-wait", "2",
     ]  # fmt: skip
 
     def trained() -> int:
         return int(rows(database_url, "SELECT count(*) FROM trained_batches")[0][0])
 
+    connection = await nats.connect(servers.nats_url)
+    js = connection.jetstream()
+
+    async def holding_the_fourth() -> bool:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            info = await js.consumer_info(BATCHES_STREAM, durable)
+            return trained() == 3 and info.num_pending == 0 and info.num_ack_pending == 1
+        return False
+
     first = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.DEVNULL)
-    deadline = asyncio.get_running_loop().time() + 120
-    while trained() < 3:  # its first version is recorded; it is now training the next batches
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.01)
+    await wait_until(holding_the_fourth, 120, "the trainer holding batch 4 after version 1")
     first.send_signal(signal.SIGKILL)
     await first.wait()
-    at_kill = trained()
-    assert at_kill < published
+    assert trained() == 3  # version 1 only: the fourth batch was never recorded
+    assert await relay_batches(servers, database_url) == made - 4
+    await connection.drain()
 
     second = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
-    target = published - published % 3  # whole versions only: the rest waits for more batches
+    target = made - made % 3  # whole versions only: the rest waits for more batches
+    deadline = asyncio.get_running_loop().time() + 120
     while trained() < target:
         assert asyncio.get_running_loop().time() < deadline, "the restarted trainer did not catch up"
         await asyncio.sleep(0.1)
-    await asyncio.sleep(1.0)
     second.send_signal(signal.SIGTERM)
     _, log = await asyncio.wait_for(second.communicate(), 60)
     assert second.returncode == 0, log.decode()
+    assert trained() == target  # nothing more after the last whole version
 
     recorded = rows(
         database_url, "SELECT batch_id, policy_version FROM trained_batches ORDER BY policy_version"

@@ -106,7 +106,10 @@ def submit(
 
 
 def demo(
-    minutes: float = typer.Option(3.0, help="how long the loop runs"),
+    minutes: float = typer.Option(3.0, help="how long the loop runs (at most, with --until-batches)"),
+    until_batches: int | None = typer.Option(
+        None, help="stop once this many batches are trained in this run (a run of a fixed amount of training)"
+    ),
     data_dir: Path = typer.Option(
         None, help="servers, model, checkpoints and logs [default: $TURNSTILE_DATA_DIR or .turnstile]"
     ),
@@ -119,8 +122,14 @@ def demo(
 
     if minutes <= 0:
         raise ConfigError(f"--minutes must be positive, got {minutes}")
+    if until_batches is not None and until_batches < 1:
+        raise ConfigError(f"--until-batches must be at least 1, got {until_batches}")
     config = DemoConfig(
-        data_dir=data_dir or Settings().data_dir, minutes=minutes, seed=seed, concurrency=concurrency
+        data_dir=data_dir or Settings().data_dir,
+        minutes=minutes,
+        until_batches=until_batches,
+        seed=seed,
+        concurrency=concurrency,
     )
     summary = run_demo(config, console)
     report(summary, config, Console())

@@ -197,6 +197,12 @@ class OutboxRelay:
                 self.passes += 1
                 return total
 
+    async def publish_next(self) -> int:
+        """Publish up to ``batch_limit`` unpublished batches, the oldest first (what one pass of
+        ``publish_pending`` does); the number published."""
+        published, _ = await self._publish_chunk()
+        return published
+
     async def _publish_chunk(self) -> tuple[int, bool]:
         outbox, batches = self._outbox, self._batches
         failure: BatchNotPublished | None = None

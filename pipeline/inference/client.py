@@ -126,6 +126,8 @@ class NatsLLMClient:
         self._inbox_prefix = f"_INBOX.{uuid.uuid4().hex}"
         self._waiting: dict[str, asyncio.Queue[Msg]] = {}
         self._subscription: Any = None
+        self.heartbeats = 0  # heartbeats received from consumers at work
+        self.silent_consumers = 0  # requests given up on a consumer that sent nothing for heartbeat_timeout
 
     @classmethod
     async def connect(cls, url: str, **options: Any) -> NatsLLMClient:
@@ -178,6 +180,7 @@ class NatsLLMClient:
             if time.monotonic() >= deadline:
                 raise InferenceTimeout(self.timeout)
             silent_attempts += 1
+            self.silent_consumers += 1
             if silent_attempts > self.retries:
                 raise InferenceTimeout(
                     time.monotonic() - started,
@@ -207,6 +210,7 @@ class NatsLLMClient:
                     return _NoResponders()
                 if HEARTBEAT_HEADER not in headers:
                     return _Reply(message)
+                self.heartbeats += 1
         finally:
             del self._waiting[token]
 

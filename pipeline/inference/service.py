@@ -59,6 +59,11 @@ class InferenceService:
         self._recent: OrderedDict[uuid.UUID, bytes] = OrderedDict()
         self._reload = asyncio.Lock()
 
+    @property
+    def in_flight(self) -> int:
+        """Requests being generated now (a request sent again while it runs is counted once)."""
+        return len(self._in_flight)
+
     async def handle(self, data: bytes, reply_to: str | None) -> bytes:
         """The reply body (an LLMResponse or LLMError as JSON) for one request message."""
         received = time.monotonic()
