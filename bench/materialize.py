@@ -85,7 +85,7 @@ from sqlalchemy.engine import make_url
 from pipeline.dev.embedded import EmbeddedPostgres
 from pipeline.log import encode_event
 from pipeline.log.db import migrate
-from pipeline.log.store import COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
+from pipeline.log.store import APPEND_LOCK, COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
 from pipeline.materialize.materializer import READ_MODEL_TABLES, Materializer, MaterializerConfig, Writes
 from pipeline.settings import libpq_url
 from schemas import (
@@ -353,10 +353,12 @@ def write_log(url: str, schedule: Schedule, args: argparse.Namespace) -> LogStat
             chunk = next(work, None)
             if chunk is not None:
                 pending.append(pool.submit(encode_chunk, chunk))
-            with connection.transaction(), connection.cursor().copy(statement) as copy:
-                copy.set_types(TYPES)
-                for row in rows:
-                    copy.write_row(row)
+            with connection.transaction():
+                connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))  # the append rule
+                with connection.cursor().copy(statement) as copy:
+                    copy.set_types(TYPES)
+                    for row in rows:
+                        copy.write_row(row)
             for row in rows:
                 if row[6] is not None:
                     _, prompt, completion, _ = TOKENS_HEADER.unpack_from(row[6])

@@ -33,7 +33,7 @@ from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
 from pipeline.examples.demo import DigitsOrCapitalsAgent, demo_tasks
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
-from pipeline.log.db import migrate
+from pipeline.log.db import make_logins, migrate
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
 from pipeline.settings import SERVERS_FILE
 from schemas import SamplingParams
@@ -135,7 +135,8 @@ def run_demo(config: DemoConfig, console: Console) -> Summary:
         database_url, nats_url = servers.postgres.url, servers.nats.url
         migrate(database_url)
         servers_file = config.data_dir / SERVERS_FILE
-        servers_file.write_text(servers.exports())
+        logins = make_logins(database_url)  # the services and `turnstile sql` log in as everyday users
+        servers_file.write_text(servers.exports(logins))
         model = config.data_dir / "models" / "tiny"
         if not (model / "config.json").is_file():
             from pipeline.inference.tinymodel import build_tiny_model
@@ -143,7 +144,7 @@ def run_demo(config: DemoConfig, console: Console) -> Summary:
             console.print("building the tiny model ...")
             build_tiny_model(model)
         env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
-        env.update(TURNSTILE_DATABASE_URL=database_url, TURNSTILE_NATS_URL=nats_url, HF_HUB_OFFLINE="1")
+        env.update(TURNSTILE_DATABASE_URL=logins.services, TURNSTILE_NATS_URL=nats_url, HF_HUB_OFFLINE="1")
         services = ServiceProcesses(env, config.data_dir / "logs")
         since = int(query(database_url, "SELECT coalesce(max(position), 0) FROM events")[0][0])
         trained_before = int(

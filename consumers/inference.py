@@ -25,6 +25,7 @@ from pipeline.errors import ConfigError
 from pipeline.inference.backends import Backend
 from pipeline.inference.client import QUEUE_GROUP, request_subject, versions_subject
 from pipeline.inference.service import InferenceService
+from pipeline.settings import nats_inbox_prefix
 
 BackendName = Literal["torch", "vllm", "scripted"]
 
@@ -112,7 +113,11 @@ def create_app(
     consumer_id = config.consumer_id or default_consumer_id()
     # Per-message logs at DEBUG: at thousands of turns per second INFO lines would cost more than the work.
     broker = NatsBroker(
-        config.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=1, log_level=logging.DEBUG
+        config.nats_url,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=1,
+        log_level=logging.DEBUG,
+        inbox_prefix=nats_inbox_prefix(config.nats_url),
     )
 
     async def publish(subject: str, body: bytes, headers: dict[str, str]) -> None:

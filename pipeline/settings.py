@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -16,6 +18,13 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TURNSTILE_", extra="ignore")
 
     database_url: str | None = Field(default=None, description="PostgreSQL URL; unset: embedded servers")
+    reader_url: str | None = Field(
+        default=None, description="PostgreSQL URL for readers (`turnstile sql`); unset: database_url"
+    )
+    admin_database_url: str | None = Field(
+        default=None,
+        description="PostgreSQL URL of the database's owner, for migrations; unset: database_url",
+    )
     nats_url: str | None = Field(default=None, description="NATS URL; unset: embedded servers")
     data_dir: Path = Field(default=Path(".turnstile"), description="where embedded servers keep their data")
     max_event_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, description="largest event accepted")
@@ -40,6 +49,24 @@ class Settings(BaseSettings):
             )
         return self.database_url
 
+    def require_reader_url(self) -> str:
+        """Where readers connect: TURNSTILE_READER_URL, the reader login of a running `turnstile up`, or
+        the database URL."""
+        if self.reader_url:
+            return self.reader_url
+        if not self.database_url and (url := self.running_servers().get("TURNSTILE_READER_URL")):
+            return url
+        return self.require_database_url()
+
+    def require_admin_database_url(self) -> str:
+        """Where migrations connect: TURNSTILE_ADMIN_DATABASE_URL, the owner of a running `turnstile up`,
+        or the database URL."""
+        if self.admin_database_url:
+            return self.admin_database_url
+        if not self.database_url and (url := self.running_servers().get("TURNSTILE_ADMIN_DATABASE_URL")):
+            return url
+        return self.require_database_url()
+
     def require_nats_url(self) -> str:
         if not self.nats_url and (url := self.running_servers().get("TURNSTILE_NATS_URL")):
             return url
@@ -62,3 +89,24 @@ def sqlalchemy_url(url: str) -> str:
 def libpq_url(url: str) -> str:
     """The libpq form of a PostgreSQL URL (what psycopg.connect and psql take)."""
     return "postgresql://" + sqlalchemy_url(url)[len("postgresql+psycopg://") :]
+
+
+def nats_inbox_prefix(url: str) -> str:
+    """The inbox prefix for connections made with ``url``: ``_INBOX.<user>`` when the URL logs in with a user
+    and password, else NATS's default ``_INBOX``.
+
+    Replies (LLM replies, JetStream API answers, pulled messages) come to inboxes under this prefix. With
+    role credentials (deploy/nats.conf) each role may subscribe only to its own prefix and inference may
+    answer only to the requester roles' prefixes: no role reads another's replies, and no request can make
+    a consumer publish its reply onto a stream subject. A URL with a token and no user keeps the default (the
+    token is a secret, never a subject).
+    """
+    parts = urlsplit(url.split(",")[0])
+    if not parts.username or parts.password is None:
+        return "_INBOX"
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", parts.username):
+        raise ConfigError(
+            f"NATS user {parts.username!r} cannot name an inbox prefix (_INBOX.<user>); use letters, digits, "
+            "'_' or '-' in NATS user names"
+        )
+    return f"_INBOX.{parts.username}"

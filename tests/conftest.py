@@ -24,7 +24,7 @@ from sqlalchemy.engine import make_url
 
 from pipeline.dev.embedded import EmbeddedServers
 from pipeline.log import EventStore
-from pipeline.log.db import migrate
+from pipeline.log.db import migrate, with_user
 from pipeline.settings import libpq_url
 
 
@@ -92,6 +92,32 @@ def database_url(servers: Servers, template_database: str) -> Iterator[str]:
     yield with_database(servers.database_url, name)
     with psycopg.connect(libpq_url(servers.database_url), autocommit=True) as admin:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def logins(servers: Servers) -> Iterator[dict[str, tuple[str, str]]]:
+    """A login user per group role, made as deploy/postgres-init.sql makes the compose users (``LOGIN``, a
+    password, member of the group role, not a superuser), under names of this session's own:
+    (user, password) by group role. Tests that act as a role log in as its user (no ``SET ROLE``)."""
+    suffix = uuid.uuid4().hex[:8]
+    roles = ("turnstile_writer", "turnstile_materializer", "turnstile_reader")
+    made = {role: (f"{role.removeprefix('turnstile_')}_{suffix}", uuid.uuid4().hex) for role in roles}
+    with psycopg.connect(libpq_url(servers.database_url), autocommit=True) as admin:
+        for role in roles:  # the template's migration made them; a fresh server may not have them yet
+            admin.execute(
+                f"DO $$ BEGIN CREATE ROLE {role} NOLOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$"
+            )
+        for role, (user, password) in made.items():
+            admin.execute(f"CREATE ROLE \"{user}\" LOGIN PASSWORD '{password}' IN ROLE {role}")
+    yield made
+    with psycopg.connect(libpq_url(servers.database_url), autocommit=True) as admin:
+        for user, _ in made.values():
+            admin.execute(f'DROP ROLE IF EXISTS "{user}"')
+
+
+def login_url(url: str, login: tuple[str, str]) -> str:
+    """``url`` logging in as ``login`` (user, password)."""
+    return with_user(url, *login)
 
 
 @pytest.fixture

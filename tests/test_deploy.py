@@ -31,7 +31,6 @@ import nats.errors
 import psycopg
 import pytest
 from nats.aio.client import Client as NatsConnection
-from sqlalchemy.engine import make_url
 
 from consumers.inference import InferenceConfig
 from pipeline.batches.relay import (
@@ -45,11 +44,12 @@ from pipeline.batches.relay import (
 from pipeline.dev.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log.db import create_engine
+from pipeline.log.store import APPEND_LOCK
 from pipeline.runners.taskqueue import ensure_tasks_stream
-from pipeline.settings import libpq_url
+from pipeline.settings import libpq_url, nats_inbox_prefix
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
 from tests.backends import RuleBackend, echo_rule
-from tests.conftest import Servers
+from tests.conftest import login_url
 from tests.serving import serving
 from tests.test_relay import insert_batch
 from tests.waiting import wait_until
@@ -195,13 +195,19 @@ class Connected:
         async def on_error(error: Exception) -> None:
             errors.append(str(error))
 
-        return cls(await nats.connect(server.url(role), error_cb=on_error, allow_reconnect=False), errors)
+        url = server.url(role)
+        connection = await nats.connect(
+            url, error_cb=on_error, allow_reconnect=False, inbox_prefix=nats_inbox_prefix(url)
+        )
+        return cls(connection, errors)
 
     async def refused(self, what: str, subject: str) -> bool:
-        """Whether the server refused ``what`` ("publish" or "subscription") on ``subject``."""
+        """Whether the server refused ``what`` ("publish" or "subscription") on ``subject`` (the refusal
+        comes asynchronously; waited for under a generous bound)."""
         await self.nc.flush()
         expected = f'permissions violation for {what} to "{subject}"'
-        for _ in range(50):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
             if any(expected in error.lower() for error in self.errors):
                 return True
             await asyncio.sleep(0.02)
@@ -374,41 +380,27 @@ EVENT = (
     "VALUES (1, 'episode-x', 1, gen_random_uuid(), 'EpisodeStarted', '{}', '\\x00')"
 )
 REFUSED = psycopg.errors.InsufficientPrivilege
-GROUP_ROLES = ("turnstile_writer", "turnstile_materializer", "turnstile_reader")
-
-
-@pytest.fixture(scope="module")
-def logins(servers: Servers) -> Iterator[dict[str, tuple[str, str]]]:
-    """A login user per group role, made as deploy/postgres-init.sql makes the compose users (``LOGIN``, a
-    password, member of the group role), under names of this run's own: (user, password) by group role."""
-    suffix = uuid.uuid4().hex[:8]
-    made = {role: (f"{role.removeprefix('turnstile_')}_{suffix}", uuid.uuid4().hex) for role in GROUP_ROLES}
-    with psycopg.connect(libpq_url(servers.database_url), autocommit=True) as admin:
-        for role, (user, password) in made.items():
-            admin.execute(f"CREATE ROLE \"{user}\" LOGIN PASSWORD '{password}' IN ROLE {role}")
-    yield made
-    with psycopg.connect(libpq_url(servers.database_url), autocommit=True) as admin:
-        for user, _ in made.values():
-            admin.execute(f'DROP ROLE IF EXISTS "{user}"')
+LOCK = f"SELECT pg_advisory_xact_lock({APPEND_LOCK})"  # appends hold it (migration 0007 checks)
 
 
 @pytest.fixture
-def as_role(database_url: str, logins: dict[str, tuple[str, str]]) -> Callable[[str, str], None]:
-    def run(role: str, statement: str) -> None:
-        """Log in as the user of group role ``role`` (no SET ROLE), run one statement and commit."""
-        user, password = logins[role]
-        url = make_url(libpq_url(database_url)).set(username=user, password=password)
-        with psycopg.connect(url.render_as_string(hide_password=False)) as connection:
+def as_role(database_url: str, logins: dict[str, tuple[str, str]]) -> Callable[..., None]:
+    def run(role: str, *statements: str) -> None:
+        """Log in as the user of group role ``role`` (no SET ROLE), run the statements in one transaction
+        and commit."""
+        user = logins[role][0]
+        with psycopg.connect(login_url(database_url, logins[role])) as connection:
             assert connection.execute("SELECT current_user, session_user").fetchone() == (user, user)
-            connection.execute(statement)
+            for statement in statements:
+                connection.execute(statement)
 
     return run
 
 
-def test_events_are_append_only_for_the_writer_role(
-    database_url: str, as_role: Callable[[str, str], None]
-) -> None:
-    as_role("turnstile_writer", EVENT)
+def test_events_are_append_only_for_the_writer_role(database_url: str, as_role: Callable[..., None]) -> None:
+    with pytest.raises(REFUSED, match="only while holding the append lock"):
+        as_role("turnstile_writer", EVENT)
+    as_role("turnstile_writer", LOCK, EVENT)
     for statement in ("UPDATE events SET type = 'x'", "DELETE FROM events", "TRUNCATE events"):
         with pytest.raises(REFUSED):
             as_role("turnstile_writer", statement)
@@ -426,18 +418,18 @@ def test_events_are_append_only_for_the_writer_role(
 
 
 def test_the_materializer_role_writes_read_models_and_cannot_touch_the_log(
-    as_role: Callable[[str, str], None],
+    as_role: Callable[..., None],
 ) -> None:
     as_role("turnstile_materializer", "INSERT INTO checkpoints (name, position) VALUES ('m', 0)")
     as_role("turnstile_materializer", "UPDATE checkpoints SET position = 1 WHERE name = 'm'")
     as_role("turnstile_materializer", "SELECT * FROM batch_outbox FOR UPDATE SKIP LOCKED")
     for statement in (EVENT, "UPDATE events SET type = 'x'", "DELETE FROM events", "TRUNCATE events"):
         with pytest.raises(REFUSED):
-            as_role("turnstile_materializer", statement)
+            as_role("turnstile_materializer", LOCK, statement)
 
 
-def test_the_sql_role_only_reads(as_role: Callable[[str, str], None]) -> None:
-    as_role("turnstile_writer", EVENT)
+def test_the_sql_role_only_reads(as_role: Callable[..., None]) -> None:
+    as_role("turnstile_writer", LOCK, EVENT)
     as_role("turnstile_reader", "SELECT * FROM events")
     for statement in ("DELETE FROM events", "DELETE FROM episodes", EVENT.replace("(1,", "(2,")):
         with pytest.raises(REFUSED):

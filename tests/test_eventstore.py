@@ -12,6 +12,7 @@ from sqlalchemy.engine import make_url
 from pipeline.dev.embedded import free_port
 from pipeline.errors import InvalidEvent, StoreUnavailable, WrongExpectedVersion
 from pipeline.log import EventStore
+from pipeline.log.store import APPEND_LOCK
 from pipeline.settings import libpq_url
 from tests.factories import finished, new_stream, reward, started, turn
 
@@ -77,6 +78,7 @@ async def test_readers_ignore_unknown_fields_and_keep_unknown_types(store: Event
         await connection.execute(
             "UPDATE events SET data = data || '{\"from_the_future\": true}'::jsonb WHERE position = 1"
         )
+        await connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))  # the append rule
         await connection.execute(
             "INSERT INTO events (position, stream, version, event_id, type, data, content_hash) "
             "VALUES (2, %s, 2, gen_random_uuid(), 'EpisodePaused', '{}', '\\x00')",

@@ -277,3 +277,24 @@ async def test_heartbeats_go_to_the_reply_subject_while_a_request_runs_and_stop_
             published.messages} == {("_INBOX.me.1", "1", "c")}  # fmt: skip
     await asyncio.sleep(0.05)  # five heartbeat intervals: a heartbeat left running would send here
     assert len(published.messages) == sent
+
+
+async def test_a_request_id_reused_with_other_content_is_refused_and_never_gets_the_first_reply() -> None:
+    backend = Held()
+    service = InferenceService(backend, policy="p", consumer_id="c", publish=Published())
+    mine = ask("p", "e1", content="my secret question")
+    theirs = mine.model_copy(update={"messages": [ChatMessage(role="user", content="another question")]})
+    running = asyncio.create_task(service.handle(mine.model_dump_json().encode(), None))
+    await wait_until(lambda: backend.arrived == 1, 60, "the first request at the backend")
+    while_running = parse_wire(await service.handle(theirs.model_dump_json().encode(), None))
+    backend.release.set()
+    first = parse_wire(await running)
+    after = parse_wire(await service.handle(theirs.model_dump_json().encode(), None))
+    assert isinstance(first, LLMResponse)
+    for refused in (while_running, after):
+        assert isinstance(refused, LLMError)
+        assert (refused.code, refused.field) == ("invalid_request", "request_id")
+        assert "already used for a request with other content" in refused.message
+    retried = parse_wire(await service.handle(mine.model_dump_json().encode(), None))
+    assert retried == first  # the same request again is still answered from memory
+    assert backend.requests_seen == 1

@@ -22,6 +22,7 @@ from alembic import command
 from rich.console import Console
 
 from pipeline.log.db import alembic_config
+from pipeline.log.store import APPEND_LOCK
 from pipeline.sql.readonly import (
     QueryResult,
     ReadOnlyViolation,
@@ -32,6 +33,7 @@ from pipeline.sql.readonly import (
     to_json,
     to_table,
 )
+from tests.conftest import login_url
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 QUERIES = Path(__file__).resolve().parent.parent / "docs" / "queries.sql"
@@ -77,6 +79,7 @@ def at(seconds: float | None) -> dt.datetime | None:
 def seed(database_url: str) -> None:
     """A few rows in the log and the read models, written as the fixture's (owning) user."""
     with psycopg.connect(database_url) as connection:
+        connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))  # appends hold the lock
         connection.execute(
             "INSERT INTO events (position, stream, version, event_id, type, data, content_hash) "
             "VALUES (1, 'episode-e1', 1, %s, 'EpisodeStarted', '{}', '\\x00')",
@@ -129,8 +132,21 @@ def seed(database_url: str) -> None:
             )
 
 
+READER_LOGIN: list[tuple[str, str]] = []  # this session's reader login (the ``logins`` fixture)
+
+
+@pytest.fixture(autouse=True)
+def _reader_login(logins: dict[str, tuple[str, str]]) -> None:
+    READER_LOGIN[:] = [logins["turnstile_reader"]]
+
+
+def reader(database_url: str) -> str:
+    """The test's database, logged in as a reader (not a superuser: `turnstile sql` refuses those)."""
+    return login_url(database_url, READER_LOGIN[0])
+
+
 def rows_of(database_url: str, query: str) -> list[dict[str, Any]]:
-    result = run_readonly(database_url, query)
+    result = run_readonly(reader(database_url), query)
     return [dict(zip(result.columns, row, strict=True)) for row in result.rows]
 
 
@@ -145,7 +161,7 @@ def turnstile_sql(database_url: str, *args: str) -> subprocess.CompletedProcess[
         capture_output=True,
         text=True,
         timeout=120,
-        env=clean_env(TURNSTILE_DATABASE_URL=database_url),
+        env=clean_env(TURNSTILE_DATABASE_URL=database_url, TURNSTILE_READER_URL=reader(database_url)),
     )
 
 
@@ -261,7 +277,7 @@ def test_every_documented_query_runs_on_an_empty_and_on_a_filled_database(databa
     assert len(queries) >= 10
     assert [numbered(query) for query in queries] == list(range(1, len(queries) + 1))
     for query in queries:
-        assert run_readonly(database_url, query).rows == [], query
+        assert run_readonly(reader(database_url), query).rows == [], query
 
     seed(database_url)
     results = {numbered(query): rows_of(database_url, query) for query in queries}
@@ -339,28 +355,52 @@ def test_writes_are_refused_with_a_clear_message_and_change_nothing(
 def test_other_ways_to_write_are_refused(database_url: str, statement: str, said: str) -> None:
     seed(database_url)
     with pytest.raises(ReadOnlyViolation, match=READ_ONLY) as refused:
-        run_readonly(database_url, statement)
+        run_readonly(reader(database_url), statement)
     assert said in str(refused.value)
     assert counts(database_url) == (1, 5, 1.0)
 
 
 def test_queries_run_as_the_reader_role_in_a_read_only_transaction(database_url: str) -> None:
     row = run_readonly(
-        database_url, "SELECT current_user, current_setting('transaction_read_only'), pg_backend_pid()"
+        reader(database_url),
+        "SELECT current_user, current_setting('transaction_read_only'), pg_backend_pid()",
     ).rows[0]
     assert row[:2] == ("turnstile_reader", "on")
     with psycopg.connect(database_url, autocommit=True) as other:
         pid = other.info.backend_pid
         with pytest.raises(ReadOnlyViolation, match="permission denied"):
-            run_readonly(database_url, f"SELECT pg_terminate_backend({pid})")
+            run_readonly(reader(database_url), f"SELECT pg_terminate_backend({pid})")
         assert other.execute("SELECT 1").fetchone() == (1,)
     with pytest.raises(ReadOnlyViolation):
-        run_readonly(database_url, "SELECT lo_import('/etc/hostname')")
+        run_readonly(reader(database_url), "SELECT lo_import('/etc/hostname')")
+
+
+def test_a_superuser_login_is_refused_unless_allowed_because_a_query_can_switch_back_to_it(
+    database_url: str,
+) -> None:
+    escape = "SELECT set_config('role', session_user, true), current_setting('is_superuser')"
+    with pytest.raises(SqlError, match="is a superuser: a query could switch back to it"):
+        run_readonly(database_url, escape)  # the fixture's URL: the server's superuser
+    assert run_readonly(database_url, escape, allow_superuser=True).rows[0][1] == "on"  # what it guards
+    assert run_readonly(reader(database_url), escape).rows[0][1] == "off"  # a reader login stays a reader
+    superuser_env = clean_env(TURNSTILE_DATABASE_URL=database_url)  # no reader URL: the superuser it is
+    refused = subprocess.run(
+        [*TURNSTILE, "sql", "SELECT 1 AS one", "--json"],
+        capture_output=True, text=True, timeout=120, env=superuser_env,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "TURNSTILE_READER_URL" in refused.stdout + refused.stderr
+    allowed = subprocess.run(
+        [*TURNSTILE, "sql", "SELECT 1 AS one", "--json", "--allow-superuser"],
+        capture_output=True, text=True, timeout=120, env=superuser_env,
+    )  # fmt: skip
+    assert allowed.returncode == 0, allowed.stderr
+    assert json.loads(allowed.stdout) == [{"one": 1}]
 
 
 def test_a_query_past_the_timeout_is_cancelled(database_url: str) -> None:
     with pytest.raises(SqlError, match=r"statement timeout \(0.2 s\)"):
-        run_readonly(database_url, "SELECT pg_sleep(5)", timeout_s=0.2)
+        run_readonly(reader(database_url), "SELECT pg_sleep(5)", timeout_s=0.2)
 
 
 # -- errors ---------------------------------------------------------------------------------------------
@@ -375,7 +415,7 @@ def test_a_syntax_error_shows_what_postgresql_said(database_url: str) -> None:
 
 def test_an_unknown_column_points_at_it(database_url: str) -> None:
     with pytest.raises(SqlError) as refused:
-        run_readonly(database_url, "SELECT episode_id,\n       nope[1]\nFROM episodes")
+        run_readonly(reader(database_url), "SELECT episode_id,\n       nope[1]\nFROM episodes")
     message = str(refused.value)
     assert 'column "nope" does not exist' in message
     assert "  LINE 2:        nope[1]\n" + " " * len("  LINE 2:        ") + "^" in message
@@ -386,9 +426,9 @@ def test_an_unknown_column_points_at_it(database_url: str) -> None:
 
 def test_an_empty_query_and_an_unknown_schema_say_what_to_do(database_url: str) -> None:
     with pytest.raises(SqlError, match="empty"):
-        run_readonly(database_url, " -- nothing\n;")
+        run_readonly(reader(database_url), " -- nothing\n;")
     with pytest.raises(SqlError, match=r"schema 'rm_nope' does not exist .*rematerialize"):
-        run_readonly(database_url, "SELECT 1", search_path="rm_nope")
+        run_readonly(reader(database_url), "SELECT 1", search_path="rm_nope")
 
 
 # -- the command ----------------------------------------------------------------------------------------
@@ -449,7 +489,7 @@ def test_sql_reads_a_rebuild_schema_first(database_url: str) -> None:
 
 def test_values_become_json_csv_and_table_cells(database_url: str) -> None:
     result = run_readonly(
-        database_url,
+        reader(database_url),
         "SELECT '6f1c1c6e-4a36-4b7e-9d43-0d3a3b3c9a10'::uuid AS id, '\\x0aff'::bytea AS raw, "
         "1.50::numeric AS n, 'NaN'::float8 AS nan, '{\"a\": [1, null]}'::jsonb AS doc, ARRAY[1, 2] AS xs, "
         "NULL AS nothing, "

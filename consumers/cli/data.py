@@ -109,8 +109,13 @@ def sql(
     ),
     limit: int | None = typer.Option(None, help="fetch at most N rows"),
     timeout: float = typer.Option(60.0, help="seconds the query may run before it is cancelled"),
+    allow_superuser: bool = typer.Option(
+        False, help="run even when the login is a superuser (a query could then act as that superuser)"
+    ),
 ) -> None:
     """Run one read-only query (as role turnstile_reader) and print its rows as a table, CSV or JSON.
+
+    Connects with TURNSTILE_READER_URL (else TURNSTILE_DATABASE_URL); refuses a superuser login.
 
     Views: episode_stats, reward_by_policy_version, group_rewards, turn_latency_by_consumer,
     prefix_break_rate_by_agent, batch_staleness, terminations; worked queries in docs/queries.sql.
@@ -128,10 +133,15 @@ def sql(
         raise ConfigError(f"--timeout must be more than 0 seconds, got {timeout:g}")
     text = sys.stdin.read() if query == "-" else query
     search_path = None if schema in (None, "main", "public") else rebuild_schema(schema)
-    database_url = Settings().require_database_url()
+    reader_url = Settings().require_reader_url()
     try:
         result = run_readonly(
-            database_url, text, search_path=search_path, limit_rows=limit, timeout_s=timeout
+            reader_url,
+            text,
+            search_path=search_path,
+            limit_rows=limit,
+            timeout_s=timeout,
+            allow_superuser=allow_superuser,
         )
     except SqlError as error:
         # main() prints errors as rich markup; PostgreSQL's words and the query may hold [brackets].
@@ -252,8 +262,11 @@ def replay(
     from pipeline.sql import SqlError, run_readonly
 
     try:
+        # As the user that reruns (and appends) anyway: --where cannot do more than that user can.
         rows = run_readonly(
-            database_url, f"SELECT episode_id FROM episodes WHERE ({where or 'true'}) ORDER BY started_at"
+            database_url,
+            f"SELECT episode_id FROM episodes WHERE ({where or 'true'}) ORDER BY started_at",
+            allow_superuser=True,
         ).rows
     except SqlError as error:
         raise TurnstileError(f"--where: {escape(str(error))}") from None

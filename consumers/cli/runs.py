@@ -21,7 +21,7 @@ from consumers.cli.common import (
     tags,
 )
 from pipeline.errors import ConfigError
-from pipeline.settings import Settings
+from pipeline.settings import Settings, nats_inbox_prefix
 
 
 def run(
@@ -96,7 +96,8 @@ def submit(
             specs.append(item)
 
     async def send() -> int:
-        connection = await nats.connect(Settings().require_nats_url())
+        url = Settings().require_nats_url()
+        connection = await nats.connect(url, inbox_prefix=nats_inbox_prefix(url))
         try:
             return len(await submit_tasks(connection, policy, specs, group_size=group_size))
         finally:

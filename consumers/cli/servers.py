@@ -22,7 +22,7 @@ def up(
 ) -> None:
     """Start embedded PostgreSQL and NATS (JetStream) on free ports, migrate, run until Ctrl-C or SIGTERM."""
     from pipeline.dev.embedded import EmbeddedServers
-    from pipeline.log.db import migrate
+    from pipeline.log.db import make_logins, migrate
 
     directory = data_dir or Settings().data_dir
     stop = threading.Event()
@@ -31,7 +31,9 @@ def up(
     console.print(f"starting PostgreSQL and NATS in {directory.absolute()} ...")
     with EmbeddedServers(directory) as servers:
         migrate(servers.postgres.url)
-        exports = servers.exports()
+        # Everyday commands log in as users that are not superusers (a superuser's query can read server
+        # files or stop other sessions); the superuser stays for migrations.
+        exports = servers.exports(make_logins(servers.postgres.url))
         servers_file = servers.data_dir / SERVERS_FILE
         servers_file.write_text(exports)
         sys.stdout.write(exports)
@@ -50,10 +52,11 @@ def up(
 
 
 def migrate() -> None:
-    """Bring the database named by TURNSTILE_DATABASE_URL to the newest schema (idempotent)."""
+    """Bring the database to the newest schema (idempotent), as TURNSTILE_ADMIN_DATABASE_URL (the database's
+    owner) or else TURNSTILE_DATABASE_URL."""
     from pipeline.log.db import migrate as run_migrations
 
-    run_migrations(Settings().require_database_url())
+    run_migrations(Settings().require_admin_database_url())
     console.print("[green]database is at the newest schema[/green]")
 
 

@@ -22,6 +22,7 @@ import base64
 import contextlib
 import hashlib
 import logging
+import struct
 from typing import Any, Final
 
 import psycopg
@@ -384,8 +385,16 @@ async def read_batch_message(connection_or_js: Any, message: Any) -> bytes:
 
 
 async def fetch_training_batch(connection_or_js: Any, message: Any) -> TrainingBatch:
-    """The ``TrainingBatch`` a delivered ``BATCHES`` message carries."""
-    return decode_batch(await read_batch_message(connection_or_js, message))
+    """The ``TrainingBatch`` a delivered ``BATCHES`` message carries; ``BatchPayloadError`` when it carries
+    something else (not a batch, truncated, a payload gone from the object store)."""
+    data = await read_batch_message(connection_or_js, message)
+    try:
+        return decode_batch(data)
+    except (ValueError, KeyError, TypeError, IndexError, struct.error) as error:
+        subject = getattr(message, "subject", "?")
+        raise BatchPayloadError(
+            f"the message on {subject} is not a readable training batch ({type(error).__name__}: {error})"
+        ) from None
 
 
 async def _close_quietly(connection: psycopg.AsyncConnection[Any] | None) -> None:

@@ -25,6 +25,7 @@ from types import TracebackType
 import psycopg
 
 from pipeline.errors import ConfigError, TurnstileError
+from pipeline.log.db import Logins
 
 POSTGRES_SYSTEM_USER = "turnstile"
 """PostgreSQL refuses to run as root; when we are root, the embedded server runs as this user."""
@@ -282,7 +283,17 @@ class EmbeddedServers:
     ) -> None:
         self.stop()
 
-    def exports(self) -> str:
+    def exports(self, logins: Logins | None = None) -> str:
+        """The ``export`` lines that point other shells at these servers: with ``logins`` (``make_logins``),
+        everyday commands log in as those users and the superuser is named for migrations only."""
+        if logins is None:
+            return (
+                f"export TURNSTILE_DATABASE_URL={self.postgres.url}\n"
+                f"export TURNSTILE_NATS_URL={self.nats.url}\n"
+            )
         return (
-            f"export TURNSTILE_DATABASE_URL={self.postgres.url}\nexport TURNSTILE_NATS_URL={self.nats.url}\n"
+            f"export TURNSTILE_DATABASE_URL={logins.services}\n"
+            f"export TURNSTILE_READER_URL={logins.reader}\n"
+            f"export TURNSTILE_ADMIN_DATABASE_URL={self.postgres.url}\n"
+            f"export TURNSTILE_NATS_URL={self.nats.url}\n"
         )

@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from pipeline.errors import TurnstileError, describe_validation_error
+from pipeline.settings import nats_inbox_prefix
 from schemas import LLMError, LLMRequest, LLMResponse, parse_wire
 
 HEARTBEAT_HEADER: Final = "Turnstile-Heartbeat"
@@ -123,7 +124,7 @@ class NatsLLMClient:
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._affinity_size = affinity_size
         self._owns_connection = owns_connection
-        self._inbox_prefix = f"_INBOX.{uuid.uuid4().hex}"
+        self._inbox_prefix = connection.new_inbox()  # under the connection's prefix: the role's own inboxes
         self._waiting: dict[str, asyncio.Queue[Msg]] = {}
         self._subscription: Any = None
         self.heartbeats = 0  # heartbeats received from consumers at work
@@ -131,7 +132,9 @@ class NatsLLMClient:
 
     @classmethod
     async def connect(cls, url: str, **options: Any) -> NatsLLMClient:
-        connection = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        connection = await nats.connect(
+            url, max_reconnect_attempts=-1, reconnect_time_wait=0.5, inbox_prefix=nats_inbox_prefix(url)
+        )
         return cls(connection, owns_connection=True, **options)
 
     async def close(self) -> None:

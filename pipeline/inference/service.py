@@ -1,15 +1,17 @@
 """The inference service: what a consumer does with one request, independent of how it is wired to NATS.
 
 It validates the request (an LLMError names the refused field; the service stays up), sends heartbeats
-to the requester's inbox while the backend works, answers a request id it has seen again (a client's
-retry) with the same reply instead of generating twice, parses hermes tool calls, and refuses to send a
-reply larger than the server's max_payload.
+to the requester's inbox while the backend works, answers a request it has seen again (a client's retry:
+the same request id and the same bytes) with the same reply instead of generating twice, refuses a request
+id reused with other content (so nobody receives a reply meant for another request), parses hermes tool
+calls, and refuses to send a reply larger than the server's max_payload.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -55,8 +57,9 @@ class InferenceService:
         self.max_payload = max_payload
         self.heartbeat_interval = heartbeat_interval
         self.requests_served = 0
-        self._in_flight: dict[uuid.UUID, asyncio.Task[bytes]] = {}
-        self._recent: OrderedDict[uuid.UUID, bytes] = OrderedDict()
+        # by request id: (digest of the request's bytes, the task answering it / the reply it got)
+        self._in_flight: dict[uuid.UUID, tuple[bytes, asyncio.Task[bytes]]] = {}
+        self._recent: OrderedDict[uuid.UUID, tuple[bytes, bytes]] = OrderedDict()
         self._reload = asyncio.Lock()
 
     @property
@@ -74,13 +77,23 @@ class InferenceService:
         if request.policy != self.policy:
             message = f"this consumer serves policy {self.policy!r}, not {request.policy!r}"
             return self._error(request.request_id, "invalid_request", message, "policy")
-        if request.request_id in self._recent:
-            return self._recent[request.request_id]
-        task = self._in_flight.get(request.request_id)
-        if task is None:
-            task = asyncio.create_task(self._answer(request, received))
-            self._in_flight[request.request_id] = task
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        recent, running = self._recent.get(request.request_id), self._in_flight.get(request.request_id)
+        known = recent[0] if recent is not None else running[0] if running is not None else None
+        if known is not None and known != digest:
+            message = (
+                f"request_id {request.request_id} was already used for a request with other content; "
+                "give every request an id of its own (a retry resends the same request unchanged)"
+            )
+            return self._error(request.request_id, "invalid_request", message, "request_id")
+        if recent is not None:
+            return recent[1]
+        if running is None:
+            task = asyncio.create_task(self._answer(request, received, digest))
+            self._in_flight[request.request_id] = (digest, task)
             task.add_done_callback(lambda _: self._in_flight.pop(request.request_id, None))
+        else:
+            task = running[1]
         heartbeat = asyncio.create_task(self._heartbeat(reply_to)) if reply_to else None
         try:
             return await asyncio.shield(task)
@@ -110,7 +123,7 @@ class InferenceService:
                     self.backend.policy_version,
                 )
 
-    async def _answer(self, request: LLMRequest, received: float) -> bytes:
+    async def _answer(self, request: LLMRequest, received: float, digest: bytes) -> bytes:
         try:
             generation = await self.backend.generate(request)
         except RequestRejected as error:
@@ -126,7 +139,7 @@ class InferenceService:
             )
             return self._error(request.request_id, "payload_too_large", message, "sampling.max_tokens")
         self.requests_served += 1
-        self._recent[request.request_id] = body
+        self._recent[request.request_id] = (digest, body)
         if len(self._recent) > RECENT_REPLIES:
             self._recent.popitem(last=False)
         return body

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -37,6 +37,7 @@ from psycopg.adapt import Dumper
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from pipeline.errors import (
+    ConfigError,
     InvalidEvent,
     StoreUnavailable,
     TurnstileError,
@@ -90,9 +91,13 @@ class EventStore:
         max_batch_events: int = 256,
         writers: int = 2,
         retry_for: float = 30.0,
+        lock_timeout: float = 30.0,
         owns_engine: bool = False,
     ) -> None:
+        if lock_timeout <= 0:
+            raise ConfigError(f"lock_timeout must be positive, got {lock_timeout}")
         self.engine = engine
+        self.lock_timeout = lock_timeout  # how long an append waits for the append lock
         self.max_event_bytes = max_event_bytes
         self.max_batch_events = max_batch_events
         self.writers = writers
@@ -158,7 +163,7 @@ class EventStore:
             pg: psycopg.AsyncConnection[Any] = raw.driver_connection  # type: ignore[assignment]
             async with pg.transaction():
                 # Taken here, not only in write_appends, so the lock covers the whole transaction.
-                await pg.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
+                await take_append_lock(pg, self.lock_timeout)
                 yield AppendTransaction(self, pg)
 
     # -- reading --
@@ -325,7 +330,7 @@ class _Writer:
         try:
             connection = await self.connect()
             async with connection.transaction():
-                outcomes = await write_appends(connection, batch)
+                outcomes = await write_appends(connection, batch, self.store.lock_timeout)
         except Exception as error:
             if is_connection_error(error):
                 await _close_quietly(self._connection)
@@ -359,39 +364,69 @@ class AppendTransaction:
     ) -> AppendResult:
         pending = prepare_append(stream, events, expected_version, metadata, self._store.max_event_bytes)
         async with self._connection.transaction():  # a savepoint: a refused append leaves the rest intact
-            (outcome,) = await write_appends(self._connection, [pending])
+            (outcome,) = await write_appends(self._connection, [pending], self._store.lock_timeout)
         if isinstance(outcome, TurnstileError):
             raise outcome
         return outcome
 
 
+async def take_append_lock(connection: psycopg.AsyncConnection[Any], wait: float) -> None:
+    """Take the append lock for the rest of the transaction (``StoreUnavailable`` after ``wait`` s)."""
+    with _lock_wait(wait):
+        async with connection.pipeline():
+            await _request_append_lock(connection, wait)
+
+
+async def _request_append_lock(connection: psycopg.AsyncConnection[Any], wait: float) -> None:
+    # lock_timeout for the rest of this transaction: a session holding the lock (even a stuck one) makes
+    # appends fail with a clear error instead of waiting for ever.
+    await connection.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(wait * 1000)}ms",))
+    await connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
+
+
+@contextmanager
+def _lock_wait(timeout: float) -> Iterator[None]:
+    try:
+        yield
+    except psycopg.errors.LockNotAvailable:
+        raise StoreUnavailable(
+            f"the append lock was not granted within {timeout:g} s: another session holds it (find it with "
+            f"SELECT pid, usename, query FROM pg_locks JOIN pg_stat_activity USING (pid) WHERE locktype = "
+            f"'advisory' AND objid = {APPEND_LOCK & 0xFFFFFFFF}); appends resume once it is released"
+        ) from None
+
+
 async def write_appends(
-    connection: psycopg.AsyncConnection[Any], appends: Sequence[PendingAppend]
+    connection: psycopg.AsyncConnection[Any], appends: Sequence[PendingAppend], lock_timeout: float
 ) -> list[AppendResult | TurnstileError]:
-    """Take the append lock, decide every append (``plan_appends``) and COPY the accepted rows.
+    """Take the append lock (waiting at most ``lock_timeout`` s; the database refuses appends without it),
+    decide every append (``plan_appends``) and COPY the accepted rows.
 
     Runs inside the caller's transaction; the caller commits, which releases the lock.
     """
     ids = [item.event_id for append in appends for item in append.events]
     streams = sorted({append.stream for append in appends})
-    async with connection.pipeline():  # the lock and the three look-ups in one round trip
-        await connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
-        recorded_cursor = await connection.execute(
-            "SELECT event_id, stream, position, version, content_hash FROM events WHERE event_id = ANY(%s)",
-            (ids,),
-        )
-        # One index probe per stream; "stream = ANY(...) GROUP BY stream" makes the planner scan the table.
-        versions_cursor = await connection.execute(
-            "SELECT s.stream, (SELECT max(e.version) FROM events e WHERE e.stream = s.stream) "
-            "FROM unnest(%s::text[]) AS s(stream)",
-            (streams,),
-        )
-        head_cursor = await connection.execute("SELECT coalesce(max(position), 0) FROM events")
-        recorded = {
-            row[0]: RecordedId(row[1], row[2], row[3], row[4]) for row in await recorded_cursor.fetchall()
-        }
-        versions = {row[0]: row[1] for row in await versions_cursor.fetchall() if row[1] is not None}
-        head_row = await head_cursor.fetchone()
+    with _lock_wait(lock_timeout):
+        async with connection.pipeline():  # the lock and the look-ups in one round trip
+            await _request_append_lock(connection, lock_timeout)
+            recorded_cursor = await connection.execute(
+                "SELECT event_id, stream, position, version, content_hash FROM events "
+                "WHERE event_id = ANY(%s)",
+                (ids,),
+            )
+            # One index probe per stream; "stream = ANY(...) GROUP BY stream" makes the planner scan the
+            # table.
+            versions_cursor = await connection.execute(
+                "SELECT s.stream, (SELECT max(e.version) FROM events e WHERE e.stream = s.stream) "
+                "FROM unnest(%s::text[]) AS s(stream)",
+                (streams,),
+            )
+            head_cursor = await connection.execute("SELECT coalesce(max(position), 0) FROM events")
+            recorded = {
+                row[0]: RecordedId(row[1], row[2], row[3], row[4]) for row in await recorded_cursor.fetchall()
+            }
+            versions = {row[0]: row[1] for row in await versions_cursor.fetchall() if row[1] is not None}
+            head_row = await head_cursor.fetchone()
     plan = plan_appends(appends, recorded, versions, int(head_row[0]) if head_row else 0)
     if plan.rows:
         cursor = connection.cursor()

@@ -82,8 +82,14 @@ def run_readonly(
     search_path: str | None = None,
     limit_rows: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    allow_superuser: bool = False,
 ) -> QueryResult:
-    """Run one query read-only as ``turnstile_reader``; ``search_path`` is a schema searched before public."""
+    """Run one query read-only as ``turnstile_reader``; ``search_path`` is a schema searched before public.
+
+    Refuses to run when the login is a superuser unless ``allow_superuser``: a query can switch back from
+    the reader role to its login (``set_config('role', ...)``), and a superuser can then read server files
+    or stop other sessions. Log in as a user that is not a superuser (``turnstile up`` prints one).
+    """
     _check_statement(query)
     try:
         connection = psycopg.connect(
@@ -96,6 +102,8 @@ def run_readonly(
         raise SqlError(f"cannot connect to PostgreSQL: {_first_line(str(error))}") from None
     try:
         connection.read_only = True  # the first statement opens the transaction with BEGIN READ ONLY
+        if not allow_superuser:
+            _refuse_superuser(connection)
         _enter_reader(connection, search_path, timeout_s)
         with connection.cursor() as cursor:
             # prepare=True sends Parse/Bind/Execute (the extended protocol), which takes one statement
@@ -109,6 +117,16 @@ def run_readonly(
         with suppress(psycopg.Error):
             connection.rollback()
         connection.close()
+
+
+def _refuse_superuser(connection: psycopg.Connection[Any]) -> None:
+    row = connection.execute("SELECT rolsuper FROM pg_roles WHERE rolname = session_user").fetchone()
+    if row is not None and row[0]:
+        raise SqlError(
+            f"PostgreSQL user {connection.info.user!r} is a superuser: a query could switch back to it and "
+            "read server files or stop other sessions. Connect as a reader login instead "
+            "(TURNSTILE_READER_URL; `turnstile up` prints one), or pass --allow-superuser if you accept that"
+        )
 
 
 def _enter_reader(connection: psycopg.Connection[Any], search_path: str | None, timeout_s: float) -> None:

@@ -14,7 +14,9 @@ checkpoint holds its update, and that row is written only after the checkpoint i
 dies before that gets the batch again (JetStream redelivers unacked messages after ``ack_wait``) and,
 restarting from the last recorded version, trains it again; a batch already recorded (a redelivery after
 the commit, or a duplicate from the relay) is acked and skipped. While a batch waits for its checkpoint the
-subscription tells JetStream it is still being worked on.
+subscription tells JetStream it is still being worked on. A message that is not a readable training batch
+of this policy is quarantined: logged with its stream sequence, counted (``quarantined``) and terminated,
+so JetStream never delivers it again (and publishes a MSG_TERMINATED advisory); the trainer goes on.
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from pipeline.batches.format import TrainingBatch
-from pipeline.batches.relay import BATCHES_STREAM, batch_subject, ensure_batches_stream, fetch_training_batch
+from pipeline.batches.relay import (
+    BATCHES_STREAM,
+    BatchPayloadError,
+    batch_subject,
+    ensure_batches_stream,
+    fetch_training_batch,
+)
 from pipeline.inference.client import versions_subject
 from pipeline.log import EventStore, Store
 from pipeline.log.tables import trained_batches
@@ -127,6 +135,7 @@ class BatchSubscription:
         self.ack_wait = ack_wait
         self.fetch_timeout = fetch_timeout
         self.duplicates = 0
+        self.quarantined = 0  # messages that were not a training batch of this policy (terminated)
         self._subscription: Any = None
         self._waiting: dict[str, DeliveredBatch] = {}
         self._keepalive: asyncio.Task[None] | None = None
@@ -180,7 +189,13 @@ class BatchSubscription:
             except (NatsTimeoutError, TimeoutError):
                 continue
             for message in messages:
-                batch = await fetch_training_batch(self.connection, message)
+                try:
+                    batch = await fetch_training_batch(self.connection, message)
+                    if batch.policy != self.policy:
+                        raise BatchPayloadError(f"batch {batch.batch_id} is for policy {batch.policy!r}")
+                except BatchPayloadError as error:
+                    await self._quarantine(message, error)
+                    continue
                 if await self._recorded(batch.batch_id):
                     self.duplicates += 1
                     await message.ack_sync(timeout=10.0)
@@ -188,6 +203,18 @@ class BatchSubscription:
                 delivered = DeliveredBatch(batch, message)
                 self._waiting[batch.batch_id] = delivered
                 yield delivered
+
+    async def _quarantine(self, message: Any, error: BatchPayloadError) -> None:
+        self.quarantined += 1
+        sequence = message.metadata.sequence.stream if message.metadata else "?"
+        log.error(
+            "quarantined message %s on %s (stream %s): %s; terminated, it will not be delivered again",
+            sequence,
+            message.subject,
+            BATCHES_STREAM,
+            error,
+        )
+        await message.term()
 
     async def _recorded(self, batch_id: str) -> bool:
         query = (
