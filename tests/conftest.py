@@ -26,6 +26,7 @@ from pipeline.dev.embedded import EmbeddedServers
 from pipeline.log import EventStore
 from pipeline.log.db import migrate, with_user
 from pipeline.settings import libpq_url
+from tests.roles import connect, role_nats  # noqa: F401 (fixtures for every test module)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,297 @@
+"""Attacks with each role's own credentials, on the real servers: NATS on deploy/nats.conf (its users and
+permissions) and PostgreSQL logins that are members of the group roles (as deploy/postgres-init.sql makes).
+
+Every probe that must be refused prints ``refused: <probe>`` when it is (``pytest -s`` shows them) and fails
+the test otherwise. The probes: the ones an attacker tried first (reply subjects that point at streams,
+reading other roles' inboxes, consumers on other streams, rows forged into ``events``, a read-only role
+holding the append lock), and the ones an attacker would try next (JetStream API calls outside a role's
+streams, the object store, KV buckets, ``$SYS``, switching roles in PostgreSQL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+import psycopg
+import pytest
+
+from consumers.inference import InferenceConfig
+from pipeline.batches.format import BatchSample, TrainingBatch, encode_batch
+from pipeline.batches.relay import BATCHES_STREAM, batch_subject, ensure_batches_stream
+from pipeline.errors import StoreUnavailable
+from pipeline.inference.client import NatsLLMClient, versions_subject
+from pipeline.log import EventStore
+from pipeline.log.store import APPEND_LOCK
+from pipeline.runners.taskqueue import TASKS_STREAM, ensure_tasks_stream, task_subject
+from pipeline.settings import libpq_url
+from pipeline.sql import SqlError, run_readonly
+from pipeline.training import BatchSubscription
+from schemas import ChatMessage, LLMRequest
+from tests.backends import RuleBackend, echo_rule
+from tests.conftest import login_url
+from tests.factories import new_stream, started
+from tests.roles import Connected, RoleNats
+from tests.serving import serving
+from tests.test_deploy import new_policy
+from tests.waiting import wait_until
+
+Connect = Callable[[str], Awaitable[Connected]]
+
+
+def refused(probe: str) -> None:
+    print(f"refused: {probe}")
+
+
+async def stored(admin: Connected, stream: str, subject: str) -> int:
+    """How many messages ``stream`` holds on ``subject``."""
+    info = await admin.nc.jetstream().stream_info(stream, subjects_filter=subject)
+    return int((info.state.subjects or {}).get(subject, 0))
+
+
+# -- NATS --------------------------------------------------------------------------------------------------
+
+
+async def test_a_reply_subject_naming_a_stream_cannot_make_inference_publish_there(
+    connect: Connect, role_nats: RoleNats
+) -> None:
+    policy = new_policy()
+    admin, runner = await connect("admin"), await connect("runner")
+    await ensure_batches_stream(admin.nc)
+    await ensure_tasks_stream(admin.nc)
+    config = InferenceConfig(role_nats.url("inference"), policy, backend="scripted", consumer_id="c1")
+    targets = (
+        (BATCHES_STREAM, batch_subject(policy)),
+        (TASKS_STREAM, task_subject(policy)),
+        (None, versions_subject(policy)),
+    )
+    async with serving(config, RuleBackend(echo_rule)) as service:
+        versions = await admin.nc.subscribe(versions_subject(policy))
+        for _, subject in targets:
+            # garbage (answered with an LLMError) and a valid request (answered with a reply)
+            await runner.nc.publish(f"llm.{policy}.requests", b"garbage", reply=subject)
+            request = LLMRequest(policy=policy, messages=[ChatMessage(role="user", content="hi")])
+            await runner.nc.publish(
+                f"llm.{policy}.requests", request.model_dump_json().encode(), reply=subject
+            )
+        await runner.nc.flush()
+        await wait_until(lambda: service.requests_served >= 3, 60, "the consumer to answer the requests")
+        # the consumer stays up and answers a request made the normal way
+        llm = await NatsLLMClient.connect(role_nats.url("runner"), wait_for_consumer=10.0)
+        try:
+            answer = await llm(LLMRequest(policy=policy, messages=[ChatMessage(role="user", content="ok")]))
+        finally:
+            await llm.close()
+        assert answer.consumer_id == "c1"
+        await admin.nc.flush()
+        with pytest.raises(nats.errors.TimeoutError):
+            await versions.next_msg(timeout=0.5)  # nothing arrived on policy.<policy>.versions
+    for stream, subject in targets:
+        if stream is not None:
+            assert await stored(admin, stream, subject) == 0
+        refused(f"inference publishing a reply on {subject}")
+
+
+@pytest.mark.parametrize(
+    ("role", "subject"),
+    [
+        ("runner", "_INBOX.>"),
+        ("runner", "_INBOX.gateway.>"),
+        ("runner", "_INBOX.trainer.>"),
+        ("gateway", "_INBOX.runner.>"),
+        ("relay", "_INBOX.runner.>"),
+        ("trainer", "_INBOX.>"),
+        ("inference", "_INBOX.>"),
+        ("runner", "$SYS.>"),
+        ("trainer", "$SYS.>"),
+        ("runner", "batches.>"),
+        ("gateway", "tasks.>"),
+        ("inference", "batches.>"),
+        ("relay", "llm.*.requests.*"),
+    ],
+)
+async def test_no_role_reads_what_it_does_not_own(connect: Connect, role: str, subject: str) -> None:
+    connected = await connect(role)
+    await connected.nc.subscribe(subject)
+    assert await connected.refused("subscription", subject)
+    refused(f"{role} subscribing to {subject}")
+
+
+@pytest.mark.parametrize(
+    ("role", "subject"),
+    [
+        ("runner", "$JS.API.STREAM.DELETE.TASKS"),
+        ("runner", "$JS.API.STREAM.PURGE.TASKS"),
+        ("runner", "$JS.API.STREAM.LIST"),
+        ("runner", "$JS.API.CONSUMER.DELETE.TASKS.runners-x"),
+        ("runner", "$JS.API.CONSUMER.CREATE.BATCHES.mine.batches.demo"),
+        ("runner", "$JS.API.CONSUMER.CREATE.TASKS.all.>"),
+        ("gateway", "$JS.API.CONSUMER.CREATE.TASKS.x.tasks.demo"),
+        ("trainer", "$JS.API.STREAM.PURGE.BATCHES"),
+        ("trainer", "$JS.API.STREAM.DELETE.OBJ_BATCH_PAYLOADS"),
+        ("trainer", "$JS.API.CONSUMER.CREATE.TASKS.x.tasks.demo"),
+        ("relay", "$JS.API.CONSUMER.DELETE.BATCHES.trainer"),
+        ("relay", "$JS.API.STREAM.DELETE.BATCHES"),
+        ("inference", "$JS.API.INFO"),
+        ("runner", "$O.BATCH_PAYLOADS.C.forged"),
+        ("gateway", "$KV.anything.key"),
+        ("runner", "$JS.API.STREAM.CREATE.KV_mine"),
+        ("runner", "$SYS.REQ.SERVER.PING"),
+        ("inference", "llm.demo.requests"),
+        ("inference", "_INBOX.trainer.x"),
+        ("inference", "_INBOX.relay.x"),
+    ],
+)
+async def test_no_role_calls_apis_or_publishes_where_it_does_not_own(
+    connect: Connect, role: str, subject: str
+) -> None:
+    connected = await connect(role)
+    await connected.nc.publish(subject, b"{}")
+    assert await connected.refused("publish", subject)
+    refused(f"{role} publishing on {subject}")
+
+
+async def test_a_runner_makes_task_consumers_only_on_its_own_subjects(connect: Connect) -> None:
+    policy = new_policy()
+    runner = await connect("runner")
+    await ensure_tasks_stream(runner.nc)
+    js = runner.nc.jetstream()
+    subscription = await js.pull_subscribe(
+        task_subject(policy), durable=f"runners-{policy}", stream=TASKS_STREAM
+    )
+    await subscription.unsubscribe()  # allowed: its own subject
+    with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
+        await js.add_consumer(
+            TASKS_STREAM, durable_name=f"sniff-{policy}", filter_subject="tasks.>", timeout=2
+        )
+    await wait_until(
+        lambda: any(
+            'permissions violation for publish to "$js.api.consumer' in e.lower() for e in runner.errors
+        ),
+        30,
+        "the server to refuse the consumer",
+    )
+    refused("runner making a TASKS consumer over every policy")
+
+
+async def test_the_trainer_quarantines_what_is_not_a_batch_of_its_policy_and_goes_on(
+    connect: Connect, role_nats: RoleNats, store: EventStore
+) -> None:
+    policy = new_policy()
+    admin, trainer = await connect("admin"), await connect("trainer")
+    await ensure_batches_stream(admin.nc)
+    js = admin.nc.jetstream()
+
+    def batch(batch_id: str, for_policy: str) -> bytes:
+        sample = BatchSample("s", "e", "g", ("t",), 0, 1.0, 0.5, False, (5, 6), (0, 1), (0.0, -0.5))
+        return encode_batch(TrainingBatch(batch_id, for_policy, "h", 0, (sample,)))
+
+    await js.publish(batch_subject(policy), b'{"type":"LLMError","code":"invalid_request"}')
+    await js.publish(batch_subject(policy), batch("b-other", "another-policy"))
+    await js.publish(batch_subject(policy), batch("b-good", policy)[:-3])  # truncated
+    await js.publish(batch_subject(policy), batch("b-good", policy))
+    subscription = await BatchSubscription.open(
+        trainer.nc, store, policy=policy, durable=f"t{uuid.uuid4().hex[:8]}", fetch_timeout=0.5
+    )
+    async with subscription:
+        async with asyncio.timeout(60):
+            delivered = await anext(aiter(subscription))
+    assert delivered.batch_id == "b-good"
+    assert subscription.quarantined == 3
+    refused("the trainer training on a message that is not a batch of its policy (quarantined: 3)")
+
+
+# -- PostgreSQL --------------------------------------------------------------------------------------------
+
+
+def run_as(database_url: str, login: tuple[str, str], *statements: str, params: Any = None) -> None:
+    with psycopg.connect(login_url(database_url, login)) as connection:
+        for statement in statements:
+            connection.execute(statement, params if "%s" in statement else None)
+
+
+def forged(position: int) -> str:
+    return (
+        "INSERT INTO events (position, stream, version, event_id, type, data, content_hash) "
+        f"VALUES ({position}, 'episode-forged-{position}', 1, gen_random_uuid(), 'EpisodeStarted', '{{}}', "
+        "'\\x00')"
+    )
+
+
+LOCK = f"SELECT pg_advisory_xact_lock({APPEND_LOCK})"
+
+
+async def test_rows_forged_into_events_are_refused_and_positions_stay_gapless(
+    store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    await store.append(new_stream(), [started()])
+    writer = logins["turnstile_writer"]
+    with pytest.raises(psycopg.errors.InsufficientPrivilege, match="only while holding the append lock"):
+        run_as(database_url, writer, forged(2))
+    refused("writer inserting into events without the append lock")
+    with pytest.raises(psycopg.errors.InsufficientPrivilege, match="right after the head"):
+        run_as(database_url, writer, LOCK, forged(50))
+    refused("writer inserting at head+50 with the lock")
+    with pytest.raises(psycopg.errors.InsufficientPrivilege, match="right after the head"):
+        run_as(database_url, writer, LOCK, forged(2), forged(4))
+    refused("writer leaving a gap inside one transaction")
+    copy_events = "COPY events (position, stream, version, event_id, type, data, content_hash) FROM STDIN"
+    with (  # COPY goes through the same check
+        psycopg.connect(login_url(database_url, writer)) as connection,
+        pytest.raises(psycopg.errors.InsufficientPrivilege),
+        connection.cursor().copy(copy_events) as copy,
+    ):
+        copy.write_row((2, "episode-copied", 1, str(uuid.uuid4()), "EpisodeStarted", "{}", b"\x00"))
+    refused("writer COPYing into events without the append lock")
+    for login in (logins["turnstile_materializer"], logins["turnstile_reader"]):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            run_as(database_url, login, forged(2))
+    refused("materializer and reader inserting into events")
+    await store.append(new_stream(), [started()])  # the store's own appends go on
+    async with store.engine.connect() as connection:
+        positions = [row[0] for row in await connection.exec_driver_sql("SELECT position FROM events")]
+    assert sorted(positions) == [1, 2]
+    assert [event.position async for event in _tail_until(store, 2)] == [1, 2]
+
+
+async def _tail_until(store: EventStore, last: int) -> Any:
+    async with asyncio.timeout(30):
+        async for recorded in store.tail(after=0):
+            yield recorded
+            if recorded.position >= last:
+                return
+
+
+async def test_a_read_only_role_cannot_hold_the_append_lock_and_a_held_lock_times_out_clearly(
+    database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    reader = logins["turnstile_reader"]
+    for function in ("pg_advisory_xact_lock", "pg_advisory_lock", "pg_advisory_xact_lock_shared",
+                     "pg_try_advisory_lock", "pg_advisory_lock_shared"):  # fmt: skip
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied for function"):
+            run_as(database_url, reader, f"SELECT {function}({APPEND_LOCK})")
+        refused(f"reader calling {function}")
+    with pytest.raises(SqlError, match="permission denied"):
+        run_readonly(
+            login_url(database_url, reader), f"SELECT pg_advisory_xact_lock({APPEND_LOCK}), pg_sleep(5)"
+        )
+    refused("turnstile sql holding the append lock")
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        run_as(database_url, reader, "SET ROLE turnstile_writer")
+    refused("reader switching to the writer role")
+
+    # Whoever holds the lock (here the owner), an append waits lock_timeout, then says what to do.
+    store = await EventStore.connect(database_url, lock_timeout=0.5)
+    try:
+        with psycopg.connect(libpq_url(database_url)) as holder:
+            holder.execute(LOCK)
+            with pytest.raises(StoreUnavailable, match=r"append lock was not granted within 0\.5 s"):
+                await store.append(new_stream(), [started()])
+        await store.append(new_stream(), [started()])  # released: appends go on
+    finally:
+        await store.close()
