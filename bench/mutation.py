@@ -158,6 +158,11 @@ def main() -> None:
     copy_repository(work, suite)
     mutmut = Path(sys.executable).parent / "mutmut"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    # mutmut starts a pytest session per mutant, and each prunes all but the newest basetemps under its temp
+    # root: a root of its own keeps that away from the basetemps of test runs on this machine.
+    temproot = work / "pytest-temproot"
+    temproot.mkdir()
+    env["PYTEST_DEBUG_TEMPROOT"] = str(temproot)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="turnstile-mutation-") as data:
         servers = None

@@ -95,6 +95,15 @@ def database_url(servers: Servers, template_database: str) -> Iterator[str]:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture
+def server_dir() -> Iterator[Path]:
+    """A data directory for a server a test starts itself, outside pytest's basetemp (another pytest
+    session on the machine, such as a mutation run, prunes old basetemps while this one still runs)."""
+    directory = Path(tempfile.mkdtemp(prefix="turnstile-test-server-"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def logins(servers: Servers) -> Iterator[dict[str, tuple[str, str]]]:
     """A login user per group role, made as deploy/postgres-init.sql makes the compose users (``LOGIN``, a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -37,7 +38,7 @@ def start_up(data_dir: Path) -> tuple[subprocess.Popen[str], dict[str, str]]:
     exports: dict[str, str] = {}
     deadline = time.monotonic() + 120
     assert process.stdout is not None
-    while len(exports) < 2:
+    while len(exports) < 4:
         line = process.stdout.readline()
         assert line, f"`turnstile up` ended before printing its exports (exit {process.poll()})"
         assert time.monotonic() < deadline
@@ -69,8 +70,23 @@ def test_up_starts_migrated_servers_keeps_data_and_stops_on_sigterm(tmp_path: Pa
             assert connection.execute("SELECT version_num FROM alembic_version").fetchone() is not None
             connection.execute("INSERT INTO checkpoints (name, position) VALUES ('kept-across-restarts', 42)")
         assert asyncio.run(nats_has_jetstream(nats_url))
-        assert (tmp_path / "data" / "servers.env").read_text().count("export ") == 2
+        assert (tmp_path / "data" / "servers.env").read_text().count("export ") == 4
+        # everyday logins are not superusers; the superuser is printed for migrations only
+        superuser = "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
+        for name, expected in (("TURNSTILE_DATABASE_URL", False), ("TURNSTILE_READER_URL", False),
+                               ("TURNSTILE_ADMIN_DATABASE_URL", True)):  # fmt: skip
+            with psycopg.connect(exports[name]) as connection:
+                assert connection.execute(superuser).fetchone() == (expected,), name
         # other commands run in that directory find the servers without any TURNSTILE_*_URL set
+        escape = (
+            "SELECT set_config('role', session_user, true) AS login, current_setting('is_superuser') AS su"
+        )
+        sql = subprocess.run(
+            [*TURNSTILE, "sql", escape, "--json"], env=clean_env(TURNSTILE_DATA_DIR=str(tmp_path / "data")),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert sql.returncode == 0, sql.stderr
+        assert json.loads(sql.stdout) == [{"login": "turnstile_analyst", "su": "off"}]
         migrated = subprocess.run(
             [*TURNSTILE, "migrate"], env=clean_env(TURNSTILE_DATA_DIR=str(tmp_path / "data")),
             capture_output=True, text=True, timeout=120,

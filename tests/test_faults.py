@@ -61,8 +61,8 @@ async def assert_every_episode_complete_once(store: EventStore) -> None:
     assert len({r.event_id for r in records}) == len(records)
 
 
-async def test_the_nats_server_restarted_mid_run(database_url: str, tmp_path: Path) -> None:
-    server = EmbeddedNats(tmp_path / "nats")
+async def test_the_nats_server_restarted_mid_run(database_url: str, server_dir: Path) -> None:
+    server = EmbeddedNats(server_dir / "nats")
     server.start()
     store = await EventStore.connect(database_url)
     try:
@@ -79,8 +79,8 @@ async def test_the_nats_server_restarted_mid_run(database_url: str, tmp_path: Pa
         server.stop()
 
 
-async def test_postgresql_restarted_mid_run(servers: Servers, tmp_path: Path) -> None:
-    postgres = EmbeddedPostgres(tmp_path / "pg")
+async def test_postgresql_restarted_mid_run(servers: Servers, server_dir: Path) -> None:
+    postgres = EmbeddedPostgres(server_dir / "pg")
     postgres.start()
     try:
         migrate(postgres.url)

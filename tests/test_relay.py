@@ -271,9 +271,9 @@ async def test_two_relays_at_once_publish_each_batch_once(
 
 
 async def test_nothing_is_marked_while_nats_is_down_and_the_batch_goes_out_when_it_is_back(
-    engine: AsyncEngine, database_url: str, tmp_path: Path
+    engine: AsyncEngine, database_url: str, server_dir: Path
 ) -> None:
-    server = EmbeddedNats(tmp_path / "nats")
+    server = EmbeddedNats(server_dir / "nats")
     await asyncio.to_thread(server.start)
     connection = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     stop = asyncio.Event()

@@ -40,8 +40,8 @@ async def test_a_stop_ends_the_wait_for_a_server_that_never_comes() -> None:
     assert await asyncio.wait_for(waiting, 10) is None
 
 
-async def test_a_server_that_starts_late_is_waited_for_and_a_restart_is_survived(tmp_path: Path) -> None:
-    server = EmbeddedNats(tmp_path / "nats")
+async def test_a_server_that_starts_late_is_waited_for_and_a_restart_is_survived(server_dir: Path) -> None:
+    server = EmbeddedNats(server_dir / "nats")
     await asyncio.to_thread(server.start)
     url = server.url
     await asyncio.to_thread(server.stop)

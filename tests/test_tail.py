@@ -65,8 +65,8 @@ async def test_sixteen_appenders_while_a_transaction_is_held_open(store: EventSt
         await appender.close()
 
 
-async def test_appends_and_tail_survive_a_postgres_restart(tmp_path: Path) -> None:
-    postgres = EmbeddedPostgres(tmp_path / "pg")
+async def test_appends_and_tail_survive_a_postgres_restart(server_dir: Path) -> None:
+    postgres = EmbeddedPostgres(server_dir / "pg")
     postgres.start()
     try:
         migrate(postgres.url)
