@@ -188,3 +188,15 @@ async def test_an_append_to_an_unreachable_postgresql_is_store_unavailable_after
         assert "TURNSTILE_DATABASE_URL" in str(unavailable.value)
     finally:
         await store.close()
+
+
+async def test_tail_without_a_position_starts_at_the_first_event(store: EventStore) -> None:
+    await store.append(new_stream(), [started()])
+    await store.append(new_stream(), [started()])
+    seen = []
+    async with asyncio.timeout(30):
+        async for recorded in store.tail():
+            seen.append(recorded.position)
+            if len(seen) == 2:
+                break
+    assert seen == [1, 2]

@@ -298,3 +298,23 @@ async def test_a_request_id_reused_with_other_content_is_refused_and_never_gets_
     retried = parse_wire(await service.handle(mine.model_dump_json().encode(), None))
     assert retried == first  # the same request again is still answered from memory
     assert backend.requests_seen == 1
+
+
+async def test_a_request_the_backend_rejects_gets_an_error_naming_its_id_field_and_reason() -> None:
+    class Rejecting(ScriptedBackend):
+        async def generate(self, request: LLMRequest) -> Any:
+            raise RequestRejected("messages", "the prompt is 5000 tokens; the model's context is 4096")
+
+    service = InferenceService(Rejecting(), policy="p", consumer_id="c", publish=Published())
+    request = ask("p", "e1")
+    reply = parse_wire(await service.handle(request.model_dump_json().encode(), None))
+    assert isinstance(reply, LLMError)
+    assert (reply.request_id, reply.code, reply.field, reply.consumer_id) == (
+        request.request_id, "invalid_request", "messages", "c",
+    )  # fmt: skip
+    assert reply.message == "the prompt is 5000 tokens; the model's context is 4096"
+    with pytest.raises(RequestRejected) as raised:  # what the caller sees: said once, not twice
+        raise_for_error(reply)
+    assert str(raised.value) == (
+        "LLM request rejected because messages: the prompt is 5000 tokens; the model's context is 4096"
+    )

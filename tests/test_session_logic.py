@@ -12,11 +12,29 @@ from typing import Any
 
 import pytest
 
-from pipeline.episodes import EpisodeLLM, EpisodeSession, FunctionAgent, fold_episode, run_episode
-from pipeline.errors import WrongExpectedVersion
+from pipeline.episodes import (
+    RUNNER_METADATA,
+    EpisodeLLM,
+    EpisodeSession,
+    FunctionAgent,
+    MaxTurnsExceeded,
+    fold_episode,
+    run_episode,
+)
+from pipeline.errors import TurnstileError, WrongExpectedVersion
 from pipeline.log import InMemoryStore
 from pipeline.runners import Runner, RunnerConfig, TaskSpec
-from schemas import Event, LLMRequest, LLMResponse, RewardAssigned, TurnCompleted
+from schemas import (
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    LLMRequest,
+    LLMResponse,
+    RewardAssigned,
+    SamplingParams,
+    Timings,
+    TurnCompleted,
+)
 from tests.agents import FailingAgent, ThreeTurnAgent
 from tests.backends import PrefixEcho
 
@@ -125,3 +143,68 @@ async def test_a_rival_writer_on_a_live_session_makes_its_next_turn_fail_and_not
         await session.chat([{"role": "user", "content": "two"}])
     recorded = [r.type for r in await store.read_stream(session.stream)]
     assert recorded == ["EpisodeStarted", "TurnCompleted", "RewardAssigned"]
+
+
+class Timed(PrefixEcho):
+    """PrefixEcho whose replies carry timings and a prefix break, after a short wait."""
+
+    async def __call__(self, request: LLMRequest) -> LLMResponse:
+        await asyncio.sleep(0.01)
+        response = await super().__call__(request)
+        timings = Timings(queued_ms=1.5, first_token_ms=2.5, total_ms=4.0)
+        return response.model_copy(update={"timings": timings, "prefix_break": True})
+
+
+async def test_the_session_records_what_it_was_given_and_what_the_consumer_answered() -> None:
+    store, llm = InMemoryStore(), Timed()
+    session = EpisodeSession(
+        store, llm, policy="main", task={"q": 1}, task_id="t7", agent="my-agent", group_id="g1",
+        group_size=4, sampling=SamplingParams(temperature=0.5), tags={"k": "v"}, retry_of="e0",
+        runner_id="runner-1", max_turns=1,
+    )  # fmt: skip
+    await session.start()
+    reply = await session.chat([{"role": "user", "content": "hi"}])
+    with pytest.raises(MaxTurnsExceeded):
+        await session.chat([{"role": "user", "content": "again"}])
+    assert session.max_turns_hit is True
+    await session.reward(0.5)
+    await session.finish("done")
+    with pytest.raises(TurnstileError, match="is finished; start a new episode"):
+        await session.chat([{"role": "user", "content": "after"}])
+
+    records = await store.read_stream(session.stream)
+    started, turn, reward, finished = (r.event for r in records)
+    assert isinstance(started, EpisodeStarted)
+    assert (started.task, started.task_id, started.agent, started.group_id, started.group_size) == (
+        {"q": 1}, "t7", "my-agent", "g1", 4,
+    )  # fmt: skip
+    assert (started.sampling.temperature, started.tags, started.retry_of) == (0.5, {"k": "v"}, "e0")
+    assert records[0].metadata == {RUNNER_METADATA: "runner-1"}  # the runner that holds the episode
+    assert all(not r.metadata for r in records[1:])
+    assert isinstance(turn, TurnCompleted)
+    assert turn.request.sampling.temperature == 0.5  # the episode's sampling reaches the request
+    assert (turn.policy_version, turn.engine_id, turn.prefix_break) == (3, "in-process", True)
+    assert turn.timings == Timings(queued_ms=1.5, first_token_ms=2.5, total_ms=4.0)
+    assert (reply.policy_version, reply.turn_id) == (3, turn.turn_id)
+    assert isinstance(reward, RewardAssigned)
+    assert (reward.value, reward.source, reward.turn_id) == (0.5, "agent", None)
+    assert isinstance(finished, EpisodeFinished)
+    metrics = finished.metrics
+    assert (metrics["turns"], metrics["reward"]) == (1.0, 0.5)
+    assert metrics["prompt_tokens"] == len(turn.prompt_token_ids)
+    assert metrics["completion_tokens"] == len(turn.completion_token_ids)
+    assert 0.01 <= metrics["llm_s"] <= metrics["duration_s"]  # the LLM call waited 10 ms
+
+
+async def test_a_session_made_with_only_a_policy_records_the_documented_defaults() -> None:
+    store = InMemoryStore()
+    session = EpisodeSession(store, PrefixEcho(), policy="main")
+    await session.start()
+    [record] = await store.read_stream(session.stream)
+    started = record.event
+    assert isinstance(started, EpisodeStarted)
+    assert (started.task, started.task_id, started.agent, started.group_id, started.group_size) == (
+        {}, "", "", None, 1,
+    )  # fmt: skip
+    assert (started.sampling, started.tags, started.retry_of) == (SamplingParams(), {}, None)
+    assert not record.metadata

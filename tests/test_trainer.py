@@ -19,8 +19,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from consumers.inference import InferenceConfig
 from consumers.trainer import TrainerConfig, serve_trainer
-from pipeline.batches.format import BatchSample, TrainingBatch
-from pipeline.batches.relay import BATCHES_STREAM, OutboxRelay
+from pipeline.batches.format import BatchSample, TrainingBatch, encode_batch
+from pipeline.batches.relay import BATCHES_STREAM, OutboxRelay, batch_subject, ensure_batches_stream
 from pipeline.log import EventStore
 from pipeline.materialize.materializer import Materializer, MaterializerConfig
 from pipeline.settings import libpq_url, sqlalchemy_url
@@ -232,3 +232,53 @@ def test_serve_trainer_refuses_bad_options(bad: list[str], servers: Servers, dat
     )  # fmt: skip
     assert done.returncode == 2
     assert ("--version-every" if bad[0] == "--version-every" else "not a model directory") in done.stderr
+
+
+async def test_the_bookkeeping_is_per_trainer_skips_what_it_recorded_and_keeps_losses(
+    servers: Servers, store: EventStore, database_url: str
+) -> None:
+    policy = f"p{uuid.uuid4().hex[:10]}"
+    connection = await nats.connect(servers.nats_url)
+    await ensure_batches_stream(connection)
+    js = connection.jetstream()
+
+    def batch(batch_id: str) -> bytes:
+        sample = BatchSample("s", "e", "g", ("t",), 0, 1.0, 0.5, False, (5, 6), (0, 1), (0.0, -0.5))
+        return encode_batch(TrainingBatch(batch_id, policy, "h", 0, (sample,)))
+
+    for batch_id in ("b1", "b2", "b1", "b3"):  # b1 again: a copy the relay published twice
+        await js.publish(batch_subject(policy), batch(batch_id), headers={"Nats-Msg-Id": uuid.uuid4().hex})
+
+    async def open_trainer(durable: str) -> BatchSubscription:
+        return await BatchSubscription.open(
+            connection, store, policy=policy, durable=durable, fetch_timeout=0.5
+        )
+
+    first, second = (
+        await open_trainer(f"a{uuid.uuid4().hex[:6]}"),
+        await open_trainer(f"b{uuid.uuid4().hex[:6]}"),
+    )
+    try:
+        async with asyncio.timeout(60):
+            batches = aiter(first)
+            b1 = await anext(batches)
+            await first.commit([b1], 1, losses=[0.25])
+            b2 = await anext(batches)
+            await first.commit([b2], 1, outcome="stale")
+            b3 = await anext(batches)  # the second b1 is acked and skipped: it is recorded for this trainer
+            assert [b1.batch_id, b2.batch_id, b3.batch_id] == ["b1", "b2", "b3"]
+            assert first.duplicates == 1
+            assert (await first.trained_count(), await first.trained_version()) == (
+                1,
+                1,
+            )  # stale: not trained
+            assert await first.trained_into(1) == ["b1"]
+            # another trainer keeps its own books: nothing is recorded for it, so it gets b1 too
+            assert (await second.trained_count(), await second.trained_version()) == (0, 0)
+            assert (await anext(aiter(second))).batch_id == "b1"
+    finally:
+        await first.close()
+        await second.close()
+        await connection.drain()
+    recorded = rows(database_url, "SELECT batch_id, outcome, loss FROM trained_batches ORDER BY batch_id")
+    assert recorded == [("b1", "trained", 0.25), ("b2", "stale", None)]

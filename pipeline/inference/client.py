@@ -74,6 +74,7 @@ class RequestRejected(InferenceError):
 
     def __init__(self, field: str | None, message: str) -> None:
         self.field = field
+        self.reason = message  # what is wrong, without the prefix (what a consumer sends back)
         super().__init__(f"LLM request rejected because {field or 'request'}: {message}")
 
 

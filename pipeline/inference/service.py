@@ -127,7 +127,7 @@ class InferenceService:
         try:
             generation = await self.backend.generate(request)
         except RequestRejected as error:
-            return self._error(request.request_id, "invalid_request", str(error), error.field)
+            return self._error(request.request_id, "invalid_request", error.reason, error.field)
         except Exception as error:
             log.exception("backend failed on request %s", request.request_id)
             return self._error(request.request_id, "engine_error", f"{type(error).__name__}: {error}")
