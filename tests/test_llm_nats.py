@@ -24,6 +24,7 @@ from pipeline.inference.client import (
     NoInferenceConsumer,
     QueueLLMClient,
     RequestRejected,
+    raise_for_error,
 )
 from pipeline.inference.service import InferenceService
 from schemas import ChatMessage, LLMError, LLMRequest, LLMResponse, parse_wire
