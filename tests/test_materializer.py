@@ -27,8 +27,11 @@ from schemas import (
     EpisodeFinished,
     EpisodeStarted,
     Event,
+    FunctionCall,
     PolicyVersionPublished,
     RewardAssigned,
+    Timings,
+    ToolCall,
     TurnCompleted,
     TurnReply,
     TurnRequest,
@@ -152,9 +155,64 @@ async def test_concat_style_gives_one_sample_per_path_with_tool_tokens_masked(
     assert sample.advantage == pytest.approx(1.0)  # advantage "none": the reward itself
 
 
+async def test_every_column_of_the_episode_and_turn_rows_holds_what_the_log_says(
+    store: EventStore, database_url: str
+) -> None:
+    first = turn([1, 2], [3, 4], version=2).model_copy(
+        update={"timings": Timings(queued_ms=1.5, first_token_ms=2.5, total_ms=7.0), "prefix_break": True}
+    )
+    second = turn([1, 2, 3, 4, 5], [6], version=3).model_copy(
+        update={"parent_turn_id": first.turn_id, "reply": TurnReply(text="", finish_reason="tool_calls",
+                tool_calls=[ToolCall(id="c1", function=FunctionCall(name="f", arguments="{}"))])}
+    )  # fmt: skip
+    begin = EpisodeStarted(
+        episode_id="cols", task_id="task-9", agent="agent-x", policy="main", group_id="grp", group_size=1,
+        tags={"b": "2", "a": "1"}, retry_of="cols-0",
+    )  # fmt: skip
+    await record(store, "cols", [begin, first, second, RewardAssigned(value=0.5), RewardAssigned(value=0.25),
+                                 EpisodeFinished(termination="error", error="boom")])  # fmt: skip
+    await materialize(database_url, MaterializerConfig(discount=1.0, batch_samples=100, advantage="none"))
+    [episode] = rows(
+        database_url,
+        "SELECT agent, task_id, group_id, group_size, retry_of, tags, status, termination, error, reward, "
+        "turns, prompt_tokens, completion_tokens, min_policy_version, max_policy_version, "
+        "started_position, finished_position FROM episodes WHERE episode_id = 'cols'",
+    )
+    assert episode == (
+        "agent-x", "task-9", "grp", 1, "cols-0", {"a": "1", "b": "2"}, "finished", "error", "boom", 0.75,
+        2, 7, 3, 2, 3, 1, 6,
+    )  # fmt: skip
+    turns = rows(
+        database_url,
+        "SELECT turn_index, parent_turn_id, recorded_parent, prompt_tokens, completion_tokens, "
+        "finish_reason, policy_version, engine_id, queued_ms, first_token_ms, latency_ms, mean_logprob, "
+        "prefix_break, tool_calls, position FROM turns WHERE episode_id = 'cols' ORDER BY turn_index",
+    )
+    assert turns == [
+        (0, None, None, 2, 2, "stop", 2, "engine-a", 1.5, 2.5, 7.0, -0.5, True, 0, 2),
+        (
+            1,
+            first.turn_id,
+            first.turn_id,
+            5,
+            1,
+            "tool_calls",
+            3,
+            "engine-a",
+            0.0,
+            0.0,
+            0.0,
+            -0.5,
+            False,
+            1,
+            3,
+        ),
+    ]
+
+
 async def test_staleness_drops_or_flags_old_samples(store: EventStore, database_url: str) -> None:
     await store.append("policy-main", [PolicyVersionPublished(policy="main", version=5, checkpoint="c5")])
-    for n, version in enumerate([1, 4]):
+    for n, version in enumerate([1, 3]):  # 3 is the bound itself: 5 - 2
         await record(
             store,
             f"s{n}",
@@ -167,8 +225,8 @@ async def test_staleness_drops_or_flags_old_samples(store: EventStore, database_
         "SELECT b.samples, b.stale_samples, b.newest_version, o.payload FROM batches b JOIN batch_outbox o "
         "USING (batch_id)",
     )
-    assert (samples, stale, newest) == (1, 1, 5)  # version 1 < 5 - 2: dropped; version 4 kept
-    assert [s.policy_version for s in decode_batch(bytes(payload)).samples] == [4]
+    assert (samples, stale, newest) == (1, 1, 5)  # version 1 < 5 - 2: dropped; version 3 = 5 - 2 kept
+    assert [s.policy_version for s in decode_batch(bytes(payload)).samples] == [3]
 
     flagged = MaterializerConfig(
         name="flagged", max_staleness=2, stale="flag", batch_samples=2, advantage="none"
@@ -177,7 +235,7 @@ async def test_staleness_drops_or_flags_old_samples(store: EventStore, database_
     [(payload,)] = rows(database_url, "SELECT payload FROM rm_flagged.batch_outbox")
     assert [(s.policy_version, s.stale) for s in decode_batch(bytes(payload)).samples] == [
         (1, True),
-        (4, False),
+        (3, False),
     ]
 
 
