@@ -106,7 +106,7 @@ async def test_a_consumer_killed_mid_request_is_replaced_by_a_retry(
         assert (await asyncio.to_thread(doomed.stdout.readline)).strip() == "ready"
         request = ask(policy, "e1")
         pending = asyncio.create_task(client(request))
-        await asyncio.sleep(0.8)  # the doomed consumer has it and sends heartbeats
+        await wait_until(lambda: client.heartbeats >= 1, 60, "a heartbeat: the doomed consumer has it")
         assert not pending.done()
         async with consumer(servers.nats_url, policy, "survivor") as survivor:
             doomed.kill()

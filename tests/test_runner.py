@@ -23,15 +23,16 @@ from consumers.inference import InferenceConfig
 from pipeline.episodes import EpisodeSession
 from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
 from pipeline.examples import ARITHMETIC_TASKS
+from pipeline.inference.backends import Generation
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.tables import runners
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
 from pipeline.runners.taskqueue import TASKS_STREAM, runner_durable
 from pipeline.settings import libpq_url
-from schemas import SamplingParams, TurnCompleted
+from schemas import LLMRequest, SamplingParams, TurnCompleted
 from tests.agents import ThreeTurnAgent
-from tests.backends import RuleBackend, calculator_rule, echo_rule
+from tests.backends import Rule, RuleBackend, calculator_rule, echo_rule
 from tests.conftest import Servers
 from tests.serving import serving
 from tests.waiting import wait_until
@@ -67,6 +68,22 @@ def open_episodes(database_url: str) -> int:
         "(SELECT 1 FROM events f WHERE f.stream = s.stream AND f.type = 'EpisodeFinished')",
     )
     return int(rows[0][0])
+
+
+class Gated(RuleBackend):
+    """Answers the first ``free`` requests; later ones wait until ``gate`` is set (``held`` counts them)."""
+
+    def __init__(self, rule: Rule, *, free: int) -> None:
+        super().__init__(rule)
+        self.free, self.admitted, self.held = free, 0, 0
+        self.gate = asyncio.Event()
+
+    async def generate(self, request: LLMRequest) -> Generation:
+        self.admitted += 1
+        if self.admitted > self.free and not self.gate.is_set():
+            self.held += 1
+            await self.gate.wait()
+        return await super().generate(request)
 
 
 def env_for(servers: Servers, database_url: str, **extra: str) -> dict[str, str]:
@@ -218,7 +235,10 @@ async def test_runner_killed_mid_run_its_tasks_are_redelivered_none_lost_none_co
         "--concurrency", "8", "--ack-wait", "2", "--lease-timeout", "3",
     ]  # fmt: skip
     config = InferenceConfig(servers.nats_url, policy, backend="scripted", heartbeat_interval=0.5)
-    async with serving(config, RuleBackend(echo_rule, delay=0.02)):
+    # 30 of the 72 turns are answered, then requests wait at a gate: whatever the machine's speed, the
+    # runner is killed with at least 4 episodes done and the ones waiting at the gate open.
+    backend = Gated(echo_rule, free=30)
+    async with serving(config, backend):
         submit = await asyncio.create_subprocess_exec(
             *TURNSTILE, "submit", str(tasks), "--policy", policy, "--group-size", "2", env=env,
             stderr=asyncio.subprocess.PIPE,
@@ -228,10 +248,12 @@ async def test_runner_killed_mid_run_its_tasks_are_redelivered_none_lost_none_co
         assert "submitted 12 tasks" in submitted.decode()
 
         first = await asyncio.create_subprocess_exec(*serve, env=env, stderr=asyncio.subprocess.DEVNULL)
-        await wait_until(lambda: terminations(database_url)["done"] >= 4, 60, "some finished episodes")
+        await wait_until(lambda: backend.held >= 1, 120, "a request waiting at the gate")
+        assert terminations(database_url)["done"] >= 4
         first.kill()  # SIGKILL: no cleanup at all
         await first.wait()
         killed_with_open = open_episodes(database_url)
+        backend.gate.set()
 
         second = await asyncio.create_subprocess_exec(*serve, env=env, stderr=asyncio.subprocess.PIPE)
         connection = await nats.connect(servers.nats_url)
