@@ -251,6 +251,8 @@ async def copy_baseline(url: str, rows: Sequence[tuple[Any, ...]], chunk: int) -
     return Measurement(BASELINE, len(rows), seconds, transactions)
 
 
+UNGUARDED = "without the append guard"
+
 # --- the event store -----------------------------------------------------------------------------
 
 
@@ -267,8 +269,13 @@ async def warm_up(store: EventStore, event: TurnCompleted) -> None:
     await store.append(f"episode-warmup-{uuid.uuid4().hex}", [spare], expected_version=0)
 
 
-async def store_level(url: str, events: Sequence[TurnCompleted], concurrency: int) -> Measurement:
+async def store_level(
+    url: str, events: Sequence[TurnCompleted], concurrency: int, *, guard: bool = True
+) -> Measurement:
     await truncate(url, "events")
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
+        state = "ENABLE" if guard else "DISABLE"
+        await connection.execute(f"ALTER TABLE events {state} TRIGGER events_append_guard")
     store = await EventStore.connect(url)
     try:
         await warm_up(store, events[0])
@@ -281,7 +288,8 @@ async def store_level(url: str, events: Sequence[TurnCompleted], concurrency: in
         transactions = store.stats.transactions - before
     finally:
         await store.close()
-    return Measurement(str(concurrency), len(events), seconds, transactions)
+    label = str(concurrency) if guard else f"{concurrency} {UNGUARDED}"
+    return Measurement(label, len(events), seconds, transactions)
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -303,6 +311,11 @@ async def measure(url: str, args: argparse.Namespace, events: Sequence[TurnCompl
             result = await store_level(url, events[: level_size(level, args)], level)
             results.append(replace(result, ratio=result.rate / baseline.rate))
             note(f"round {round_ + 1}: {level} appenders {result.rate:,.0f} events/s")
+        if args.guard_cost:
+            level = max(args.levels)
+            result = await store_level(url, events[: level_size(level, args)], level, guard=False)
+            results.append(replace(result, ratio=result.rate / baseline.rate))
+            note(f"round {round_ + 1}: {level} appenders {UNGUARDED} {result.rate:,.0f} events/s")
     return results
 
 
@@ -345,6 +358,10 @@ def print_report(results: Sequence[Measurement], args: argparse.Namespace) -> No
         ratio = summary[str(TARGET_LEVEL)][0].ratio
         verdict = "met" if ratio >= TARGET_RATIO else "not met"
         print(f"measured: {ratio:.2f} of COPY at {TARGET_LEVEL} ({verdict})")
+    level = str(max(args.levels))
+    if f"{level} {UNGUARDED}" in summary:
+        guarded, unguarded = summary[level][0].ratio, summary[f"{level} {UNGUARDED}"][0].ratio
+        print(f"append guard (migration 0007) at {level}: {guarded / unguarded:.2f} of the rate without it")
 
 
 def describe_payload(events: Sequence[TurnCompleted]) -> str:
@@ -378,6 +395,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="COPY into a table LIKE events INCLUDING ALL (with its indexes) instead of a bare one",
     )
     add("--seed", type=int, default=1234, help="seed of the payload (default 1234)")
+    add(
+        "--guard-cost",
+        action="store_true",
+        help="also measure the largest level with the append guard trigger disabled (its cost)",
+    )
     add("--tmp-dir", type=Path, default=None, help="parent of the embedded server's temporary directory")
     args = parser.parse_args(argv)
     if min(args.events, args.events_at_1, args.repeat, args.copy_chunk) < 1:
