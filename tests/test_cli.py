@@ -168,3 +168,23 @@ async def ask_when_ready(nats_url: str, policy: str) -> LLMResponse:
         return await client(request)
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        (["up"], "[default: $TURNSTILE_DATA_DIR or .turnstile]"),
+        (["demo"], "[default: $TURNSTILE_DATA_DIR or .turnstile]"),
+        (["run"], "LLM turns an episode may take [default: no limit]"),
+        (["serve", "inference"], "[default: host-pid-random]"),
+        (["serve", "trainer"], "skip batches more than N versions behind [default: never]"),
+        (["serve", "gateway"], "starting one more gets 429 [default: no limit]"),
+    ],
+)
+def test_help_shows_the_defaults_written_in_words(command: list[str], shown: str) -> None:
+    result = subprocess.run(
+        [*TURNSTILE, *command, "--help"], capture_output=True, text=True, timeout=60,
+        env=clean_env(COLUMNS="400"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert shown in result.stdout

@@ -59,11 +59,11 @@ AGENT_HELP = "the agent, as package.module:Name (e.g. pipeline.examples.calculat
 Agent = Annotated[str, typer.Option(help=AGENT_HELP)]
 Concurrency = Annotated[int, typer.Option(help="episodes in flight at most")]
 MaxTurns = Annotated[
-    int | None, typer.Option(help="LLM turns an episode may take [default: no limit]", show_default=False)
+    int | None, typer.Option(help="LLM turns an episode may take \\[default: no limit]", show_default=False)
 ]
 Retries = Annotated[int, typer.Option(help="times an episode that ends in error is run again")]
 EpisodeTimeout = Annotated[
-    float | None, typer.Option(help="seconds an episode may take [default: no limit]", show_default=False)
+    float | None, typer.Option(help="seconds an episode may take \\[default: no limit]", show_default=False)
 ]
 Reward = Annotated[
     str | None,
@@ -90,7 +90,9 @@ BatchTokens = Annotated[
 ]
 SampleStaleness = Annotated[
     int | None,
-    typer.Option(help="samples older than newest version - N are stale [default: never]", show_default=False),
+    typer.Option(
+        help="samples older than newest version - N are stale \\[default: never]", show_default=False
+    ),
 ]
 StaleOption = Annotated[Stale, typer.Option(help="drop stale samples from batches, or flag them")]
 GroupTimeout = Annotated[

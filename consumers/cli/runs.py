@@ -112,7 +112,7 @@ def demo(
         None, help="stop once this many batches are trained in this run (a run of a fixed amount of training)"
     ),
     data_dir: Path = typer.Option(
-        None, help="servers, model, checkpoints and logs [default: $TURNSTILE_DATA_DIR or .turnstile]"
+        None, help="servers, model, checkpoints and logs \\[default: $TURNSTILE_DATA_DIR or .turnstile]"
     ),
     seed: int = typer.Option(0, help="trainer seed"),
     concurrency: int = typer.Option(64, help="episodes in flight"),

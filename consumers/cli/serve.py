@@ -44,7 +44,7 @@ def inference(
     ),
     model_dir: Path = typer.Option(None, "--model", help="a Hugging Face model directory (local)"),
     consumer_id: str = typer.Option(
-        "", help="this consumer's id in sticky subjects [default: host-pid-random]"
+        "", help="this consumer's id in sticky subjects \\[default: host-pid-random]"
     ),
     max_batch: int = typer.Option(16, help="torch backend: requests batched together"),
 ) -> None:
@@ -184,7 +184,9 @@ def trainer(
     lr: float = typer.Option(3e-3, help="Adam learning rate"),
     clip: float = typer.Option(0.2, help="PPO ratio clip"),
     version_every: int = typer.Option(1, help="batches per published policy version"),
-    max_staleness: int = typer.Option(None, help="skip batches more than N versions behind [default: never]"),
+    max_staleness: int = typer.Option(
+        None, help="skip batches more than N versions behind \\[default: never]"
+    ),
     ack_wait: float = typer.Option(120.0, help="seconds before an unfinished batch is delivered again"),
     seed: int = typer.Option(0, help="torch seed"),
     threads: int = typer.Option(1, help="torch CPU threads"),
@@ -224,18 +226,18 @@ def gateway(
         "TURNSTILE_ADMIN_KEY", help="the environment variable that holds the admin key (required)"
     ),
     max_open_sessions: int = typer.Option(
-        None, help="open sessions at most; starting one more gets 429 [default: no limit]"
+        None, help="open sessions at most; starting one more gets 429 \\[default: no limit]"
     ),
     max_staleness: int = typer.Option(
         None,
         help="starting a session gets 429 while the newest published policy version is more than N ahead "
-        "of the version the inference consumers answer with [default: never]",
+        "of the version the inference consumers answer with \\[default: never]",
     ),
     idle_timeout: float = typer.Option(
         3600.0, help="seconds without a call before a session ends as timeout (0: never)"
     ),
     public_url: str = typer.Option(
-        None, help="the URL clients reach the gateway at, for the base_url it hands out [default: Host]"
+        None, help="the URL clients reach the gateway at, for the base_url it hands out \\[default: Host]"
     ),
     heartbeat_timeout: HeartbeatTimeout = 15.0,
 ) -> None:

@@ -17,7 +17,7 @@ from pipeline.settings import SERVERS_FILE, Settings
 
 def up(
     data_dir: Path = typer.Option(
-        None, help="where the servers keep their data [default: $TURNSTILE_DATA_DIR or .turnstile]"
+        None, help="where the servers keep their data \\[default: $TURNSTILE_DATA_DIR or .turnstile]"
     ),
 ) -> None:
     """Start embedded PostgreSQL and NATS (JetStream) on free ports, migrate, run until Ctrl-C or SIGTERM."""
