@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from array import array
 from typing import Annotated, Any, Literal
 
@@ -15,8 +16,16 @@ FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 def _as_float32(values: list[float]) -> list[float]:
     # Logprobs travel and are stored as float32 (the engines' own precision); rounding here makes an
-    # event equal to itself after a round trip through the log.
-    return array("f", values).tolist()
+    # event equal to itself after a round trip through the log. A value beyond float32's range would
+    # become -inf there, which no reader accepts: refused here instead.
+    rounded = array("f", values).tolist()
+    for index, value in enumerate(rounded):
+        if math.isinf(value):
+            raise ValueError(
+                f"logprob {values[index]!r} at index {index} is beyond float32's range (it would be stored "
+                "as -inf); logprobs must be finite float32 values"
+            )
+    return rounded
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=4_000_000)]
@@ -58,9 +67,9 @@ class SamplingParams(Contract):
     temperature: NonNegativeFloat = 1.0
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=1)
-    max_tokens: int = Field(default=256, ge=1)
+    max_tokens: int = Field(default=256, ge=1, lt=2**31)
     stop: list[str] = Field(default_factory=list)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63, description="what engines take: a 64-bit seed")
 
 
 class Timings(Contract):

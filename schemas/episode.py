@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, model_validator
 
 from schemas.base import Contract
 from schemas.common import (
@@ -30,7 +30,9 @@ class EpisodeStarted(Contract):
     task: dict[str, Any] = Field(default_factory=dict)
     task_id: str
     group_id: str | None = None
-    group_size: int = Field(default=1, ge=1, description="episodes in the group (GRPO-style advantages)")
+    group_size: int = Field(
+        default=1, ge=1, lt=2**31, description="episodes in the group (GRPO-style advantages)"
+    )
     agent: str
     policy: str = Field(min_length=1)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
@@ -72,6 +74,17 @@ class TurnCompleted(Contract):
     engine_id: str
     timings: Timings = Field(default_factory=Timings)
     prefix_break: bool = False
+
+    @model_validator(mode="after")
+    def _one_logprob_per_completion_token(self, info: ValidationInfo) -> TurnCompleted:
+        # Checked when writing; a stored event is read as it is (a reader must never stop on the log).
+        tolerant = info.context is not None and info.context.get("tolerant")
+        if not tolerant and len(self.completion_logprobs) != len(self.completion_token_ids):
+            raise ValueError(
+                f"{len(self.completion_logprobs)} completion_logprobs for {len(self.completion_token_ids)} "
+                "completion_token_ids: one logprob per completion token"
+            )
+        return self
 
 
 class RewardAssigned(Contract):

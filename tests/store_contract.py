@@ -160,6 +160,20 @@ class StoreContract:
             ([{**turn().model_dump(mode="json"), "reply": None}], r"field reply"),
             ([oversized], r"over the limit of 65,536 bytes \(TURNSTILE_MAX_EVENT_BYTES\)"),
             (["not an event"], "pass an event model or a dict"),
+            # what no reader could read back: each one stopped every tailer for good before
+            ([{**turn().model_dump(mode="json"), "completion_logprobs": [-1e39]}], "beyond float32's range"),
+            (
+                [
+                    {
+                        **turn().model_dump(mode="json"),
+                        "completion_token_ids": [1, 2, 3, 4, 5],
+                        "completion_logprobs": [-0.5],
+                    }
+                ],
+                "1 completion_logprobs for 5 completion_token_ids",
+            ),
+            ([{**started().model_dump(mode="json"), "group_size": 10**12}], "group_size"),
+            ([started().model_copy(update={"task": {"x": "\ud800"}})], "no lone surrogates"),
         ]
         for events, message in cases:
             with pytest.raises(InvalidEvent, match=message):

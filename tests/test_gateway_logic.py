@@ -81,3 +81,27 @@ async def test_both_dialects_record_turns_and_answer_errors_in_their_own_shape(
     assert ended.json()["termination"] == "done"
     assert (await client.post("/v1/chat/completions", json={}, headers=key)).status_code == 401
     assert (await store.read_all())[-1].type == "EpisodeFinished"
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"group_size": 10**12}, "group_size"),
+        ({"policy": "has space"}, "policy"),
+        ({"policy": "*"}, "policy"),
+        ({"policy": ">"}, "policy"),
+        ({"policy": "a.>"}, "policy"),
+        ({"sampling": {"seed": 2**70}}, "seed"),
+        ({"sampling": {"max_tokens": 10**12}}, "max_tokens"),
+    ],
+)
+async def test_a_session_nothing_downstream_could_serve_or_store_is_refused_up_front(
+    gateway: tuple[httpx.AsyncClient, InMemoryStore], spec: dict[str, object], field: str
+) -> None:
+    client, store = gateway
+    refused = await client.post("/admin/sessions", json=spec, headers=ADMIN)
+    assert refused.status_code == 400, refused.text
+    assert field in refused.json()["error"]["message"]
+    assert await store.head() == 0  # nothing recorded
+    created = await client.post("/admin/sessions", json={}, headers=ADMIN)
+    assert created.status_code == 201  # the gateway goes on

@@ -16,6 +16,7 @@ from schemas import (
     LLMRequest,
     LLMResponse,
     PolicyVersionPublished,
+    SamplingParams,
     TurnCompleted,
     json_schemas,
     parse_event,
@@ -108,3 +109,26 @@ def test_exported_json_schemas_match_the_models(repo_root: Path) -> None:
         name for name in expected.keys() | on_disk.keys() if expected.get(name) != on_disk.get(name)
     )
     assert not stale, f"schemas/json is out of date for {stale}: run `turnstile export-schemas`"
+
+
+def test_one_logprob_per_completion_token_is_checked_when_writing_never_when_reading() -> None:
+    fields = {
+        **turn().model_dump(mode="json"),
+        "completion_token_ids": [1, 2, 3],
+        "completion_logprobs": [-0.5],
+    }
+    with pytest.raises(ValidationError, match="1 completion_logprobs for 3 completion_token_ids"):
+        parse_event(fields)
+    stored = parse_event(fields, tolerant=True)  # an event recorded before the check stays readable
+    assert isinstance(stored, TurnCompleted)
+    assert (stored.completion_token_ids, stored.completion_logprobs) == ([1, 2, 3], [-0.5])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("seed", -1), ("seed", 2**63), ("max_tokens", 2**31)],
+)
+def test_sampling_numbers_the_engines_cannot_take_are_refused(field: str, value: int) -> None:
+    with pytest.raises(ValidationError, match=field):
+        SamplingParams.model_validate({field: value})
+    assert SamplingParams.model_validate({"seed": 2**63 - 1, "max_tokens": 2**31 - 1}).seed == 2**63 - 1

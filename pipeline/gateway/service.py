@@ -53,9 +53,10 @@ class SessionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     task: dict[str, Any] = Field(default_factory=dict)
     task_id: str = ""
-    policy: str | None = Field(default=None, min_length=1)
+    # a token of NATS subjects (llm.<policy>.requests): no spaces, dots or wildcards
+    policy: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_-]+$")
     group_id: str | None = None
-    group_size: int = Field(default=1, ge=1)
+    group_size: int = Field(default=1, ge=1, lt=2**31)
     agent: str = "gateway"
     sampling: SamplingParams | None = None
     tags: dict[str, str] = Field(default_factory=dict)

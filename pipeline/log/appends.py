@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any, Final
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticSerializationError
 
 from pipeline.errors import (
     DuplicateEventConflict,
@@ -60,14 +61,20 @@ class RecordedId:
 
 def encode_event(event: Event) -> EncodedEvent:
     """Split an event into its JSON data and its packed token arrays, with a hash of the content."""
-    if isinstance(event, TurnCompleted):
-        data = event.model_dump_json(exclude=set(TOKEN_FIELDS))
-        tokens: bytes | None = pack_tokens(
-            event.prompt_token_ids, event.completion_token_ids, event.completion_logprobs
-        )
-    else:
-        data = event.model_dump_json()
-        tokens = None
+    try:
+        if isinstance(event, TurnCompleted):
+            data = event.model_dump_json(exclude=set(TOKEN_FIELDS))
+            tokens: bytes | None = pack_tokens(
+                event.prompt_token_ids, event.completion_token_ids, event.completion_logprobs
+            )
+        else:
+            data = event.model_dump_json()
+            tokens = None
+    except PydanticSerializationError as error:
+        raise InvalidEvent(
+            f"{event.type} cannot be stored: {error}; its strings must be valid Unicode (no lone surrogates "
+            "such as '\\ud800')"
+        ) from None
     digest = hashlib.sha256(event.type.encode())
     digest.update(b"\0" + data.encode())
     digest.update(b"\0" + (tokens or b""))
