@@ -92,7 +92,7 @@ def libpq_url(url: str) -> str:
 
 
 def nats_inbox_prefix(url: str) -> str:
-    """The inbox prefix for connections made with ``url``: ``_INBOX.<user>`` when the URL logs in with a user
+    """The inbox prefix for connections made with ``url``: ``_INBOX_<user>`` when the URL logs in with a user
     and password, else NATS's default ``_INBOX``.
 
     Replies (LLM replies, JetStream API answers, pulled messages) come to inboxes under this prefix. With
@@ -106,7 +106,7 @@ def nats_inbox_prefix(url: str) -> str:
         return "_INBOX"
     if not re.fullmatch(r"[A-Za-z0-9_-]+", parts.username):
         raise ConfigError(
-            f"NATS user {parts.username!r} cannot name an inbox prefix (_INBOX.<user>); use letters, digits, "
+            f"NATS user {parts.username!r} cannot name an inbox prefix (_INBOX_<user>); use letters, digits, "
             "'_' or '-' in NATS user names"
         )
-    return f"_INBOX.{parts.username}"
+    return f"_INBOX_{parts.username}"

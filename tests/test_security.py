@@ -101,10 +101,10 @@ async def test_a_reply_subject_naming_a_stream_cannot_make_inference_publish_the
     ("role", "subject"),
     [
         ("runner", "_INBOX.>"),
-        ("runner", "_INBOX.gateway.>"),
-        ("runner", "_INBOX.trainer.>"),
-        ("gateway", "_INBOX.runner.>"),
-        ("relay", "_INBOX.runner.>"),
+        ("runner", "_INBOX_gateway.>"),
+        ("runner", "_INBOX_trainer.>"),
+        ("gateway", "_INBOX_runner.>"),
+        ("relay", "_INBOX_runner.>"),
         ("trainer", "_INBOX.>"),
         ("inference", "_INBOX.>"),
         ("runner", "$SYS.>"),
@@ -143,8 +143,8 @@ async def test_no_role_reads_what_it_does_not_own(connect: Connect, role: str, s
         ("runner", "$JS.API.STREAM.CREATE.KV_mine"),
         ("runner", "$SYS.REQ.SERVER.PING"),
         ("inference", "llm.demo.requests"),
-        ("inference", "_INBOX.trainer.x"),
-        ("inference", "_INBOX.relay.x"),
+        ("inference", "_INBOX_trainer.x"),
+        ("inference", "_INBOX_relay.x"),
     ],
 )
 async def test_no_role_calls_apis_or_publishes_where_it_does_not_own(
