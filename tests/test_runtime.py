@@ -13,6 +13,7 @@ import pytest
 from consumers.runtime import Runtime, connect_nats, connect_store, running, stop_on_signals
 from pipeline.dev.embedded import EmbeddedNats, free_port
 from pipeline.errors import ConfigError
+from pipeline.settings import nats_inbox_prefix
 
 
 async def test_an_unreachable_nats_is_a_clear_error_after_the_bound() -> None:
@@ -88,3 +89,21 @@ def test_health_is_every_check_and_a_failing_check_is_unhealthy() -> None:
         "healthy": False,
         "checks": {"nats": True, "postgres": False},
     }
+
+
+@pytest.mark.parametrize(
+    ("url", "prefix"),
+    [
+        ("nats://runner:secret@nats:4222", "_INBOX_runner"),
+        ("nats://gateway:pw@a:4222,nats://gateway:pw@b:4222", "_INBOX_gateway"),
+        ("nats://s3cr3t-token@nats:4222", "_INBOX"),  # a token: never put into a subject
+        ("nats://127.0.0.1:4222", "_INBOX"),
+    ],
+)
+def test_the_inbox_prefix_is_the_role_that_logs_in(url: str, prefix: str) -> None:
+    assert nats_inbox_prefix(url) == prefix
+
+
+def test_a_user_name_that_cannot_be_a_subject_token_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="cannot name an inbox prefix"):
+        nats_inbox_prefix("nats://has.dot:pw@nats:4222")
