@@ -15,6 +15,7 @@ import nats
 import psycopg
 import pytest
 
+from pipeline.dev.embedded import free_port
 from pipeline.inference.client import NatsLLMClient
 from schemas import ChatMessage, LLMRequest, LLMResponse
 from tests.conftest import Servers
@@ -188,3 +189,18 @@ def test_help_shows_the_defaults_written_in_words(command: list[str], shown: str
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert shown in result.stdout
+
+
+def test_submit_to_an_unreachable_nats_ends_in_one_clear_error(tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": 1}\n')
+    result = subprocess.run(
+        [*TURNSTILE, "submit", str(tasks), "--policy", "p", "--connect-timeout", "2"],
+        capture_output=True, text=True, timeout=120,
+        env=clean_env(TURNSTILE_NATS_URL=f"nats://127.0.0.1:{free_port()}"),
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "cannot reach NATS at nats://127.0.0.1:" in output
+    assert "TURNSTILE_NATS_URL" in output
+    assert "Traceback" not in output

@@ -21,7 +21,7 @@ from consumers.cli.common import (
     tags,
 )
 from pipeline.errors import ConfigError
-from pipeline.settings import Settings, nats_inbox_prefix
+from pipeline.settings import Settings
 
 
 def run(
@@ -77,17 +77,19 @@ def submit(
     tasks: Path = typer.Argument(..., help="a JSONL file, one task object per line"),
     policy: str = typer.Option(..., help="tasks go to the work queue subject tasks.<policy>"),
     group_size: int = typer.Option(1, help="episodes per task"),
+    connect_timeout: float = typer.Option(60.0, help="seconds to keep trying to reach NATS"),
 ) -> None:
     """Put every task of a file on the JetStream work queue TASKS for `turnstile serve runner`."""
     import asyncio
 
-    import nats
-
+    from consumers.runtime import connect_nats
     from pipeline.runners.runner import TaskLineError, TaskSpec, read_tasks
     from pipeline.runners.taskqueue import submit_tasks
 
     if group_size < 1:
         raise ConfigError(f"--group-size must be at least 1, got {group_size}")
+    if connect_timeout <= 0:
+        raise ConfigError(f"--connect-timeout must be more than 0 seconds, got {connect_timeout:g}")
     specs: list[TaskSpec] = []
     for item in read_tasks(tasks):
         if isinstance(item, TaskLineError):
@@ -96,8 +98,9 @@ def submit(
             specs.append(item)
 
     async def send() -> int:
-        url = Settings().require_nats_url()
-        connection = await nats.connect(url, inbox_prefix=nats_inbox_prefix(url))
+        # bounded, one line per failed attempt, then one clear error (never nats-py's traceback storm)
+        connection = await connect_nats(Settings().require_nats_url(), connect_for=connect_timeout)
+        assert connection is not None  # None only when a stop event is given
         try:
             return len(await submit_tasks(connection, policy, specs, group_size=group_size))
         finally:
