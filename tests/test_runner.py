@@ -194,6 +194,25 @@ async def test_turnstile_run_with_the_calculator_agent_records_every_task(
     assert turns[0][0] == 64
 
 
+async def test_turnstile_run_with_no_inference_consumer_says_why_and_exits_non_zero(
+    servers: Servers, database_url: str, tmp_path: Path
+) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": 1}\n{"id": 2}\n')
+    process = await asyncio.create_subprocess_exec(
+        *TURNSTILE, "run", "--agent", "tests.agents:ThreeTurnAgent", "--tasks", str(tasks),
+        "--policy", new_policy(), "--retries", "0",
+        env=env_for(servers, database_url), stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await asyncio.wait_for(process.communicate(), 120)
+    output = stderr.decode()
+    assert process.returncode == 1, output
+    assert "2 episode(s) failed; causes:" in output
+    assert "2 x pipeline.inference.client.NoInferenceConsumer: no inference consumer for policy" in output
+    assert "(infrastructure: no agent change fixes it)" in output
+    assert terminations(database_url) == Counter({"error": 2})
+
+
 async def test_turnstile_run_ctrl_c_cancels_open_episodes_cleanly(
     servers: Servers, database_url: str, tmp_path: Path
 ) -> None:

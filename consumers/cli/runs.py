@@ -45,7 +45,7 @@ def run(
     from consumers.runner import run_task_file
     from consumers.runtime import Connections
     from pipeline.runners import load_agent, load_reward_function
-    from pipeline.runners.progress import stats_table
+    from pipeline.runners.progress import failed_for_infrastructure, failure_report, stats_table
     from pipeline.runners.runner import RunnerConfig
 
     settings = Settings()
@@ -69,8 +69,12 @@ def run(
         run_task_file(connections, loaded, config, tasks, reward_fn=reward_fn, console=console)
     )
     console.print(stats_table(result.stats, "cancelled" if result.cancelled else "finished"))
+    for line in failure_report(result.stats):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     if result.cancelled:
         raise SystemExit(130)
+    if failed_for_infrastructure(result.stats):
+        raise SystemExit(1)  # the servers or the consumers, not the agent: a script must notice
 
 
 def submit(

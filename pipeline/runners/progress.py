@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from pipeline.runners.runner import RunStats
+from pipeline.runners.runner import RunStats, is_infrastructure_failure
 
 
 def stats_line(stats: RunStats) -> str:
@@ -73,3 +73,22 @@ async def live_progress(
             yield
         finally:
             task.cancel()
+
+
+def failure_report(stats: RunStats, most: int = 5) -> list[str]:
+    """Lines naming why episodes failed, the commonest causes first (empty when none failed)."""
+    if not stats.failed:
+        return []
+    lines = [f"{stats.failed} episode(s) failed; causes:"]
+    for cause, count in stats.causes.most_common(most):
+        kind = " (infrastructure: no agent change fixes it)" if is_infrastructure_failure(cause) else ""
+        lines.append(f"  {count} x {cause}{kind}")
+    if len(stats.causes) > most:
+        lines.append(
+            f"  ... and {len(stats.causes) - most} other causes (see EpisodeFinished.error in the log)"
+        )
+    return lines
+
+
+def failed_for_infrastructure(stats: RunStats) -> bool:
+    return any(is_infrastructure_failure(cause) for cause in stats.causes)

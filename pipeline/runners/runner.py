@@ -13,10 +13,11 @@ import asyncio
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from pipeline.episodes import (
     Agent,
@@ -92,6 +93,8 @@ class RunStats:
     rewards: int = 0
     reward_sum: float = 0.0
     task_errors: int = 0
+    # failed episodes by cause: the last line of the error ("ExceptionType: message")
+    causes: Counter[str] = field(default_factory=Counter)
 
     @property
     def mean_reward(self) -> float | None:
@@ -107,11 +110,29 @@ class RunStats:
             self.cancelled += 1
         elif outcome.termination in FAILED:
             self.failed += 1
+            self.causes[failure_cause(outcome.error)] += 1
         else:
             self.done += 1
         if outcome.reward is not None:
             self.rewards += 1
             self.reward_sum += outcome.reward
+
+
+# Failures that are not the agent's: no agent change fixes them, so a run that meets them exits non-zero.
+INFRASTRUCTURE_FAILURES: Final = frozenset(
+    {"NoInferenceConsumer", "InferenceTimeout", "InferenceError", "StoreUnavailable", "ConnectionError"}
+)
+
+
+def failure_cause(error: str | None) -> str:
+    """The cause of a failed episode in one line: the last line of its traceback, at most 300 characters."""
+    lines = [line for line in (error or "").splitlines() if line.strip()]
+    return (lines[-1].strip() if lines else "no error recorded")[:300]
+
+
+def is_infrastructure_failure(cause: str) -> bool:
+    name = cause.partition(":")[0].rsplit(".", 1)[-1]
+    return name in INFRASTRUCTURE_FAILURES
 
 
 @dataclass(frozen=True)
