@@ -30,13 +30,16 @@ class Settings(BaseSettings):
     max_event_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, description="largest event accepted")
 
     def running_servers(self) -> dict[str, str]:
-        """What a running ``turnstile up`` wrote to ``<data_dir>/servers.env`` (removed when it stops)."""
-        path = self.data_dir / SERVERS_FILE
-        found = {}
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                key, _, value = line.removeprefix("export ").partition("=")
-                found[key.strip()] = value.strip()
+        """What a running ``turnstile up`` wrote to ``servers.env`` (removed when it stops): in
+        ``data_dir`` (TURNSTILE_DATA_DIR, default ``.turnstile``), or else in the current directory when
+        that is a data directory itself (a command run inside the directory given to ``up --data-dir``)."""
+        found: dict[str, str] = {}
+        for path in (self.data_dir / SERVERS_FILE, Path(SERVERS_FILE)):
+            if path.is_file():
+                for line in path.read_text().splitlines():
+                    key, _, value = line.removeprefix("export ").partition("=")
+                    found[key.strip()] = value.strip()
+                break
         return found
 
     def require_database_url(self) -> str:

@@ -88,6 +88,12 @@ def test_up_starts_migrated_servers_keeps_data_and_stops_on_sigterm(tmp_path: Pa
         )  # fmt: skip
         assert sql.returncode == 0, sql.stderr
         assert json.loads(sql.stdout) == [{"login": "turnstile_analyst", "su": "off"}]
+        inside = subprocess.run(  # run inside the directory given to --data-dir: found too
+            [*TURNSTILE, "sql", "SELECT 1 AS one", "--json"], env=clean_env(), cwd=tmp_path / "data",
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert inside.returncode == 0, inside.stderr
+        assert json.loads(inside.stdout) == [{"one": 1}]
         migrated = subprocess.run(
             [*TURNSTILE, "migrate"], env=clean_env(TURNSTILE_DATA_DIR=str(tmp_path / "data")),
             capture_output=True, text=True, timeout=120,

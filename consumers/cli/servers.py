@@ -38,10 +38,12 @@ def up(
         servers_file.write_text(exports)
         sys.stdout.write(exports)
         sys.stdout.flush()
+        data_dir = servers.data_dir.absolute()
+        where = f"in {data_dir}" + (f" or in {data_dir.parent}" if data_dir.name == ".turnstile" else "")
         console.print(
             "[green]ready[/green]: paste the lines above into other shells (also in "
-            f"{servers_file}, which other turnstile commands in this directory read); Ctrl-C stops both "
-            "servers, the data stays."
+            f"{servers_file}, which other turnstile commands read when run {where}, or anywhere with "
+            f"TURNSTILE_DATA_DIR={data_dir}); Ctrl-C stops both servers, the data stays."
         )
         try:
             servers.watch(stop)
