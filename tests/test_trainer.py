@@ -21,11 +21,12 @@ from consumers.inference import InferenceConfig
 from consumers.trainer import TrainerConfig, serve_trainer
 from pipeline.batches.format import BatchSample, TrainingBatch, encode_batch
 from pipeline.batches.relay import BATCHES_STREAM, OutboxRelay, batch_subject, ensure_batches_stream
+from pipeline.errors import TurnstileError
 from pipeline.log import EventStore
 from pipeline.materialize.materializer import Materializer, MaterializerConfig
 from pipeline.settings import libpq_url, sqlalchemy_url
 from pipeline.training import BatchSubscription, checkpoint_dir
-from pipeline.training.subscription import published_version, to_tensors
+from pipeline.training.subscription import publish_policy_version, published_version, to_tensors
 from schemas import PolicyVersionPublished
 from tests.conftest import Servers
 from tests.serving import serving
@@ -282,3 +283,24 @@ async def test_the_bookkeeping_is_per_trainer_skips_what_it_recorded_and_keeps_l
         await connection.drain()
     recorded = rows(database_url, "SELECT batch_id, outcome, loss FROM trained_batches ORDER BY batch_id")
     assert recorded == [("b1", "trained", 0.25), ("b2", "stale", None)]
+
+
+async def test_a_version_republished_under_another_spelling_of_its_directory_stands_and_another_is_refused(
+    servers: Servers, store: EventStore, tmp_path: Path
+) -> None:
+    policy = f"p{uuid.uuid4().hex[:10]}"
+    real = tmp_path / "checkpoints" / "v000001"
+    real.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "checkpoints")
+    connection = await nats.connect(servers.nats_url)
+    try:
+        first = await publish_policy_version(store, connection, policy, 1, str(real))
+        again = await publish_policy_version(store, connection, policy, 1, str(tmp_path / "link" / "v000001"))
+        assert again == first  # a restart after the crash that lost the publish: the recorded event stands
+        other = tmp_path / "elsewhere" / "v000001"
+        other.mkdir(parents=True)
+        with pytest.raises(TurnstileError, match="version 1 is recorded with checkpoint"):
+            await publish_policy_version(store, connection, policy, 1, str(other))
+    finally:
+        await connection.drain()
+    assert len(await store.read_stream(f"policy-{policy}")) == 1

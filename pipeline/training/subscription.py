@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from pipeline.batches.relay import (
     ensure_batches_stream,
     fetch_training_batch,
 )
+from pipeline.errors import DuplicateEventConflict, TurnstileError
 from pipeline.inference.client import versions_subject
 from pipeline.log import EventStore, Store
 from pipeline.log.tables import trained_batches
@@ -305,7 +307,8 @@ async def publish_policy_version(
     batches_consumed: Sequence[str] = (),
 ) -> PolicyVersionPublished:
     """Append PolicyVersionPublished to ``policy-<policy>`` and broadcast it on ``policy.<policy>.versions``,
-    where inference consumers load it. Safe to call again for the same version (idempotent)."""
+    where inference consumers load it. Safe to call again for the same version (idempotent), also when the
+    checkpoint directory is spelled another way (a symlink, a relative path): the recorded event stands."""
     event = PolicyVersionPublished(
         event_id=version_event_id(policy, version),
         policy=policy,
@@ -313,10 +316,38 @@ async def publish_policy_version(
         checkpoint=checkpoint,
         batches_consumed=sorted(batches_consumed),
     )
-    await store.append(f"policy-{policy}", [event])
+    try:
+        await store.append(f"policy-{policy}", [event])
+    except DuplicateEventConflict:
+        event = await _recorded_version(store, event, checkpoint)
     await connection.publish(versions_subject(policy), event.model_dump_json().encode())
     await connection.flush()
     return event
+
+
+async def _recorded_version(
+    store: Store, wanted: PolicyVersionPublished, checkpoint: str
+) -> PolicyVersionPublished:
+    """The recorded event of ``wanted``'s version when it names the same checkpoint directory; else a clear
+    error (a version cannot be recorded twice with different weights)."""
+    for recorded in await store.read_stream(f"policy-{wanted.policy}"):
+        event = recorded.event
+        if isinstance(event, PolicyVersionPublished) and event.event_id == wanted.event_id:
+            if _same_directory(event.checkpoint, checkpoint):
+                return event
+            raise TurnstileError(
+                f"policy {wanted.policy!r} version {wanted.version} is recorded with checkpoint "
+                f"{event.checkpoint!r}, not {checkpoint!r}: a version is published once; point --checkpoints "
+                "at the directory that holds it (or use a new policy name)"
+            )
+    raise TurnstileError(f"policy {wanted.policy!r} version {wanted.version}: not in its stream")
+
+
+def _same_directory(first: str, second: str) -> bool:
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # one of them is gone: only the same spelling is the same
+        return first == second
 
 
 async def published_version(store: Store, policy: str) -> PolicyVersionPublished | None:
