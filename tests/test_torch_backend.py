@@ -178,3 +178,33 @@ async def test_each_reply_comes_from_the_weights_of_the_version_it_is_tagged_wit
         )
         error = max(abs(a - b) for a, b in zip(reply.completion_logprobs, expected, strict=True))
         assert error <= 1e-4, f"a reply tagged version {reply.policy_version} is off by {error}"
+
+
+async def test_a_request_that_fails_inside_a_batch_fails_alone(backend: TorchBackend) -> None:
+    # A seed beyond 64 bits (what an older client or another path could still send: the schema refuses it
+    # now) makes torch raise while the batch runs; the other requests of that batch are answered.
+    broken = SamplingParams.model_construct(**{**SamplingParams(max_tokens=4).model_dump(), "seed": 2**70})
+    bad = ask("bad").model_copy(update={"sampling": broken})
+    requests = [ask("one", max_tokens=4), ask("two", max_tokens=4), bad, ask("three", max_tokens=4)]
+    results = await asyncio.gather(*(backend.generate(r) for r in requests), return_exceptions=True)
+    assert isinstance(results[2], Exception)
+    for result in (results[0], results[1], results[3]):
+        assert not isinstance(result, BaseException), result
+        assert result.completion_token_ids
+
+
+async def test_prefix_ids_outside_the_vocabulary_are_refused_before_they_reach_a_batch(
+    backend: TorchBackend,
+) -> None:
+    from pipeline.inference.client import RequestRejected
+
+    vocabulary = int(backend.model.config.vocab_size)
+    request = LLMRequest(
+        policy="p",
+        messages=[ChatMessage(role="user", content="a"), ChatMessage(role="assistant", content="b"),
+                  ChatMessage(role="user", content="c")],
+        prefix=TokenPrefix(token_ids=[1, vocabulary + 5], message_count=2),
+    )  # fmt: skip
+    with pytest.raises(RequestRejected, match=f"token id {vocabulary + 5} is outside the model's vocabulary"):
+        await backend.generate(request)
+    assert (await backend.generate(ask("still serving", max_tokens=2))).completion_token_ids

@@ -78,6 +78,14 @@ class TorchBackend:
         return [ids] if isinstance(ids, int) else list(ids)
 
     async def generate(self, request: LLMRequest) -> Generation:
+        vocabulary = int(self.model.config.vocab_size)
+        if request.prefix is not None and any(t >= vocabulary for t in request.prefix.token_ids):
+            bad = next(t for t in request.prefix.token_ids if t >= vocabulary)
+            raise RequestRejected(
+                "prefix.token_ids",
+                f"token id {bad} is outside the model's vocabulary of {vocabulary}; send the ids this "
+                "policy's engine returned",
+            )
         prompt = self.renderer.prompt(request)
         if len(prompt.token_ids) >= self.context_length:
             raise RequestRejected(
@@ -108,14 +116,7 @@ class TorchBackend:
                 batch.append(self._queue.get_nowait())
             async with self._swap:
                 version = self.policy_version
-                try:
-                    await asyncio.to_thread(self._generate_batch, batch, self.model)
-                except Exception as error:
-                    log.exception("batch of %d failed", len(batch))
-                    for row in batch:
-                        if not row.future.done():
-                            row.future.set_exception(error)
-                    continue
+                await self._generate_isolated(batch)
             for row in batch:
                 if row.future.done():
                     continue
@@ -132,6 +133,23 @@ class TorchBackend:
                         first_token_at=row.first_token_at,
                     )
                 )
+
+    async def _generate_isolated(self, batch: list[_Row]) -> None:
+        """Generate a batch; if it fails, each row again alone, so one bad request fails alone."""
+        try:
+            await asyncio.to_thread(self._generate_batch, batch, self.model)
+        except Exception as error:
+            if len(batch) == 1:
+                log.exception("request %s failed", batch[0].request.request_id)
+                if not batch[0].future.done():
+                    batch[0].future.set_exception(error)
+                return
+            log.warning("a batch of %d failed (%s); generating each request alone", len(batch), error)
+            for row in batch:
+                row.completion.clear()
+                row.logprobs.clear()
+                row.finish_reason = None
+                await self._generate_isolated([row])
 
     def _text(self, completion: list[int]) -> str:
         ids = completion[:-1] if completion and completion[-1] in self.eos_ids else completion
