@@ -105,3 +105,38 @@ async def test_a_session_nothing_downstream_could_serve_or_store_is_refused_up_f
     assert await store.head() == 0  # nothing recorded
     created = await client.post("/admin/sessions", json={}, headers=ADMIN)
     assert created.status_code == 201  # the gateway goes on
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ('{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', "lone surrogate"),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+            '"function": {"name": "f\\u0000", "parameters": {}}}]}',
+            "NUL character",
+        ),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+            '"function": {"name": "f", "parameters": {"\\u0000": 1}}}]}',
+            "NUL character",
+        ),
+        ("[" * 50_000 + "]" * 50_000, "nests JSON too deeply"),
+    ],
+)
+async def test_what_the_log_cannot_hold_is_refused_before_inference_runs(
+    gateway: tuple[httpx.AsyncClient, InMemoryStore], body: str, said: str
+) -> None:
+    client, store = gateway
+    session = (await client.post("/admin/sessions", json={}, headers=ADMIN)).json()
+    key = {"Authorization": f"Bearer {session['api_key']}", "Content-Type": "application/json"}
+    refused = await client.post("/v1/chat/completions", content=body, headers=key)
+    assert refused.status_code == 400, refused.text
+    assert said in refused.json()["error"]["message"]
+    assert await store.head() == 1  # only the session's EpisodeStarted: no turn, and no inference call
+    fine = await client.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        headers=key,
+    )
+    assert fine.status_code == 200  # the gateway goes on

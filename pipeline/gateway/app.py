@@ -296,9 +296,39 @@ async def json_body(request: Request, *, empty: object = None) -> object:
     if not raw.strip() and empty is not None:
         return empty
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except ValueError as error:
         raise GatewayError(400, f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise GatewayError(400, "the request body nests JSON too deeply; flatten it") from None
+    _check_storable(body, "body")
+    return body
+
+
+def _check_storable(value: object, where: str) -> None:
+    """Refuse what the event log cannot hold before anything runs: a NUL character (PostgreSQL's jsonb has
+    none) and a lone surrogate (not Unicode text). Iterative: the body may nest deeply."""
+    stack: list[tuple[object, str]] = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((key, f"{path} (a key)"))
+                stack.append((child, f"{path}.{key}"))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{index}]") for index, child in enumerate(item))
+        elif isinstance(item, str):
+            if "\x00" in item:
+                raise GatewayError(
+                    400, f"{path} holds a NUL character (\\u0000), which cannot be stored; remove it"
+                )
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise GatewayError(
+                    400,
+                    f"{path} holds a lone surrogate (such as \\ud800), which is not Unicode text; remove it",
+                ) from None
 
 
 def parse_spec(model: type[_Spec], body: object) -> _Spec:
