@@ -6,7 +6,9 @@ which releases the lock (PostgreSQL makes a commit visible before it releases th
 So at most one transaction is ever between "positions assigned" and "committed": positions are gapless
 and increase in commit order, and a tailer that has read up to position p can never later find a
 committed event below p. "read position > p" therefore never skips an event that commits late, and a
-rolled-back append leaves no hole to wait for.
+rolled-back append leaves no hole to wait for. The database holds every writer to this (migration 0007: an
+INSERT or COPY into ``events`` without the lock, or leaving a gap, is refused), and an append waits for
+the lock at most ``lock_timeout`` seconds (then ``StoreUnavailable`` naming it).
 
 Why the lock and not an xid8 horizon: a horizon lets appends run in parallel, but then the global
 order is the order of transaction ids rather than commit order, readers need an (xid, position) cursor,
