@@ -72,6 +72,7 @@ SUITES: dict[str, Suite] = {
             "tests/test_materializer.py",
             "tests/test_relay.py",
             "tests/test_trainer.py",
+            "tests/test_security.py",
         ),
         # each of these starts processes or trains for seconds; the tests left in still cover each function
         deselect="not killed and not another_process and not rematerialize_command and not refuses_bad",
