@@ -96,6 +96,28 @@ class StoreContract:
         assert (first.duplicate, again.duplicate) == (False, True)
         assert await count_events(store) == 2
 
+    async def test_a_retry_reports_the_recorded_positions_not_the_stream_versions(self, store: Store) -> None:
+        await store.append(new_stream(), [started(), turn()])  # positions 1, 2 belong to another stream
+        stream = new_stream()
+        events = [started(), turn()]
+        first = await store.append(stream, events, expected_version=0)
+        again = await store.append(stream, events, expected_version=0)
+        assert first.positions == again.positions == (3, 4)  # versions 1, 2
+        assert again.duplicate
+
+    async def test_tail_pages_through_a_backlog_without_waiting_for_a_notification(
+        self, store: Store
+    ) -> None:
+        for _ in range(5):
+            await store.append(new_stream(), [started()])
+        seen = []
+        async with asyncio.timeout(30):  # a wait for a notification would take an hour
+            async for recorded in store.tail(batch_size=2, poll_interval=3600):
+                seen.append(recorded.position)
+                if len(seen) == 5:
+                    break
+        assert seen == [1, 2, 3, 4, 5]
+
     async def test_the_same_event_id_with_other_content_is_refused(self, store: Store) -> None:
         stream = new_stream()
         event = turn("first question")
