@@ -26,6 +26,11 @@ async def serve_materializer(
             await materializer.run(runtime.stop)
         finally:
             await materializer.close()
+            if materializer.skipped:
+                log.warning(
+                    "materializer %s skipped %d events it could not fold: SELECT * FROM skipped_events",
+                    config.name, materializer.skipped,
+                )  # fmt: skip
     return materializer
 
 
@@ -42,5 +47,8 @@ async def rematerialize(
         folded = await materializer.catch_up()
     finally:
         await materializer.close()
-    log.info("rebuilt %s: %d events in %.1f s", config.name, folded, time.monotonic() - started)
+    log.info(
+        "rebuilt %s: %d events in %.1f s, %d skipped", config.name, folded, time.monotonic() - started,
+        materializer.skipped,
+    )  # fmt: skip
     return materializer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 import uuid
 
 import pytest
@@ -129,18 +130,29 @@ def test_the_stored_form_of_an_event_is_a_format() -> None:
     assert with_tokens.tokens == pack_tokens(*unpack_tokens(with_tokens.tokens or b""))
 
 
-def test_readers_ignore_unknown_fields_keep_unknown_types_and_name_the_position_of_a_broken_event() -> None:
+def test_readers_ignore_unknown_fields_keep_unknown_types_and_skip_a_broken_event_naming_it() -> None:
     event = reward(2.0)
     data = {**json.loads(encode_event(event).data), "from_the_future": True}
     assert decode_event("RewardAssigned", data, None) == event
     assert decode_event("EpisodePaused", {}, None) is None
-    with pytest.raises(
-        InvalidEvent, match=r"stored event at position 9 \(RewardAssigned\) does not parse: .*value"
-    ):
-        recorded_event(
-            position=9, stream="episode-x", version=1, event_id=event.event_id, type_="RewardAssigned",
-            data={**data, "value": "lots"}, tokens=None, metadata={}, recorded_at=dt.datetime.now(dt.UTC),
-        )  # fmt: skip
+    envelope = {
+        "stream": "episode-x", "version": 1, "event_id": event.event_id, "metadata": {},
+        "recorded_at": dt.datetime.now(dt.UTC),
+    }  # fmt: skip
+    lots = {**data, "value": "lots"}
+    broken = recorded_event(position=9, type_="RewardAssigned", data=lots, tokens=None, **envelope)
+    assert broken.event is None
+    assert broken.problem is not None
+    assert re.match(r"stored event at position 9 \(RewardAssigned\) does not parse: .*value", broken.problem)
+    turn_data = json.loads(encode_event(turn(prompt_len=3, completion_len=2)).data)
+    for blob in (b"", b"TSK1", b"XXXX" + bytes(12), pack_tokens([1, 2], [3], [-0.5])[:-1]):
+        torn = recorded_event(position=10, type_="TurnCompleted", data=turn_data, tokens=blob, **envelope)
+        assert torn.event is None
+        assert torn.problem is not None
+        assert "position 10 (TurnCompleted)" in torn.problem
+        assert "TSK1" in torn.problem
+    fine = recorded_event(position=11, type_="RewardAssigned", data=data, tokens=None, **envelope)
+    assert (fine.event, fine.problem) == (event, None)
 
 
 def test_refusals_name_the_event_the_stream_and_the_limit_exactly() -> None:

@@ -95,6 +95,11 @@ def rematerialize(
         f"rebuilt [bold]{name}[/bold] up to position {done.position} in schema {config.schema}; "
         f'query it with turnstile sql --schema {name} "SELECT ..."'
     )
+    if done.skipped:
+        console.print(
+            f"[bold yellow]{done.skipped} events could not be folded and were skipped[/bold yellow]: "
+            f'turnstile sql --schema {name} "SELECT * FROM skipped_events"'
+        )
 
 
 def sql(

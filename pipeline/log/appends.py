@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,8 @@ from pipeline.errors import (
 from pipeline.log.port import AppendResult, RecordedEvent
 from pipeline.log.tokens import pack_tokens, unpack_tokens
 from schemas import CATEGORY_OF, EVENT_TYPES, Event, TurnCompleted, parse_event
+
+log = logging.getLogger(__name__)
 
 STREAM_PATTERN: Final = re.compile(r"^(?P<category>[a-z]+)-[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
 TOKEN_FIELDS: Final = frozenset({"prompt_token_ids", "completion_token_ids", "completion_logprobs"})
@@ -245,12 +248,14 @@ def recorded_event(
     metadata: dict[str, Any],
     recorded_at: datetime,
 ) -> RecordedEvent:
-    """A stored event with its envelope; ``InvalidEvent`` naming the position if it does not parse."""
+    """A stored event with its envelope. One that does not parse comes back with ``event=None`` and the
+    reason in ``problem`` (naming its position), so that no recorded event can stop a reader."""
     try:
         event = decode_event(type_, data, tokens)
-    except ValidationError as error:
-        problem = describe_validation_error(error)
-        raise InvalidEvent(
-            f"stored event at position {position} ({type_}) does not parse: {problem}"
-        ) from None
-    return RecordedEvent(position, stream, version, event_id, type_, event, metadata, recorded_at)
+    except (ValidationError, InvalidEvent) as error:
+        why = describe_validation_error(error) if isinstance(error, ValidationError) else str(error)
+        problem = f"stored event at position {position} ({type_}) does not parse: {why}"
+    else:
+        return RecordedEvent(position, stream, version, event_id, type_, event, metadata, recorded_at)
+    log.warning("skipping %s", problem)
+    return RecordedEvent(position, stream, version, event_id, type_, None, metadata, recorded_at, problem)

@@ -17,7 +17,12 @@ from schemas import Event
 
 @dataclass(frozen=True, slots=True)
 class RecordedEvent:
-    """The envelope of one event in the log. ``event`` is None for a type this reader does not know."""
+    """The envelope of one event in the log.
+
+    ``event`` is None for a type this reader does not know, and for a recorded event that does not parse
+    (written by an older bug, or by hand): then ``problem`` says why. A reader skips such an event and goes
+    on; it never stops on one (the materializer records it in ``skipped_events``).
+    """
 
     position: int
     stream: str
@@ -27,6 +32,7 @@ class RecordedEvent:
     event: Event | None
     metadata: dict[str, Any]
     recorded_at: datetime
+    problem: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,8 @@ def pack_tokens(prompt_ids: list[int], completion_ids: list[int], completion_log
 
 
 def unpack_tokens(blob: bytes) -> tuple[list[int], list[int], list[float]]:
+    if len(blob) < _HEADER.size:
+        raise InvalidEvent(f"stored token arrays are not in the {_MAGIC!r} layout ({len(blob)} bytes)")
     magic, n_prompt, n_completion, n_logprobs = _HEADER.unpack_from(blob)
     if magic != _MAGIC or len(blob) != _HEADER.size + 4 * (n_prompt + n_completion + n_logprobs):
         raise InvalidEvent(f"stored token arrays are not in the {_MAGIC!r} layout ({len(blob)} bytes)")

@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import re
 import uuid
 from collections import OrderedDict, deque
@@ -51,7 +52,8 @@ log = logging.getLogger(__name__)
 
 USABLE: Final = frozenset({"done", "max_turns", "truncated"})
 """Terminations whose episodes become samples; error, timeout, cancelled and aborted ones do not."""
-READ_MODEL_TABLES: Final = ("episodes", "turns", "samples", "batches", "batch_outbox")
+READ_MODEL_TABLES: Final = ("episodes", "turns", "samples", "batches", "batch_outbox", "skipped_events")
+INT4_MAX: Final = 2**31 - 1
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,40}$")
 
 
@@ -183,6 +185,7 @@ class Writes:
     batched: list[tuple[Any, ...]] = field(default_factory=list)
     batches: list[tuple[Any, ...]] = field(default_factory=list)
     outbox: list[tuple[Any, ...]] = field(default_factory=list)
+    skipped: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 EPISODE_COLUMNS: Final = (
@@ -215,8 +218,27 @@ _S_ADVANTAGE, _S_STALE, _S_READY, _S_BATCH = (
 )
 
 
+class Unfoldable(Exception):
+    """A recorded event the fold cannot use (``row``), and why; the fold skips it and goes on."""
+
+    def __init__(self, row: LogRow, reason: str) -> None:
+        super().__init__(reason)
+        self.row = row
+        self.reason = reason
+
+
+UNFOLDABLE: Final = (Unfoldable, KeyError, ValueError, TypeError, IndexError, AttributeError, OverflowError)
+"""What reading a malformed event raises (a missing field, a wrong type, torn token arrays): the fold skips
+that event, never stops on it. Every event is validated when appended, so this is for what slipped past."""
+
+
 class Fold:
-    """The materializer's state and what it does with each event; no I/O (see ``Materializer``)."""
+    """The materializer's state and what it does with each event; no I/O (see ``Materializer``).
+
+    An event the fold cannot use (see ``UNFOLDABLE``) is skipped: recorded in ``skipped_events`` with the
+    reason and logged; its episode, if it has one, is recorded as finished with that reason in ``error`` and
+    yields no samples. Each handler checks before it changes any state, so a skip leaves the fold as it was.
+    """
 
     def __init__(self, config: MaterializerConfig) -> None:
         self.config = config
@@ -227,6 +249,7 @@ class Fold:
         self.queues: dict[str, deque[list[ReadySample]]] = {}
         self.newest: dict[str, int] = {}
         self.writes = Writes()
+        self.skipped = 0
 
     # -- events --
 
@@ -235,6 +258,36 @@ class Fold:
             return  # delivered again: already folded
         self.position = row.position
         self._expire_groups(row)
+        try:
+            self._dispatch(row)
+        except UNFOLDABLE as error:
+            culprit = error.row if isinstance(error, Unfoldable) else row
+            reason = error.reason if isinstance(error, Unfoldable) else f"{type(error).__name__}: {error}"
+            self.skip(culprit, reason, closing=row)
+
+    def skip(self, row: LogRow, reason: str, *, closing: LogRow | None = None) -> None:
+        """Record ``row`` as skipped; if ``closing`` finishes an open episode, that episode is recorded as
+        finished, not materialized, with the reason."""
+        closing = closing or row
+        self.skipped += 1
+        reason = reason.replace("\x00", "\\0")
+        episode = self.open.get(closing.stream)
+        episode_id = str(episode[0].data.get("episode_id")) if episode else None
+        log.warning(
+            "materializer %s: skipped the event at position %d (%s, %s): %s",
+            self.config.name, row.position, row.type, row.stream, reason,
+        )  # fmt: skip
+        self.writes.skipped.append((row.position, row.stream, row.type, episode_id, reason))
+        if episode is not None and closing.type == "EpisodeFinished":
+            del self.open[closing.stream]
+            self._record_finished(
+                episode_id or "", episode[0], closing, ["finished", None,
+                f"not materialized: the event at position {row.position} ({row.type}) was skipped: {reason}",
+                None, None, None, None, None, None, closing.recorded_at,
+                (closing.recorded_at - episode[0].recorded_at).total_seconds(), closing.position],
+            )  # fmt: skip
+
+    def _dispatch(self, row: LogRow) -> None:
         if row.type == "EpisodeStarted":
             self._started(row)
         elif row.type in ("TurnCompleted", "RewardAssigned"):
@@ -244,51 +297,53 @@ class Fold:
         elif row.type == "EpisodeFinished":
             self._finished(row)
         elif row.type == "PolicyVersionPublished":
-            policy = row.data["policy"]
-            self.newest[policy] = max(self.newest.get(policy, 0), int(row.data["version"]))
+            policy = _text(row, "policy")
+            version = _count(row, row.data["version"], "version")
+            self.newest[policy] = max(self.newest.get(policy, 0), version)
 
     def _started(self, row: LogRow) -> None:
         data = row.data
-        self.open[row.stream] = [row]
-        self.writes.episodes[data["episode_id"]] = [
-            data["episode_id"], row.stream, data["policy"], data.get("agent", ""), data.get("task_id", ""),
-            data.get("group_id"), int(data.get("group_size", 1)), data.get("retry_of"),
-            json.dumps(data.get("tags", {}), sort_keys=True), "running", None, None, None, None, None, None,
-            None, None, row.recorded_at, None, None, row.position, None,
+        episode_id = _text(row, "episode_id")
+        values = [
+            episode_id, row.stream, _text(row, "policy"), _text(row, "agent", ""), _text(row, "task_id", ""),
+            _text(row, "group_id", None), _count(row, data.get("group_size", 1), "group_size", least=1),
+            _text(row, "retry_of", None), json.dumps(data.get("tags", {}), sort_keys=True), "running", None,
+            None, None, None, None, None, None, None, row.recorded_at, None, None, row.position, None,
         ]  # fmt: skip
+        self.open[row.stream] = [row]
+        self.writes.episodes[episode_id] = values
 
     def _finished(self, row: LogRow) -> None:
-        events = self.open.pop(row.stream, None)
+        events = self.open.get(row.stream)
         if events is None:
             return  # its start is not in this log (or was folded by an older reader): nothing to close
+        # Everything that can fail on a malformed event is computed before any state changes.
         started = events[0].data
         episode_id: str = started["episode_id"]
         turns, turn_rows, tree, values = self._turns(episode_id, events)
-        termination = row.data["termination"]
-        rewards = [float(e.data["value"]) for e in events if e.type == "RewardAssigned"]
+        termination = _text(row, "termination")
+        error = _text(row, "error", None)
+        rewards = [_reward(e) for e in events if e.type == "RewardAssigned"]
         versions = [turn.policy_version for turn in turns]
         finished = [
-            "finished", termination, row.data.get("error"), sum(rewards) if rewards else None, len(turns),
+            "finished", termination, error, sum(rewards) if rewards else None, len(turns),
             sum(len(t.prompt_token_ids) for t in turns), sum(len(t.completion_token_ids) for t in turns),
             min(versions, default=None), max(versions, default=None), row.recorded_at,
             (row.recorded_at - events[0].recorded_at).total_seconds(), row.position,
         ]  # fmt: skip
-        inserted = self.writes.episodes.get(episode_id)
-        if inserted is not None:
-            for index, value in zip(_FINISHED_INDEXES, finished, strict=True):
-                inserted[index] = value
-        else:
-            self.writes.finished.append((*finished, episode_id))
+        usable = termination in USABLE and bool(turns)
+        if usable and self.config.style == "concat":
+            samples = concat_samples(turns, tree, values)
+        elif usable:
+            samples = individual_samples(turns, values)
+        del self.open[row.stream]
+        self._record_finished(episode_id, events[0], row, finished)
         self.writes.turns.extend(turn_rows)
         policy = started["policy"]
         if versions:
             self.newest[policy] = max(self.newest.get(policy, 0), max(versions))
-        if termination not in USABLE or not turns:
+        if not usable:
             return
-        if self.config.style == "concat":
-            samples = concat_samples(turns, tree, values)
-        else:
-            samples = individual_samples(turns, values)
         group_id = started.get("group_id") or episode_id
         size = int(started.get("group_size", 1)) if started.get("group_id") else 1
         key = (policy, group_id)
@@ -320,6 +375,14 @@ class Fold:
         if len(group.episodes) >= group.size:
             self._make_ready([group], row)
 
+    def _record_finished(self, episode_id: str, start: LogRow, row: LogRow, finished: list[Any]) -> None:
+        inserted = self.writes.episodes.get(episode_id)
+        if inserted is not None:
+            for index, value in zip(_FINISHED_INDEXES, finished, strict=True):
+                inserted[index] = value
+        else:
+            self.writes.finished.append((*finished, episode_id))
+
     def _turns(
         self, episode_id: str, events: list[LogRow]
     ) -> tuple[list[Turn], list[tuple[Any, ...]], dict[uuid.UUID, uuid.UUID | None], dict[uuid.UUID, float]]:
@@ -333,23 +396,8 @@ class Fold:
                 if target is None and completed:
                     target = str(completed[-1].data["turn_id"])  # the episode's reward: its last turn's
                 if target in own:
-                    own[target] += float(event.data["value"])
-        turns = []
-        for index, event in enumerate(completed):
-            assert event.tokens is not None
-            prompt, completion, logprobs = unpack_tokens(event.tokens)
-            turns.append(
-                Turn(
-                    turn_id=_uuid(event.data["turn_id"]),
-                    episode_id=episode_id,
-                    index=index,
-                    prompt_token_ids=tuple(prompt),
-                    completion_token_ids=tuple(completion),
-                    completion_logprobs=tuple(logprobs),
-                    policy_version=int(event.data["policy_version"]),
-                    reward=own[str(event.data["turn_id"])],
-                )
-            )
+                    own[target] += _reward(event)
+        turns = [self._turn(episode_id, index, event, own) for index, event in enumerate(completed)]
         tree = parents(turns)
         values = discounted_rewards(turns, tree, self.config.discount)
         rows = []
@@ -369,6 +417,35 @@ class Fold:
                 )
             )  # fmt: skip
         return turns, rows, tree, values
+
+    @staticmethod
+    def _turn(episode_id: str, index: int, event: LogRow, own: dict[str, float]) -> Turn:
+        """One recorded turn, or ``Unfoldable`` naming it when its fields or token arrays are not usable."""
+        try:
+            if event.tokens is None:
+                raise ValueError("it has no token arrays")
+            prompt, completion, logprobs = unpack_tokens(event.tokens)
+            if len(logprobs) != len(completion):
+                raise ValueError(f"it has {len(logprobs)} logprobs for {len(completion)} completion tokens")
+            if not all(-math.inf < lp <= 0.0 for lp in logprobs):
+                raise ValueError("a logprob is not a finite number <= 0")
+            data = event.data
+            if not isinstance(data["reply"]["finish_reason"], str) or not isinstance(data["engine_id"], str):
+                raise ValueError("its finish_reason or engine_id is not a string")
+            return Turn(
+                turn_id=_uuid(data["turn_id"]),
+                episode_id=episode_id,
+                index=index,
+                prompt_token_ids=tuple(prompt),
+                completion_token_ids=tuple(completion),
+                completion_logprobs=tuple(logprobs),
+                policy_version=_count(event, data["policy_version"], "policy_version"),
+                reward=own[str(data["turn_id"])],
+            )
+        except UNFOLDABLE as error:
+            if isinstance(error, Unfoldable):
+                raise
+            raise Unfoldable(event, f"{type(error).__name__}: {error}") from None
 
     # -- groups and batches --
 
@@ -475,8 +552,44 @@ class Fold:
             self.writes.batched.append((changes[_S_STALE], changes[_S_BATCH], sample_id))
 
 
+REFUSED_WRITES: Final = (psycopg.errors.DataError, psycopg.errors.IntegrityError)
+"""What the read models answer to a value they cannot hold: out of a column's range, text with NUL, a
+duplicate key. The transaction is rolled back; ``Materializer.step`` then finds and skips the event."""
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def _uuid(value: Any) -> uuid.UUID:
     return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
+
+
+_REQUIRED: Final = object()
+
+
+def _text(row: LogRow, name: str, default: Any = _REQUIRED) -> Any:
+    """The string field ``name`` of ``row`` (or ``default`` when absent or null), or ``Unfoldable``."""
+    value = row.data.get(name)
+    if value is None and default is not _REQUIRED:
+        return default
+    if not isinstance(value, str):
+        raise Unfoldable(row, f"its {name} is {value!r}, not a string")
+    return value
+
+
+def _count(row: LogRow, value: Any, name: str, *, least: int = 0) -> int:
+    """An integer field that must fit the read models' integer columns, or ``Unfoldable``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= INT4_MAX:
+        raise Unfoldable(row, f"its {name} is {value!r}, not an integer in [{least}, {INT4_MAX}]")
+    return value
+
+
+def _reward(row: LogRow) -> float:
+    value = row.data.get("value")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise Unfoldable(row, f"its value is {value!r}, not a finite number")
+    return float(value)
 
 
 class Materializer:
@@ -492,6 +605,11 @@ class Materializer:
     @property
     def position(self) -> int:
         return self.fold.position
+
+    @property
+    def skipped(self) -> int:
+        """Events this process skipped (see ``Fold.skip``); ``skipped_events`` holds all of them."""
+        return self.fold.skipped
 
     def _table(self, name: str) -> sql.Composed:
         return sql.SQL("{}.{}").format(sql.Identifier(self.config.schema), sql.Identifier(name))
@@ -643,11 +761,47 @@ class Materializer:
         rows = await self._read("position > %s", (self.fold.position,), self.config.step_events)
         if not rows:
             return 0
+        skipped = self.fold.skipped
         for row in rows:
             self.fold.apply(row)
         writes, self.fold.writes = self.fold.writes, Writes()
-        await self._commit(writes, self.fold.position)
+        try:
+            await self._commit(writes, self.fold.position)
+        except REFUSED_WRITES as error:
+            log.warning(
+                "materializer %s: the read models refused the step after position %d (%s); folding its "
+                "events one at a time to find the one to skip",
+                self.config.name, rows[0].position - 1, _first_line(error),
+            )  # fmt: skip
+            await self._reload(skipped)
+            await self._fold_one_at_a_time(rows)
         return len(rows)
+
+    async def _fold_one_at_a_time(self, rows: list[LogRow]) -> None:
+        """The safety net behind the fold's own checks: a value the tables cannot hold (out of an integer
+        column's range, a duplicate key) made a step's transaction fail. Back to the checkpoint, commit the
+        step's events one by one; the one whose commit fails again is skipped (recorded with the database's
+        reason) and the rest go on."""
+        for row in rows:
+            if row.position <= self.fold.position:
+                continue
+            skipped = self.fold.skipped
+            self.fold.apply(row)
+            writes, self.fold.writes = self.fold.writes, Writes()
+            try:
+                await self._commit(writes, row.position)
+            except REFUSED_WRITES as error:
+                await self._reload(skipped)
+                self.fold.position = row.position
+                self.fold.skip(row, f"the read models refused it: {_first_line(error)}")
+                writes, self.fold.writes = self.fold.writes, Writes()
+                await self._commit(writes, row.position)
+
+    async def _reload(self, skipped: int) -> None:
+        """Forget the in-memory state and load it again from the tables as of the checkpoint."""
+        self.fold = Fold(self.config)
+        self.fold.skipped = skipped
+        await self._load()
 
     async def _commit(self, writes: Writes, position: int) -> None:
         # One transaction: the read models, the batches, the outbox and the checkpoint commit together.
@@ -725,6 +879,9 @@ class Materializer:
             await copy("batches", BATCH_COLUMNS, writes.batches)
         if writes.outbox:
             await copy("batch_outbox", ("batch_id", "subject", "payload", "created_at"), writes.outbox)
+        if writes.skipped:
+            columns = ("position", "stream", "type", "episode_id", "reason")
+            await copy("skipped_events", columns, writes.skipped)
 
     async def head(self) -> int:
         connection = self._require()

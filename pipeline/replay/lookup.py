@@ -32,6 +32,10 @@ class EpisodeNotFound(TurnstileError):
     """No episode in the log has that id (or an id beginning with it)."""
 
 
+class UnreadableEpisode(TurnstileError):
+    """The episode holds a recorded event that does not parse; a replay of it would not be the episode."""
+
+
 class AmbiguousEpisodeId(TurnstileError):
     """Several episodes' ids begin with the given text."""
 
@@ -113,7 +117,14 @@ class ReplayedEpisode:
 
 async def load_episode(store: EventStore, episode_id: str, *, until: int | None = None) -> ReplayedEpisode:
     """The fold of the episode's events, or of those up to and including its turn ``until`` (1-based)."""
-    recorded = [r for r in await store.read_stream(episode_stream(episode_id)) if r.event is not None]
+    everything = await store.read_stream(episode_stream(episode_id))
+    unreadable = [r.problem for r in everything if r.problem is not None]
+    if unreadable:
+        raise UnreadableEpisode(
+            f"episode {episode_id} cannot be replayed: {'; '.join(unreadable)} (the materializer skips such "
+            "events too: SELECT * FROM skipped_events)"
+        )
+    recorded = [r for r in everything if r.event is not None]
     if not recorded:
         raise EpisodeNotFound(f"no episode {episode_id!r} in the log")
     turn_rows = [i for i, r in enumerate(recorded) if isinstance(r.event, TurnCompleted)]
