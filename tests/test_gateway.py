@@ -292,7 +292,8 @@ async def test_anthropic_sdk_multi_turn_tool_use_is_recorded_token_exact(
         assert (await http.post("/v1/session/reward", json={"value": 0.5})).status_code == 200
         assert (await http.post("/v1/session/end", json={"termination": "done"})).status_code == 200
         refused = await http.post("/v1/session/reward", json={"value": 1.0})
-    assert refused.status_code == 401
+    assert refused.status_code == 409
+    assert "ended (done)" in refused.json()["error"]["message"]
     events = await events_of(store, session["session_id"])
     assert isinstance(events[-2], RewardAssigned)
     assert events[-2].turn_id is None

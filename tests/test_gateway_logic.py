@@ -79,8 +79,27 @@ async def test_both_dialects_record_turns_and_answer_errors_in_their_own_shape(
 
     ended = await client.post("/v1/session/end", headers=key)
     assert ended.json()["termination"] == "done"
-    assert (await client.post("/v1/chat/completions", json={}, headers=key)).status_code == 401
     assert (await store.read_all())[-1].type == "EpisodeFinished"
+    head = await store.head()
+    # after the end, its key and its id get 409 saying it ended and what to do; nothing more is recorded
+    for method, path, body, headers in [
+        ("POST", "/v1/chat/completions", {}, key),
+        ("POST", "/v1/session/reward", {"value": 1.0}, key),
+        ("POST", "/v1/session/end", {}, key),
+        ("GET", "/v1/session", None, key),
+        ("POST", f"/admin/sessions/{session['session_id']}/reward", {"value": 1.0}, ADMIN),
+        ("POST", f"/admin/sessions/{session['session_id']}/end", {}, ADMIN),
+        ("GET", f"/admin/sessions/{session['session_id']}", None, ADMIN),
+    ]:
+        late = await client.request(method, path, json=body, headers=headers)
+        assert late.status_code == 409, (path, late.text)
+        message = late.json()["error"]["message"]
+        assert f"session {session['session_id']} ended (done)" in message
+        assert "post the reward first, then end it" in message
+    assert await store.head() == head
+    unknown = await client.post("/admin/sessions/nosuch/reward", json={"value": 1.0}, headers=ADMIN)
+    assert unknown.status_code == 404
+    assert (await client.post("/v1/session/end", headers={"x-api-key": "ts-made-up"})).status_code == 401
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -21,13 +22,14 @@ import sqlalchemy as sa
 
 from consumers.inference import InferenceConfig
 from pipeline.episodes import EpisodeSession
+from pipeline.episodes.fold import EpisodeOutcome
 from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
 from pipeline.examples import ARITHMETIC_TASKS
 from pipeline.inference.backends import Generation
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.tables import runners
-from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
+from pipeline.runners.runner import Runner, RunnerConfig, RunStats, TaskSpec, run_tasks
 from pipeline.runners.taskqueue import TASKS_STREAM, runner_durable
 from pipeline.settings import libpq_url
 from schemas import LLMRequest, SamplingParams, TurnCompleted
@@ -211,6 +213,27 @@ async def test_turnstile_run_with_no_inference_consumer_says_why_and_exits_non_z
     assert "2 x pipeline.inference.client.NoInferenceConsumer: no inference consumer for policy" in output
     assert "(infrastructure: no agent change fixes it)" in output
     assert terminations(database_url) == Counter({"error": 2})
+
+
+def test_a_long_running_runner_logs_the_first_failure_of_each_kind_and_counts_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stats = RunStats()
+    causes = [
+        "Traceback ...\npipeline.inference.client.NoInferenceConsumer: no inference consumer for policy 'p'",
+        "ValueError: the agent could not parse 'x'",
+    ]
+    with caplog.at_level(logging.WARNING, logger="pipeline.runners.runner"):
+        for n, error in enumerate([causes[0], causes[1], causes[0], causes[0], causes[1]]):
+            stats.count(EpisodeOutcome(f"e{n}", "error", None, 1, error))
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [
+        "episode e0 failed (infrastructure): pipeline.inference.client.NoInferenceConsumer: no inference "
+        "consumer for policy 'p'",
+        "episode e1 failed (agent): ValueError: the agent could not parse 'x'",
+    ]
+    assert stats.failed == 5
+    assert sorted(stats.causes.values()) == [2, 3]
 
 
 async def test_turnstile_run_ctrl_c_cancels_open_episodes_cleanly(

@@ -44,7 +44,7 @@ from pipeline.dialects import (
 )
 from pipeline.errors import TurnstileError, describe_validation_error
 from pipeline.gateway.errors import GatewayError
-from pipeline.gateway.service import EndSpec, Gateway, RewardSpec, SessionSpec, describe
+from pipeline.gateway.service import AFTER_END, EndSpec, Gateway, RewardSpec, SessionSpec, describe
 from pipeline.gateway.sessions import SessionEntry, SessionRegistry
 from pipeline.inference import LLMClient
 from pipeline.log import Store
@@ -198,7 +198,11 @@ def create_gateway(
         gateway.require_admin(request)
         entry = gateway.registry.get(session_id)
         if entry is None:
-            raise GatewayError(404, f"no open session {session_id!r} (it never started here, or it ended)")
+            ended = gateway.registry.ended(session_id)
+            if ended is not None:
+                raise ended.conflict(AFTER_END)
+            message = f"no session {session_id!r} was started here (GET /admin/sessions lists the open ones)"
+            raise GatewayError(404, message)
         return entry
 
     async def admin_session(request: Request, session_id: str) -> Response:

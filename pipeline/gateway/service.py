@@ -41,6 +41,10 @@ from schemas.episode import Termination
 BAD_KEY: Final = (
     "invalid API key: it names no open session of this gateway (a session's key stops working when it ends)"
 )
+AFTER_END: Final = (
+    "a session takes calls and rewards only while it is open (its samples are made when it ends): post the "
+    "reward first, then end it"
+)
 STALENESS_CACHE_S: Final = 1.0
 
 
@@ -131,10 +135,15 @@ class Gateway:
             raise GatewayError(401, "invalid admin key: send Authorization: Bearer <admin key>")
 
     def session_of(self, request: Request) -> SessionEntry:
-        for key in request_keys(request):
+        keys = list(request_keys(request))
+        for key in keys:
             entry = self.registry.lookup(key)
             if entry is not None:
                 return entry
+        for key in keys:
+            ended = self.registry.ended_by_key(key)
+            if ended is not None:
+                raise ended.conflict(AFTER_END)
         raise GatewayError(401, BAD_KEY)
 
     # -- admission --
@@ -235,6 +244,9 @@ class Gateway:
                 409, "this session belongs to a runner's episode: it ends when the agent's run() returns"
             )
         if await self.registry.close(entry.session_id) is None:
+            ended = self.registry.ended(entry.session_id)
+            if ended is not None:
+                raise ended.conflict(AFTER_END)
             raise GatewayError(409, f"session {entry.session_id} has already ended")
         session = entry.session
         termination: Termination = spec.termination or "done"
@@ -242,6 +254,7 @@ class Gateway:
             termination = "max_turns"
         elif spec.termination is None and session.turns and session.turns[-1].finish_reason == "length":
             termination = "truncated"
+        self.registry.mark_ended(entry.session_id, termination)
         await session.finish(termination, error=spec.error, metrics=spec.metrics)
         return describe(entry) | {"termination": termination, "open": False}
 
@@ -264,6 +277,7 @@ class Gateway:
             if entry.owned:
                 with contextlib.suppress(Exception):
                     await self.registry.close(entry.session_id, cancel=True)
+                    self.registry.mark_ended(entry.session_id, termination)
                     await entry.session.finish(termination, error="the gateway stopped")
 
     # -- turns --

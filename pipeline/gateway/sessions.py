@@ -10,14 +10,34 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
 
 from pipeline.episodes import EpisodeSession
 from pipeline.errors import TurnstileError
 from pipeline.gateway.errors import GatewayError
 
 _T = TypeVar("_T")
+
+ENDED_KEPT: Final = 100_000
+"""Ended sessions remembered (newest first), so that their keys get 409 "has ended", not 401 "invalid key"."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndedSession:
+    session_id: str
+    digest: bytes
+    ended_at: float
+    termination: str | None
+
+    def conflict(self, what: str = "") -> GatewayError:
+        """409 for a call on this ended session, saying what ended it and what to do instead."""
+        ago = time.monotonic() - self.ended_at
+        how = f" ({self.termination})" if self.termination else ""
+        message = f"session {self.session_id} ended{how} {ago:.0f} s ago; its key no longer works"
+        return GatewayError(409, message + (f": {what}" if what else ""))
 
 
 def key_digest(api_key: str) -> bytes:
@@ -61,9 +81,12 @@ class SessionEntry:
 class SessionRegistry:
     """API keys -> open sessions. Keys are kept only as SHA-256 digests."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, ended_kept: int = ENDED_KEPT) -> None:
         self._by_digest: dict[bytes, SessionEntry] = {}
         self._by_id: dict[str, SessionEntry] = {}
+        self._ended: OrderedDict[str, EndedSession] = OrderedDict()
+        self._ended_digests: dict[bytes, str] = {}
+        self._ended_kept = ended_kept
 
     def register(self, session: EpisodeSession, *, owned: bool = False) -> str:
         """A fresh key for ``session`` (``owned``: the gateway started it and ends it)."""
@@ -83,6 +106,20 @@ class SessionRegistry:
     def get(self, session_id: str) -> SessionEntry | None:
         return self._by_id.get(session_id)
 
+    def ended(self, session_id: str) -> EndedSession | None:
+        """The session if it ended here recently (the newest ``ended_kept`` are remembered)."""
+        return self._ended.get(session_id)
+
+    def ended_by_key(self, api_key: str) -> EndedSession | None:
+        session_id = self._ended_digests.get(key_digest(api_key))
+        return None if session_id is None else self._ended.get(session_id)
+
+    def mark_ended(self, session_id: str, termination: str) -> None:
+        """Record how a closed session ended (shown in the 409 a later call gets)."""
+        ended = self._ended.get(session_id)
+        if ended is not None:
+            self._ended[session_id] = EndedSession(session_id, ended.digest, ended.ended_at, termination)
+
     def entries(self) -> list[SessionEntry]:
         return list(self._by_id.values())
 
@@ -99,6 +136,11 @@ class SessionRegistry:
         if entry is None:
             return None
         self._by_digest.pop(entry.digest, None)
+        self._ended[session_id] = EndedSession(session_id, entry.digest, time.monotonic(), None)
+        self._ended_digests[entry.digest] = session_id
+        while len(self._ended) > self._ended_kept:
+            _, oldest = self._ended.popitem(last=False)
+            self._ended_digests.pop(oldest.digest, None)
         calls = list(entry.calls)
         if cancel:
             for call in calls:

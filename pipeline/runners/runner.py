@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections import Counter
@@ -33,6 +34,8 @@ from pipeline.errors import ConfigError, WrongExpectedVersion
 from pipeline.inference.client import LLMClient
 from pipeline.log import Store
 from schemas import EpisodeFinished, Event, SamplingParams
+
+log = logging.getLogger(__name__)
 
 FAILED = frozenset({"error", "timeout"})
 RUNNER_STOPPED = frozenset({"aborted", "cancelled"})
@@ -110,7 +113,11 @@ class RunStats:
             self.cancelled += 1
         elif outcome.termination in FAILED:
             self.failed += 1
-            self.causes[failure_cause(outcome.error)] += 1
+            cause = failure_cause(outcome.error)
+            self.causes[cause] += 1
+            if self.causes[cause] == 1:  # the first of its kind is logged; later ones are only counted
+                kind = "infrastructure" if is_infrastructure_failure(cause) else "agent"
+                log.warning("episode %s failed (%s): %s", outcome.episode_id, kind, cause)
         else:
             self.done += 1
         if outcome.reward is not None:
