@@ -159,3 +159,37 @@ async def test_what_the_log_cannot_hold_is_refused_before_inference_runs(
         headers=key,
     )
     assert fine.status_code == 200  # the gateway goes on
+
+
+@pytest.mark.parametrize(
+    ("path", "tools", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            [{"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "f", "parameters": {"type": "objectx", "properties": 5}}}],
+            "tools[1].function.parameters",
+        ),
+        (
+            "/v1/messages",
+            [{"name": "f", "input_schema": {"type": "object", "required": "x"}}],
+            None,  # Anthropic's error shape has no param; the message names the tool
+        ),
+    ],
+)  # fmt: skip
+async def test_a_tool_whose_parameters_is_not_a_json_schema_is_refused_in_both_apis(
+    gateway: tuple[httpx.AsyncClient, InMemoryStore], path: str, tools: list[object], param: str | None
+) -> None:
+    client, store = gateway
+    session = (await client.post("/admin/sessions", json={}, headers=ADMIN)).json()
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    refused = await client.post(path, json=body, headers={"x-api-key": session["api_key"]})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert "'f') is not a valid JSON Schema" in error["message"]
+    assert ("at properties: 5 is not of type 'object'" in error["message"]) or (
+        "at required: 'x' is not of type 'array'" in error["message"]
+    )
+    if param is not None:
+        assert error["param"] == param
+    assert await store.head() == 1  # nothing but the session's start

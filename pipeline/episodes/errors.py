@@ -6,7 +6,12 @@ from pipeline.errors import TurnstileError
 
 
 class InvalidLLMCall(TurnstileError, ValueError):
-    """The agent called ``llm.chat`` with arguments that cannot make a request."""
+    """The agent called ``llm.chat`` with arguments that cannot make a request; ``field`` names the refused
+    one where known (``tools[2].function.parameters``)."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class MaxTurnsExceeded(TurnstileError):

@@ -9,12 +9,15 @@ agent sees it (``llm.chat``, ``llm.reward``, ``llm.openai()``).
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+import jsonschema
 from pydantic import ValidationError
 
 from pipeline.episodes.errors import InvalidLLMCall, MaxTurnsExceeded
@@ -258,6 +261,7 @@ class EpisodeSession:
                 "({'role': 'user', 'content': '...'}), tools OpenAI function tools, sampling keywords "
                 f"are {', '.join(SamplingParams.model_fields)}"
             ) from None
+        check_tool_schemas(request.tools)
         for index, message in enumerate(request.messages):
             if "\x00" in (message.content or ""):
                 raise InvalidLLMCall(
@@ -349,3 +353,27 @@ class EpisodeLLM:
             policy=session.policy,
             defaults=session.started.sampling,
         )
+
+
+def check_tool_schemas(tools: Sequence[ToolSpec]) -> None:
+    """``InvalidLLMCall`` naming the tool whose ``parameters`` is not a valid JSON Schema (Draft 2020-12,
+    what OpenAI and Anthropic take): it would be recorded, rendered into the prompt and trained on."""
+    for index, tool in enumerate(tools):
+        problem = _schema_problem(json.dumps(tool.function.parameters, sort_keys=True))
+        if problem is not None:
+            raise InvalidLLMCall(
+                f"llm.chat: tools[{index}].function.parameters ({tool.function.name!r}) is not a valid JSON "
+                f"Schema: {problem}",
+                field=f"tools[{index}].function.parameters",
+            )
+
+
+@functools.lru_cache(maxsize=4096)
+def _schema_problem(schema: str) -> str | None:
+    # Agents send the same tools on every call (Claude Code: ~20 large schemas): each is checked once.
+    try:
+        jsonschema.Draft202012Validator.check_schema(json.loads(schema))
+    except jsonschema.SchemaError as error:
+        where = "/".join(str(part) for part in error.absolute_path) or "the top level"
+        return f"at {where}: {error.message}"
+    return None
