@@ -15,6 +15,7 @@ from schemas.common import (
     SamplingParams,
     Timings,
     ToolCall,
+    ToolChoice,
     ToolSpec,
 )
 from schemas.episode import (
@@ -113,6 +114,7 @@ __all__ = [
     "Timings",
     "TokenPrefix",
     "ToolCall",
+    "ToolChoice",
     "ToolSpec",
     "TurnCompleted",
     "TurnReply",

@@ -63,6 +63,16 @@ class ToolSpec(Contract):
     function: FunctionSpec
 
 
+class ToolChoice(Contract):
+    """Which tools the model may call: ``auto`` (any or none), ``none`` (no tool call: tool-call blocks stay
+    text), ``required`` (at least one), ``function`` (the tool ``name``). The engines sample freely (no
+    constrained decoding): ``none`` is enforced when the reply is parsed; ``required`` and ``function`` are
+    recorded with the turn, so a reply that did not comply can be found and scored."""
+
+    mode: Literal["auto", "none", "required", "function"] = "auto"
+    name: str | None = Field(default=None, min_length=1, description="the tool, when mode is 'function'")
+
+
 class SamplingParams(Contract):
     temperature: NonNegativeFloat = 1.0
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)

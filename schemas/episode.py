@@ -16,6 +16,7 @@ from schemas.common import (
     Timings,
     TokenIds,
     ToolCall,
+    ToolChoice,
     ToolSpec,
 )
 
@@ -46,6 +47,7 @@ class TurnRequest(Contract):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolSpec] = Field(default_factory=list)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    tool_choice: ToolChoice | None = Field(default=None, description="None: auto")
 
 
 class TurnReply(Contract):

@@ -16,6 +16,7 @@ from schemas.common import (
     Timings,
     TokenIds,
     ToolCall,
+    ToolChoice,
     ToolSpec,
 )
 
@@ -40,6 +41,7 @@ class LLMRequest(Contract):
     tools: list[ToolSpec] = Field(default_factory=list)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     prefix: TokenPrefix | None = None
+    tool_choice: ToolChoice | None = Field(default=None, description="None: auto")
 
 
 class LLMResponse(Contract):

@@ -43,6 +43,7 @@ from schemas import (
     RewardAssigned,
     SamplingParams,
     ToolCall,
+    ToolChoice,
     TurnCompleted,
 )
 from tests.backends import RuleBackend, calculator_rule
@@ -356,7 +357,7 @@ def test_anthropic_translation_keeps_block_order_and_reads_stop_reasons() -> Non
     assert call.messages[2].tool_calls is not None
     assert call.messages[2].tool_calls[0].function.arguments == '{"expression": "1+1"}'
     assert (call.sampling.max_tokens, call.sampling.top_k, call.sampling.temperature) == (9, 5, 0.3)
-    assert call.tool_choice == "required"
+    assert call.tool_choice == ToolChoice(mode="required")
 
     def choice(text: str, finish: Any = "stop") -> ChoiceData:
         return ChoiceData(text, [], finish, [1], [-0.1])

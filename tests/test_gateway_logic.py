@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.gateway import create_gateway
 from pipeline.log import InMemoryStore
-from schemas import TurnCompleted
+from schemas import ToolChoice, TurnCompleted
 from tests.backends import PrefixEcho
 
 ADMIN = {"Authorization": "Bearer admin-key"}
@@ -167,7 +167,8 @@ async def test_what_the_log_cannot_hold_is_refused_before_inference_runs(
         (
             "/v1/chat/completions",
             [{"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
-             {"type": "function", "function": {"name": "f", "parameters": {"type": "objectx", "properties": 5}}}],
+             {"type": "function",
+              "function": {"name": "f", "parameters": {"type": "objectx", "properties": 5}}}],
             "tools[1].function.parameters",
         ),
         (
@@ -193,3 +194,31 @@ async def test_a_tool_whose_parameters_is_not_a_json_schema_is_refused_in_both_a
     if param is not None:
         assert error["param"] == param
     assert await store.head() == 1  # nothing but the session's start
+
+
+async def test_tool_choice_is_recorded_with_the_turn_in_both_apis(
+    gateway: tuple[httpx.AsyncClient, InMemoryStore],
+) -> None:
+    client, store = gateway
+    session = (await client.post("/admin/sessions", json={}, headers=ADMIN)).json()
+    key = {"x-api-key": session["api_key"]}
+    messages = [{"role": "user", "content": "hi"}]
+    openai_tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    anthropic_tool = {"name": "add", "input_schema": {"type": "object"}}
+    calls = [
+        ("/v1/chat/completions", {"tools": [openai_tool], "tool_choice": "required"}),
+        ("/v1/chat/completions", {"tools": [openai_tool], "tool_choice": "none"}),
+        ("/v1/messages", {"tools": [anthropic_tool], "tool_choice": {"type": "tool", "name": "add"}}),
+        ("/v1/messages", {"tools": [anthropic_tool]}),
+    ]
+    for path, extra in calls:
+        body = {"model": "m", "max_tokens": 8, "messages": messages, **extra}
+        answered = await client.post(path, json=body, headers=key)
+        assert answered.status_code == 200, answered.text
+    turns = [r.event for r in await store.read_all() if isinstance(r.event, TurnCompleted)]
+    assert [t.request.tool_choice for t in turns] == [
+        ToolChoice(mode="required"),
+        ToolChoice(mode="none"),
+        ToolChoice(mode="function", name="add"),
+        None,
+    ]

@@ -27,7 +27,7 @@ from pipeline.inference.client import (
     raise_for_error,
 )
 from pipeline.inference.service import InferenceService
-from schemas import ChatMessage, LLMError, LLMRequest, LLMResponse, parse_wire
+from schemas import ChatMessage, LLMError, LLMRequest, LLMResponse, ToolChoice, parse_wire
 from tests.conftest import Servers
 from tests.serving import serving
 from tests.waiting import wait_until
@@ -318,4 +318,24 @@ async def test_a_request_the_backend_rejects_gets_an_error_naming_its_id_field_a
         raise_for_error(reply)
     assert str(raised.value) == (
         "LLM request rejected because messages: the prompt is 5000 tokens; the model's context is 4096"
+    )
+
+
+async def test_tool_choice_none_leaves_tool_call_blocks_as_text_and_auto_parses_them() -> None:
+    block = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    service = InferenceService(
+        ScriptedBackend(f"sure {block}"), policy="p", consumer_id="c", publish=Published()
+    )
+    replies = {}
+    for mode in ("auto", "none"):
+        request = ask("p", "e1").model_copy(update={"tool_choice": ToolChoice(mode=mode)})
+        reply = parse_wire(await service.handle(request.model_dump_json().encode(), None))
+        assert isinstance(reply, LLMResponse)
+        replies[mode] = reply
+    assert (replies["auto"].text, replies["auto"].finish_reason) == ("sure", "tool_calls")
+    assert [call.function.name for call in replies["auto"].tool_calls] == ["add"]
+    assert (replies["none"].text, replies["none"].finish_reason, replies["none"].tool_calls) == (
+        f"sure {block}",
+        "stop",
+        [],
     )

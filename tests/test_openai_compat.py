@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMes
 from pipeline.dialects import ChatCall, ChatResult, ChoiceData, OpenAIRequestError, openai_client
 from pipeline.dialects.openai import completion_body, completion_chunks, parse_chat_request, sse
 from pipeline.errors import TurnstileError
-from schemas import ChatMessage, FunctionCall, FunctionSpec, SamplingParams, ToolCall, ToolSpec
+from schemas import ChatMessage, FunctionCall, FunctionSpec, SamplingParams, ToolCall, ToolChoice, ToolSpec
 
 WEATHER_TOOL: ChatCompletionFunctionToolParam = {
     "type": "function",
@@ -82,7 +82,7 @@ def test_parses_a_multi_turn_tool_conversation() -> None:
             )
         )
     ]
-    assert call.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert call.tool_choice == ToolChoice(mode="function", name="get_weather")
     assert call.sampling == SamplingParams(temperature=0.5, top_p=0.9, seed=7)
     assert (call.n, call.logprobs, call.top_logprobs, call.stream, call.include_usage, call.model) == (
         2,
@@ -458,7 +458,7 @@ async def test_sdk_tool_call_completion() -> None:
     assert json.loads(tool_call.function.arguments) == {"city": "Oslo"}
     assert response.choices[0].finish_reason == "tool_calls"
     assert handler.calls[0].tools[0].function.name == "get_weather"
-    assert handler.calls[0].tool_choice == "auto"
+    assert handler.calls[0].tool_choice == ToolChoice(mode="auto")
 
 
 async def test_sdk_streaming_reassembles_the_text_and_reports_usage() -> None:

@@ -16,9 +16,9 @@ How the two shapes meet:
   ``known_arguments`` (tool call id -> the recorded arguments text) lets the parser send back the exact text
   when the input still equals it, so a conversation that returns the reply it got continues token-exact.
 - ``tools`` (``name``, ``description``, ``input_schema``) are function tools; server tools are refused.
-  ``tool_choice`` is checked (``auto``, ``any``, ``tool`` with a known name, ``none``) and passed on like the
-  OpenAI one: not enforced, the engine samples freely. ``metadata`` and unknown top-level keys are ignored;
-  ``seed`` (not in Anthropic's API) is read when given.
+  ``tool_choice`` is checked (``auto``, ``any``, ``tool`` with a known name, ``none``) and recorded with the
+  turn like the OpenAI one (``schemas.ToolChoice``: ``none`` is enforced, the others are not). ``metadata``
+  and unknown top-level keys are ignored; ``seed`` (not in Anthropic's API) is read when given.
 - ``stop_reason``: ``tool_use`` when the reply holds tool calls, ``max_tokens`` when it was cut short
   (Turnstile's ``length``, ``abort`` and ``error``), ``stop_sequence`` when it stopped and one of the
   request's stop sequences is in its text (``stop_sequence`` names the first one found), else ``end_turn``.
@@ -44,7 +44,7 @@ from pipeline.dialects.base import (
     shown,
     validated,
 )
-from schemas import ChatMessage, FunctionCall, SamplingParams, ToolCall, ToolSpec
+from schemas import ChatMessage, FunctionCall, SamplingParams, ToolCall, ToolChoice, ToolSpec
 
 ERROR_TYPES: Final[Mapping[int, str]] = {
     400: "invalid_request_error",
@@ -278,21 +278,21 @@ def _parse_tools(raw: object) -> list[ToolSpec]:
     return tools
 
 
-def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> str | dict[str, Any] | None:
+def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> ToolChoice | None:
     if raw is None:
         return None
     kind = raw.get("type") if isinstance(raw, dict) else None
     if kind in ("auto", "none"):
-        return str(kind)
+        return ToolChoice(mode="none" if kind == "none" else "auto")
     if kind == "any":
         if not tools:
             raise _invalid("tool_choice", "'any' needs tools", raw)
-        return "required"
+        return ToolChoice(mode="required")
     if kind == "tool" and isinstance(raw, dict):
         names = [tool.function.name for tool in tools]
         if raw.get("name") not in names:
             raise _invalid("tool_choice.name", f"must name one of the tools {names}", raw.get("name"))
-        return {"type": "function", "function": {"name": raw["name"]}}
+        return ToolChoice(mode="function", name=raw["name"])
     raise _invalid(
         "tool_choice", "must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}", raw
     )

@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from pipeline.errors import TurnstileError
-from schemas import ChatMessage, FinishReason, SamplingParams, ToolCall, ToolSpec
+from schemas import ChatMessage, FinishReason, SamplingParams, ToolCall, ToolChoice, ToolSpec
 from schemas.base import TOLERANT
 
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -35,7 +35,7 @@ class ChatCall:
     stream: bool
     include_usage: bool
     model: str
-    tool_choice: str | dict[str, Any] | None
+    tool_choice: ToolChoice | None
 
 
 @dataclass(frozen=True)

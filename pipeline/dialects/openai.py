@@ -38,7 +38,7 @@ from pipeline.dialects.base import (
     shown,
     validated,
 )
-from schemas import ChatMessage, FinishReason, SamplingParams, ToolSpec
+from schemas import ChatMessage, FinishReason, SamplingParams, ToolChoice, ToolSpec
 
 OPENAI_FINISH_REASONS: Final[Mapping[FinishReason, str]] = {
     "stop": "stop",
@@ -180,14 +180,16 @@ def _parse_tools(raw: object) -> list[ToolSpec]:
     return [_validated(ToolSpec, tool, f"tools[{index}]") for index, tool in enumerate(raw)]
 
 
-def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> str | dict[str, Any] | None:
+def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> ToolChoice | None:
     accepted = "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
-    if raw is None or raw in ("none", "auto"):
-        return raw
+    if raw is None:
+        return None
+    if raw in ("none", "auto"):
+        return ToolChoice(mode="none" if raw == "none" else "auto")
     if raw == "required":
         if not tools:
             raise _invalid("tool_choice", "'required' needs tools", raw)
-        return "required"
+        return ToolChoice(mode="required")
     if not isinstance(raw, dict) or raw.get("type") != "function":
         raise _invalid("tool_choice", accepted, raw)
     function = raw.get("function")
@@ -195,7 +197,7 @@ def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> str | dict[str, An
     names = [tool.function.name for tool in tools]
     if name not in names:
         raise _invalid("tool_choice.function.name", f"must name one of the tools {names}", name)
-    return {"type": "function", "function": {"name": name}}
+    return ToolChoice(mode="function", name=name)
 
 
 def _parse_sampling(given: Mapping[str, Any], defaults: SamplingParams) -> SamplingParams:

@@ -11,9 +11,11 @@ from pipeline.dialects import ChatCall, ChatResult, ChoiceData, OpenAIRequestErr
 from pipeline.episodes.errors import InvalidLLMCall
 from pipeline.episodes.reply import ChatReply
 from pipeline.inference import RequestRejected
-from schemas import ChatMessage, SamplingParams, ToolSpec
+from schemas import ChatMessage, SamplingParams, ToolChoice, ToolSpec
 
-ChatTurn = Callable[[list[ChatMessage], list[ToolSpec], SamplingParams], Awaitable[ChatReply]]
+ChatTurn = Callable[
+    [list[ChatMessage], list[ToolSpec], SamplingParams, ToolChoice | None], Awaitable[ChatReply]
+]
 """One recorded turn of an episode (``EpisodeSession.chat``)."""
 
 
@@ -48,13 +50,14 @@ def episode_openai_client(
     (``n`` > 1: sibling branches), made with ``chat``; ``policy`` is the model it names.
 
     Besides the OpenAI fields, the body carries ``turnstile``: the turn ids and the engine's token ids.
-    ``tool_choice`` is accepted but not enforced (the engine samples freely).
+    ``tool_choice`` is recorded with the turn; ``none`` is enforced, the others are not (no constrained
+    decoding: see ``schemas.ToolChoice``).
     """
 
     async def handle(call: ChatCall) -> ChatResult:
         try:
             replies = await asyncio.gather(
-                *(chat(call.messages, call.tools, call.sampling) for _ in range(call.n))
+                *(chat(call.messages, call.tools, call.sampling, call.tool_choice) for _ in range(call.n))
             )
         except (InvalidLLMCall, RequestRejected) as error:
             raise OpenAIRequestError(str(error), param=getattr(error, "field", None)) from None

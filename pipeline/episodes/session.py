@@ -36,6 +36,7 @@ from schemas import (
     RewardAssigned,
     SamplingParams,
     TokenPrefix,
+    ToolChoice,
     ToolSpec,
     TurnCompleted,
     TurnReply,
@@ -146,6 +147,7 @@ class EpisodeSession:
         messages: Sequence[ChatMessage | Mapping[str, Any]],
         tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
         sampling: SamplingParams | Mapping[str, Any] | None = None,
+        tool_choice: ToolChoice | None = None,
     ) -> ChatReply:
         """One LLM turn: the request goes to inference, the turn is recorded, then the reply returns."""
         if self.finished:
@@ -154,13 +156,18 @@ class EpisodeSession:
             self.max_turns_hit = True
             raise MaxTurnsExceeded(self.max_turns)
         self._calls += 1
-        request, parent = self._request(messages, tools, sampling)
+        request, parent = self._request(messages, tools, sampling, tool_choice)
         began = time.monotonic()
         response = await self.client(request)
         self.llm_seconds += time.monotonic() - began
         turn = TurnCompleted(
             parent_turn_id=parent.turn_id if parent else None,
-            request=TurnRequest(messages=request.messages, tools=request.tools, sampling=request.sampling),
+            request=TurnRequest(
+                messages=request.messages,
+                tools=request.tools,
+                sampling=request.sampling,
+                tool_choice=request.tool_choice,
+            ),
             reply=TurnReply(
                 text=response.text, tool_calls=response.tool_calls, finish_reason=response.finish_reason
             ),
@@ -241,6 +248,7 @@ class EpisodeSession:
         messages: Sequence[ChatMessage | Mapping[str, Any]],
         tools: Sequence[ToolSpec | Mapping[str, Any]] | None,
         sampling: SamplingParams | Mapping[str, Any] | None,
+        tool_choice: ToolChoice | None = None,
     ) -> tuple[LLMRequest, _Context | None]:
         if isinstance(sampling, SamplingParams):
             sampling = sampling.model_dump()
@@ -253,6 +261,7 @@ class EpisodeSession:
                     "messages": list(messages),
                     "tools": list(tools or []),
                     "sampling": chosen,
+                    "tool_choice": tool_choice,
                 }
             )
         except ValidationError as error:

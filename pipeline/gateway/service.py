@@ -289,7 +289,10 @@ class Gateway:
         async def turns() -> list[ChatReply]:
             return list(
                 await asyncio.gather(
-                    *(session.chat(call.messages, call.tools, call.sampling) for _ in range(call.n))
+                    *(
+                        session.chat(call.messages, call.tools, call.sampling, call.tool_choice)
+                        for _ in range(call.n)
+                    )
                 )
             )
 

@@ -25,7 +25,7 @@ from pipeline.errors import describe_validation_error, field_path
 from pipeline.inference.backends import Backend, Generation
 from pipeline.inference.chat import split_tool_calls
 from pipeline.inference.client import CONSUMER_HEADER, HEARTBEAT_HEADER, RequestRejected
-from schemas import TOLERANT, LLMError, LLMRequest, LLMResponse, PolicyVersionPublished, Timings
+from schemas import TOLERANT, LLMError, LLMRequest, LLMResponse, PolicyVersionPublished, Timings, ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,9 @@ class InferenceService:
         return body
 
     def _response(self, request: LLMRequest, generation: Generation, received: float) -> LLMResponse:
-        if generation.tool_calls is None:
+        if request.tool_choice is not None and request.tool_choice.mode == "none":
+            content, tool_calls = printable(generation.text), list[ToolCall]()  # the blocks stay text
+        elif generation.tool_calls is None:
             content, tool_calls = split_tool_calls(printable(generation.text))
         else:
             content, tool_calls = generation.text, generation.tool_calls
