@@ -46,7 +46,6 @@ import platform
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import tracemalloc
 import uuid
@@ -60,7 +59,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from pipeline.dev.embedded import EmbeddedServers
+from pipeline.dev.embedded import EmbeddedServers, scratch_dir
 from pipeline.episodes import EpisodeLLM
 from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.client import NatsLLMClient
@@ -366,7 +365,7 @@ def servers(tmp_dir: Path | None) -> Iterator[Servers]:
         yield Servers(database_url, nats_url, {})
         return
     with (
-        tempfile.TemporaryDirectory(prefix="turnstile-bench-", dir=tmp_dir) as data_dir,
+        scratch_dir("turnstile-bench-", tmp_dir) as data_dir,
         EmbeddedServers(Path(data_dir)) as embedded,
     ):
         pids: Processes = {}

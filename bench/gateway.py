@@ -38,7 +38,6 @@ import platform
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -53,7 +52,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from pipeline.dev.embedded import EmbeddedServers
+from pipeline.dev.embedded import EmbeddedServers, scratch_dir
 from pipeline.episodes import EpisodeSession
 from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.client import NatsLLMClient
@@ -274,7 +273,7 @@ def servers() -> Iterator[Servers]:
         yield Servers(database_url, nats_url, {})
         return
     with (
-        tempfile.TemporaryDirectory(prefix="turnstile-bench-") as data_dir,
+        scratch_dir("turnstile-bench-") as data_dir,
         EmbeddedServers(Path(data_dir)) as embedded,
     ):
         pids: Processes = {}

@@ -41,7 +41,6 @@ import random
 import statistics
 import string
 import sys
-import tempfile
 import time
 import uuid
 from array import array
@@ -56,7 +55,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from pipeline.dev.embedded import EmbeddedPostgres
+from pipeline.dev.embedded import EmbeddedPostgres, scratch_dir
 from pipeline.log import EventStore, encode_event
 from pipeline.log.db import migrate
 from pipeline.log.store import COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
@@ -159,7 +158,7 @@ def postgres_server(tmp_dir: Path | None) -> Iterator[str]:
     if url:
         yield url
         return
-    with tempfile.TemporaryDirectory(prefix="turnstile-bench-", dir=tmp_dir) as data_dir:
+    with scratch_dir("turnstile-bench-", tmp_dir) as data_dir:
         server = EmbeddedPostgres(Path(data_dir) / "postgres")
         server.start()
         try:

@@ -61,7 +61,6 @@ import resource
 import string
 import struct
 import sys
-import tempfile
 import time
 import uuid
 from array import array
@@ -82,7 +81,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from pipeline.dev.embedded import EmbeddedPostgres
+from pipeline.dev.embedded import EmbeddedPostgres, scratch_dir
 from pipeline.log import encode_event
 from pipeline.log.db import migrate
 from pipeline.log.store import APPEND_LOCK, COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
@@ -393,7 +392,7 @@ def postgres_server(tmp_dir: Path | None) -> Iterator[tuple[str, int | None]]:
     if url:
         yield url, None
         return
-    with tempfile.TemporaryDirectory(prefix="turnstile-bench-", dir=tmp_dir) as data_dir:
+    with scratch_dir("turnstile-bench-", tmp_dir) as data_dir:
         server = EmbeddedPostgres(Path(data_dir) / "postgres")
         server.start()
         try:

@@ -166,6 +166,7 @@ def main() -> None:
     env["PYTEST_DEBUG_TEMPROOT"] = str(temproot)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="turnstile-mutation-") as data:
+        Path(data).chmod(0o755)  # as root, PostgreSQL's own user must reach it (pipeline.dev.embedded)
         servers = None
         if suite.servers:
             sys.path.insert(0, str(ROOT))

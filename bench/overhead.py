@@ -55,7 +55,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -66,7 +65,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.dev.embedded import EmbeddedNats
+from pipeline.dev.embedded import EmbeddedNats, scratch_dir
 from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.client import NatsLLMClient
 from pipeline.inference.service import InferenceService
@@ -408,7 +407,7 @@ def nats_server() -> Iterator[tuple[str, int | None]]:
         note(f"nats-server at TURNSTILE_NATS_URL {url} (its CPU time is not reported)")
         yield url, None
         return
-    with tempfile.TemporaryDirectory(prefix="turnstile-bench-") as data_dir:
+    with scratch_dir("turnstile-bench-") as data_dir:
         server = EmbeddedNats(Path(data_dir) / "nats")
         server.start()
         note(f"embedded nats-server at {server.url}")

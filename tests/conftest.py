@@ -22,7 +22,7 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from pipeline.dev.embedded import EmbeddedServers
+from pipeline.dev.embedded import EmbeddedServers, scratch_dir
 from pipeline.log import EventStore
 from pipeline.log.db import migrate, with_user
 from pipeline.settings import libpq_url
@@ -51,12 +51,8 @@ def servers() -> Iterator[Servers]:
         return
     # Not under pytest's basetemp: a second pytest session on the machine prunes old basetemps, which
     # would delete the data directory of a server this session still runs.
-    directory = Path(tempfile.mkdtemp(prefix="turnstile-test-servers-"))
-    try:
-        with EmbeddedServers(directory) as embedded:
-            yield Servers(database_url or embedded.postgres.url, nats_url or embedded.nats.url)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    with scratch_dir("turnstile-test-servers-") as directory, EmbeddedServers(directory) as embedded:
+        yield Servers(database_url or embedded.postgres.url, nats_url or embedded.nats.url)
 
 
 def _docker_servers() -> Iterator[Servers]:
@@ -99,9 +95,8 @@ def database_url(servers: Servers, template_database: str) -> Iterator[str]:
 def server_dir() -> Iterator[Path]:
     """A data directory for a server a test starts itself, outside pytest's basetemp (another pytest
     session on the machine, such as a mutation run, prunes old basetemps while this one still runs)."""
-    directory = Path(tempfile.mkdtemp(prefix="turnstile-test-server-"))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
+    with scratch_dir("turnstile-test-server-") as directory:
+        yield directory
 
 
 @pytest.fixture(scope="session")

@@ -63,15 +63,15 @@ async def nats_has_jetstream(url: str) -> bool:
         await client.close()
 
 
-def test_up_starts_migrated_servers_keeps_data_and_stops_on_sigterm(tmp_path: Path) -> None:
-    process, exports = start_up(tmp_path / "data")
+def test_up_starts_migrated_servers_keeps_data_and_stops_on_sigterm(server_dir: Path) -> None:
+    process, exports = start_up(server_dir / "data")
     try:
         database_url, nats_url = exports["TURNSTILE_DATABASE_URL"], exports["TURNSTILE_NATS_URL"]
         with psycopg.connect(database_url) as connection:
             assert connection.execute("SELECT version_num FROM alembic_version").fetchone() is not None
             connection.execute("INSERT INTO checkpoints (name, position) VALUES ('kept-across-restarts', 42)")
         assert asyncio.run(nats_has_jetstream(nats_url))
-        assert (tmp_path / "data" / "servers.env").read_text().count("export ") == 4
+        assert (server_dir / "data" / "servers.env").read_text().count("export ") == 4
         # everyday logins are not superusers; the superuser is printed for migrations only
         superuser = "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
         for name, expected in (("TURNSTILE_DATABASE_URL", False), ("TURNSTILE_READER_URL", False),
@@ -83,29 +83,29 @@ def test_up_starts_migrated_servers_keeps_data_and_stops_on_sigterm(tmp_path: Pa
             "SELECT set_config('role', session_user, true) AS login, current_setting('is_superuser') AS su"
         )
         sql = subprocess.run(
-            [*TURNSTILE, "sql", escape, "--json"], env=clean_env(TURNSTILE_DATA_DIR=str(tmp_path / "data")),
+            [*TURNSTILE, "sql", escape, "--json"], env=clean_env(TURNSTILE_DATA_DIR=str(server_dir / "data")),
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert sql.returncode == 0, sql.stderr
         assert json.loads(sql.stdout) == [{"login": "turnstile_analyst", "su": "off"}]
         inside = subprocess.run(  # run inside the directory given to --data-dir: found too
-            [*TURNSTILE, "sql", "SELECT 1 AS one", "--json"], env=clean_env(), cwd=tmp_path / "data",
+            [*TURNSTILE, "sql", "SELECT 1 AS one", "--json"], env=clean_env(), cwd=server_dir / "data",
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert inside.returncode == 0, inside.stderr
         assert json.loads(inside.stdout) == [{"one": 1}]
         migrated = subprocess.run(
-            [*TURNSTILE, "migrate"], env=clean_env(TURNSTILE_DATA_DIR=str(tmp_path / "data")),
+            [*TURNSTILE, "migrate"], env=clean_env(TURNSTILE_DATA_DIR=str(server_dir / "data")),
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert migrated.returncode == 0, migrated.stderr
     finally:
         assert stop(process) == 0
-    assert not (tmp_path / "data" / "servers.env").exists()
+    assert not (server_dir / "data" / "servers.env").exists()
     with pytest.raises(psycopg.OperationalError):
         psycopg.connect(database_url, connect_timeout=2)
 
-    process, exports = start_up(tmp_path / "data")
+    process, exports = start_up(server_dir / "data")
     try:
         with psycopg.connect(exports["TURNSTILE_DATABASE_URL"]) as connection:
             row = connection.execute(

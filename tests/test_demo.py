@@ -34,8 +34,8 @@ def run_demo(data_dir: Path, batches: int) -> dict[str, object]:
 
 
 @pytest.mark.slow
-def test_the_demo_learns_and_every_trained_batch_traces_back_to_its_turns(tmp_path: Path) -> None:
-    data_dir = tmp_path / "demo"
+def test_the_demo_learns_and_every_trained_batch_traces_back_to_its_turns(server_dir: Path) -> None:
+    data_dir = server_dir / "demo"
     first = run_demo(data_dir, 40)
     (mean_first, ci_first, n_first) = first["first_window"]  # type: ignore[misc]
     (mean_last, ci_last, n_last) = first["last_window"]  # type: ignore[misc]

@@ -514,10 +514,10 @@ def _scalar(url: str, query: str) -> Any:
 
 
 @pytest.mark.slow
-def test_the_compose_services_close_the_loop_with_their_own_credentials(tmp_path: Path) -> None:
+def test_the_compose_services_close_the_loop_with_their_own_credentials(server_dir: Path) -> None:
     compose = check_compose.load_compose(env={})
-    local = LocalCompose(compose, tmp_path)
-    (tmp_path / "logs").mkdir()
+    local = LocalCompose(compose, server_dir)
+    (server_dir / "logs").mkdir()
     try:
         local.start_postgres()
         local.start_nats()

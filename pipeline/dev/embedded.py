@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
+import logging
 import os
 import pwd
 import shutil
@@ -17,8 +19,10 @@ import stat
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -27,11 +31,19 @@ import psycopg
 from pipeline.errors import ConfigError, TurnstileError
 from pipeline.log.db import Logins
 
-POSTGRES_SYSTEM_USER = "turnstile"
-"""PostgreSQL refuses to run as root; when we are root, the embedded server runs as this user."""
+POSTGRES_SYSTEM_USER = "nobody"
+"""PostgreSQL refuses to run as root; when we are root, the embedded server runs as this user (present on
+every Linux system: nothing is added to the host's users)."""
+
+SYSTEM_DIR = Path("/var/lib/turnstile")
+"""As root only: where the server's files go when ``POSTGRES_SYSTEM_USER`` cannot reach the data directory or
+pgserver's binaries (a virtualenv or clone in root's home, mode 0700). No directory's mode is changed."""
 
 NATS_MAX_PAYLOAD = 8 * 1024 * 1024
 """Raised from the 1 MiB default so long prompts with their token ids fit in one request or reply."""
+
+
+log = logging.getLogger(__name__)
 
 
 class EmbeddedServerError(TurnstileError):
@@ -103,35 +115,52 @@ class EmbeddedPostgres(_ServerProcess):
             raise ConfigError("the embedded PostgreSQL needs the 'pgserver' package: pip install pgserver")
         return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
 
-    def _run_as(self) -> dict[str, int]:
+    def _layout(self) -> tuple[Path, Path, dict[str, int]]:
+        """Where the cluster lives, the binaries to run, and the user to run them as (as root only).
+
+        Not root: ``<data dir>/pgdata``, pgserver's binaries, this user. As root: the server runs as the
+        owner of an existing cluster, or as ``nobody``; a cluster or binaries that user cannot reach are
+        placed under ``SYSTEM_DIR`` instead (the data directory keeps a pointer, ``pgdata.location``).
+        """
+        pgdata, bin_dir = self.data_dir / "pgdata", self.bin_dir()
         if os.geteuid() != 0:
-            return {}
-        try:
-            entry = pwd.getpwnam(POSTGRES_SYSTEM_USER)
-        except KeyError:
-            subprocess.run(["useradd", "--system", "--no-create-home", POSTGRES_SYSTEM_USER], check=True)
-            entry = pwd.getpwnam(POSTGRES_SYSTEM_USER)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        for root, _dirs, files in os.walk(self.data_dir):
-            os.chown(root, entry.pw_uid, entry.pw_gid)
-            for name in files:
-                os.chown(os.path.join(root, name), entry.pw_uid, entry.pw_gid)
-        parent = self.data_dir.parent
-        while parent != parent.parent:  # the server's user must be able to traverse to its data
-            parent.chmod(parent.stat().st_mode | stat.S_IXOTH)
-            parent = parent.parent
-        return {"user": entry.pw_uid, "group": entry.pw_gid}
+            return pgdata, bin_dir, {}
+        pointer = self.data_dir / "pgdata.location"
+        if pointer.exists():
+            pgdata = Path(pointer.read_text().strip())
+        if (pgdata / "PG_VERSION").exists() and pgdata.stat().st_uid != 0:
+            uid, gid = pgdata.stat().st_uid, pgdata.stat().st_gid
+        else:
+            try:
+                entry = pwd.getpwnam(POSTGRES_SYSTEM_USER)
+            except KeyError:
+                raise EmbeddedServerError(
+                    f"PostgreSQL refuses to run as root and there is no user {POSTGRES_SYSTEM_USER!r} to run "
+                    "it as: run turnstile as another user, or point TURNSTILE_DATABASE_URL at a server"
+                ) from None
+            uid, gid = entry.pw_uid, entry.pw_gid
+        if not (pgdata / "PG_VERSION").exists() and not _reachable(self.data_dir, uid, gid):
+            pgdata = _system_dir(f"pg-{_digest(str(self.data_dir))}", uid, gid) / "pgdata"
+            pointer.write_text(f"{pgdata}\n")
+            log.warning(
+                "running as root: PostgreSQL runs as uid %d with its cluster in %s (that user cannot reach "
+                "%s; a --data-dir it can reach keeps everything together)", uid, pgdata.parent, self.data_dir,
+            )  # fmt: skip
+        if not _reachable(bin_dir, uid, gid):
+            bin_dir = _copied_binaries(bin_dir.parent) / "bin"
+        pgdata.mkdir(mode=0o700, exist_ok=True)
+        os.chown(pgdata, uid, gid)
+        return pgdata, bin_dir, {"user": uid, "group": gid}
 
     def start(self, timeout: float = 60.0) -> None:
-        pgdata = self.data_dir / "pgdata"
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        run_as = self._run_as()
+        pgdata, bin_dir, run_as = self._layout()
         if not (pgdata / "PG_VERSION").exists():
-            if pgdata.exists():
-                shutil.rmtree(pgdata)  # a half-made directory from an interrupted initdb
+            for leftover in pgdata.iterdir() if pgdata.exists() else []:  # from an interrupted initdb
+                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
             result = subprocess.run(
                 [
-                    str(self.bin_dir() / "initdb"),
+                    str(bin_dir / "initdb"),
                     "-D",
                     str(pgdata),
                     "-U",
@@ -153,7 +182,7 @@ class EmbeddedPostgres(_ServerProcess):
                 os.chown(log_path, run_as["user"], run_as["group"])
             self.process = subprocess.Popen(
                 [
-                    str(self.bin_dir() / "postgres"),
+                    str(bin_dir / "postgres"),
                     "-D",
                     str(pgdata),
                     "-p",
@@ -190,6 +219,72 @@ class EmbeddedPostgres(_ServerProcess):
                         f"PostgreSQL did not accept connections in {timeout:.0f} s; log:\n{log_tail}"
                     ) from None
                 time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str, parent: str | Path | None = None) -> Iterator[Path]:
+    """A temporary data directory for embedded servers, removed on exit. Mode 0755 (not mkdtemp's 0700): as
+    root, PostgreSQL's own user must reach it, or its cluster would go under ``SYSTEM_DIR``."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        directory.chmod(0o755)
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _reachable(path: Path, uid: int, gid: int) -> bool:
+    """Whether ``uid``/``gid`` may enter ``path`` and every directory above it (mode bits; ACLs and
+    supplementary groups are not consulted)."""
+    for directory in [path, *path.parents]:
+        try:
+            status = directory.stat()
+        except OSError:
+            return False
+        if status.st_uid == uid:
+            bit = stat.S_IXUSR
+        elif status.st_gid == gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not status.st_mode & bit:
+            return False
+    return True
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _system_dir(name: str, uid: int, gid: int) -> Path:
+    """``SYSTEM_DIR/name``, made for ``uid`` (mode 0700) under a root-owned ``SYSTEM_DIR`` (mode 0755)."""
+    SYSTEM_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
+    path = SYSTEM_DIR / name
+    path.mkdir(mode=0o700, exist_ok=True)
+    os.chown(path, uid, gid)
+    return path
+
+
+def _copied_binaries(install: Path) -> Path:
+    """A root-owned, world-readable copy of pgserver's relocatable install (``.../pgserver/pginstall``), made
+    once per install; its libraries go where the binaries' RPATH looks ($ORIGIN/../../../pgserver.libs)."""
+    target = SYSTEM_DIR / f"pginstall-{_digest(str(install.resolve()))}"
+    if not (target / "pgserver" / "pginstall" / "bin" / "postgres").exists():
+        SYSTEM_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".pginstall-", dir=SYSTEM_DIR))
+        copy = staging / "copy"
+        shutil.copytree(install, copy / "pgserver" / "pginstall", symlinks=True)
+        libs = install.parent.parent / "pgserver.libs"
+        if libs.is_dir():
+            shutil.copytree(libs, copy / "pgserver.libs", symlinks=True)
+        for root, dirs, _files in os.walk(copy):
+            for name in dirs:
+                os.chmod(os.path.join(root, name), 0o755)
+        copy.chmod(0o755)
+        with contextlib.suppress(OSError):  # another process made it first
+            copy.rename(target)
+        shutil.rmtree(staging, ignore_errors=True)
+    return target / "pgserver" / "pginstall"
 
 
 class EmbeddedNats(_ServerProcess):
