@@ -76,7 +76,7 @@ class ToolChoice(Contract):
 class SamplingParams(Contract):
     temperature: NonNegativeFloat = 1.0
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=1, lt=2**31)
     max_tokens: int = Field(default=256, ge=1, lt=2**31)
     stop: list[str] = Field(default_factory=list)
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="what engines take: a 64-bit seed")

@@ -72,7 +72,7 @@ class TurnCompleted(Contract):
     prompt_token_ids: TokenIds
     completion_token_ids: TokenIds
     completion_logprobs: Logprobs
-    policy_version: int = Field(ge=0)
+    policy_version: int = Field(ge=0, lt=2**31)
     engine_id: str
     timings: Timings = Field(default_factory=Timings)
     prefix_break: bool = False

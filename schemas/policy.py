@@ -15,7 +15,7 @@ class PolicyVersionPublished(Contract):
     schema_version: Literal[1] = 1
     event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
     policy: str = Field(min_length=1)
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, lt=2**31)
     checkpoint: str = Field(min_length=1, description="where the weights are: a directory or URL")
     batches_consumed: list[str] = Field(default_factory=list, description="ids of the batches trained on")
 

@@ -28,7 +28,7 @@ class TokenPrefix(Contract):
     """
 
     token_ids: TokenIds
-    message_count: int = Field(ge=1)
+    message_count: int = Field(ge=1, lt=2**31)
 
 
 class LLMRequest(Contract):
@@ -54,7 +54,7 @@ class LLMResponse(Contract):
     prompt_token_ids: TokenIds
     completion_token_ids: TokenIds
     completion_logprobs: Logprobs
-    policy_version: int = Field(ge=0)
+    policy_version: int = Field(ge=0, lt=2**31)
     consumer_id: str
     timings: Timings = Field(default_factory=Timings)
     prefix_break: bool = False

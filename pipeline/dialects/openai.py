@@ -89,7 +89,7 @@ class _StreamOptions(BaseModel):
 class _CallOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str = ""
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=128)  # OpenAI's own bound: each choice is a recorded turn
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     stream: bool = False

@@ -26,7 +26,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -44,12 +44,16 @@ from pipeline.dialects import (
 )
 from pipeline.errors import TurnstileError, describe_validation_error
 from pipeline.gateway.errors import GatewayError
+from pipeline.gateway.openapi import ANTHROPIC_MESSAGES, OPENAI_CHAT, model_schema, openapi_body
 from pipeline.gateway.service import AFTER_END, EndSpec, Gateway, RewardSpec, SessionSpec, describe
 from pipeline.gateway.sessions import SessionEntry, SessionRegistry
 from pipeline.inference import LLMClient
 from pipeline.log import Store
 
 log = logging.getLogger(__name__)
+
+REQUEST_SCHEMAS: Final = {"openai": OPENAI_CHAT, "anthropic": ANTHROPIC_MESSAGES}
+"""The request body of each dialect's chat route in ``/openapi.json``, by ``Dialect.name``."""
 
 _Spec = TypeVar("_Spec", bound=BaseModel)
 
@@ -128,7 +132,13 @@ def create_gateway(
 
     for dialect in DIALECTS:
         for index, path in enumerate(dialect.paths):
-            app.add_api_route(path, chat_route(dialect), methods=["POST"], include_in_schema=index == 0)
+            app.add_api_route(
+                path,
+                chat_route(dialect),
+                methods=["POST"],
+                include_in_schema=index == 0,
+                openapi_extra=openapi_body(REQUEST_SCHEMAS[dialect.name]),
+            )
 
     # -- models (OpenAI's listing: each policy is a model) --
 
@@ -173,8 +183,12 @@ def create_gateway(
         return await respond(OPENAI, answer)
 
     app.add_api_route("/v1/session", own_session, methods=["GET"])
-    app.add_api_route("/v1/session/reward", own_reward, methods=["POST"])
-    app.add_api_route("/v1/session/end", own_end, methods=["POST"])
+    reward_body, end_body = (
+        openapi_body(model_schema(RewardSpec)),
+        openapi_body(model_schema(EndSpec), required=False),
+    )
+    app.add_api_route("/v1/session/reward", own_reward, methods=["POST"], openapi_extra=reward_body)
+    app.add_api_route("/v1/session/end", own_end, methods=["POST"], openapi_extra=end_body)
 
     # -- admin --
 
@@ -229,11 +243,14 @@ def create_gateway(
 
         return await respond(OPENAI, answer)
 
-    app.add_api_route("/admin/sessions", create_session, methods=["POST"])
+    session_body = openapi_body(model_schema(SessionSpec), required=False)
+    app.add_api_route("/admin/sessions", create_session, methods=["POST"], openapi_extra=session_body)
     app.add_api_route("/admin/sessions", admin_sessions, methods=["GET"])
     app.add_api_route("/admin/sessions/{session_id}", admin_session, methods=["GET"])
-    app.add_api_route("/admin/sessions/{session_id}/reward", admin_reward, methods=["POST"])
-    app.add_api_route("/admin/sessions/{session_id}/end", admin_end, methods=["POST"])
+    app.add_api_route(
+        "/admin/sessions/{session_id}/reward", admin_reward, methods=["POST"], openapi_extra=reward_body
+    )
+    app.add_api_route("/admin/sessions/{session_id}/end", admin_end, methods=["POST"], openapi_extra=end_body)
 
     async def health() -> Response:
         return JSONResponse({"status": "ok"})

@@ -107,7 +107,7 @@ def validate_event(index: int, event: Event | Mapping[str, Any]) -> Event:
     if not isinstance(event, Mapping):
         raise InvalidEvent(f"event {index} is a {type(event).__name__}; pass an event model or a dict")
     type_ = event.get("type")
-    if type_ not in EVENT_TYPES:
+    if not isinstance(type_, str) or type_ not in EVENT_TYPES:
         raise InvalidEvent(f"event {index} has unknown type {type_!r}; known types: {', '.join(EVENT_TYPES)}")
     try:
         return EVENT_TYPES[type_].model_validate(dict(event))  # type: ignore[return-value]
