@@ -205,7 +205,7 @@ async def test_openai_sdk_multi_turn_tool_calls_are_recorded_token_exact(
     assert (rewarded.turn_id, rewarded.value) == (turns[1].turn_id, 1.0)
 
     async with gateway.openai(session["api_key"]) as client:
-        with pytest.raises(openai.AuthenticationError):
+        with pytest.raises(openai.ConflictError, match="ended"):  # an ended session's key: 409, not 401
             await client.chat.completions.create(model="x", messages=[{"role": "user", "content": "more"}])
 
 
@@ -301,7 +301,7 @@ async def test_anthropic_sdk_multi_turn_tool_use_is_recorded_token_exact(
     assert isinstance(events[-1], EpisodeFinished)
     assert events[-1].termination == "done"
     async with gateway.anthropic(session["api_key"]) as client:
-        with pytest.raises(anthropic.AuthenticationError):
+        with pytest.raises(anthropic.ConflictError, match="ended"):
             await client.messages.create(
                 model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
             )
@@ -615,7 +615,7 @@ async def test_rewards_by_turn_id_last_and_episode(gateway: Gateway, store: Even
         3,
         1.75,
     )
-    assert (await post(f"/admin/sessions/{sid}/end", json={})).status_code == 404  # ended: not open any more
+    assert (await post(f"/admin/sessions/{sid}/end", json={})).status_code == 409  # ended: not open any more
 
 
 @pytest.mark.parametrize("gateway", [{"capacity": 2, "max_staleness": 1, "retry_after": 3}], indirect=True)
@@ -658,7 +658,7 @@ async def test_idle_sessions_end_as_timeout(gateway: Gateway, store: EventStore)
     assert isinstance(events[-1], EpisodeFinished)
     assert events[-1].termination == "timeout"
     async with gateway.openai(session["api_key"]) as client:
-        with pytest.raises(openai.AuthenticationError):
+        with pytest.raises(openai.ConflictError, match=r"ended \(timeout\)"):
             await client.models.list()
 
 
@@ -779,7 +779,7 @@ async def test_proxy_agent_over_max_turns_ends_max_turns_and_its_key_dies_with_t
     assert await ProxyAgentAdapter(Peeking()).run({}, session.llm) == 1.0
     [(base_url, api_key)] = keys
     async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
-        with pytest.raises(openai.AuthenticationError):
+        with pytest.raises(openai.ConflictError, match="ended"):  # its key died with the episode
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "late"}])
     await session.finish("done")
 

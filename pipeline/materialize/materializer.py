@@ -281,7 +281,7 @@ class Fold:
         if episode is not None and closing.type == "EpisodeFinished":
             del self.open[closing.stream]
             self._record_finished(
-                episode_id or "", episode[0], closing, ["finished", None,
+                episode_id or "", ["finished", None,
                 f"not materialized: the event at position {row.position} ({row.type}) was skipped: {reason}",
                 None, None, None, None, None, None, closing.recorded_at,
                 (closing.recorded_at - episode[0].recorded_at).total_seconds(), closing.position],
@@ -337,7 +337,7 @@ class Fold:
         elif usable:
             samples = individual_samples(turns, values)
         del self.open[row.stream]
-        self._record_finished(episode_id, events[0], row, finished)
+        self._record_finished(episode_id, finished)
         self.writes.turns.extend(turn_rows)
         policy = started["policy"]
         if versions:
@@ -375,7 +375,7 @@ class Fold:
         if len(group.episodes) >= group.size:
             self._make_ready([group], row)
 
-    def _record_finished(self, episode_id: str, start: LogRow, row: LogRow, finished: list[Any]) -> None:
+    def _record_finished(self, episode_id: str, finished: list[Any]) -> None:
         inserted = self.writes.episodes.get(episode_id)
         if inserted is not None:
             for index, value in zip(_FINISHED_INDEXES, finished, strict=True):
