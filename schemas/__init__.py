@@ -30,7 +30,7 @@ from schemas.episode import (
 )
 from schemas.policy import PolicyEvent, PolicyVersionPublished
 from schemas.task import TaskSubmitted
-from schemas.wire import LLMError, LLMReply, LLMRequest, LLMResponse, TokenPrefix, WireMessage
+from schemas.wire import LLMError, LLMReply, LLMRequest, LLMResponse, TokenLogprob, TokenPrefix, WireMessage
 
 Event = Annotated[
     EpisodeStarted | TurnCompleted | RewardAssigned | EpisodeFinished | PolicyVersionPublished,
@@ -112,6 +112,7 @@ __all__ = [
     "TaskSubmitted",
     "Termination",
     "Timings",
+    "TokenLogprob",
     "TokenPrefix",
     "ToolCall",
     "ToolChoice",

@@ -31,6 +31,16 @@ class TokenPrefix(Contract):
     message_count: int = Field(ge=1, lt=2**31)
 
 
+class TokenLogprob(Contract):
+    """One token as an API shows it: its id, the text it decodes to on its own, its raw bytes (a token that
+    is part of a multi-byte character decodes to U+FFFD; its bytes are exact) and its logprob."""
+
+    token_id: int = Field(ge=0, lt=2**31)
+    text: str
+    bytes: list[Annotated[int, Field(ge=0, le=255)]]
+    logprob: float = Field(le=0.0, allow_inf_nan=False, description="-9999.0 for a token the model rules out")
+
+
 class LLMRequest(Contract):
     type: Literal["LLMRequest"] = "LLMRequest"
     schema_version: Literal[1] = 1
@@ -42,6 +52,13 @@ class LLMRequest(Contract):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     prefix: TokenPrefix | None = None
     tool_choice: ToolChoice | None = Field(default=None, description="None: auto")
+    top_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=20,
+        description="None: no per-token detail; k: each completion token's text and bytes, with the k most "
+        "likely tokens at its position",
+    )
 
 
 class LLMResponse(Contract):
@@ -58,6 +75,12 @@ class LLMResponse(Contract):
     consumer_id: str
     timings: Timings = Field(default_factory=Timings)
     prefix_break: bool = False
+    token_logprobs: list[TokenLogprob] | None = Field(
+        default=None, description="the completion's tokens with their text, when the request set top_logprobs"
+    )
+    top_logprobs: list[list[TokenLogprob]] | None = Field(
+        default=None, description="per completion token, the request's top_logprobs most likely tokens"
+    )
 
 
 ErrorCode = Literal["invalid_request", "payload_too_large", "engine_error", "unavailable"]

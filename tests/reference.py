@@ -23,3 +23,12 @@ def recomputed_logprobs(model_dir: Path, prompt: list[int], completion: list[int
 def _model(model_dir: str) -> Any:
     """Loaded once per directory: the tests never change a model directory after writing it."""
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def recomputed_top(model_dir: Path, prompt: list[int], completion: list[int], k: int) -> list[list[int]]:
+    """The ids of the ``k`` most likely tokens at each completion position, from one plain forward pass."""
+    model = _model(str(model_dir))
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [torch.topk(logprobs[len(prompt) - 1 + i], k).indices.tolist() for i in range(len(completion))]

@@ -477,6 +477,37 @@ async def test_streamed_and_plain_calls_record_identical_tokens_on_the_tiny_mode
     assert recorded[0] == recorded[1] == recorded[2] == recorded[3]
 
 
+async def test_openai_logprobs_show_each_tokens_text_bytes_and_top_alternatives_on_the_tiny_model(
+    servers: Servers, store: EventStore, llm: NatsLLMClient, tiny_model_dir: Path
+) -> None:
+    policy = new_policy()
+    config = InferenceConfig(servers.nats_url, policy, backend="torch", model=tiny_model_dir)
+    async with serving(config), gateway_for(store, llm, policy) as gateway:
+        session = await gateway.session(sampling={"seed": 3, "max_tokens": 10})
+        async with gateway.openai(session["api_key"]) as client:
+            completion = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Hello!"}], logprobs=True, top_logprobs=2
+            )
+            plain = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Hello!"}], logprobs=True
+            )
+    first, second = await turns_of(store, session["session_id"])
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None
+    assert logprobs.content is not None
+    entries = logprobs.content
+    assert [entry.logprob for entry in entries] == first.completion_logprobs
+    assert all(entry.bytes is not None and not entry.token.startswith("<") for entry in entries[:-1])
+    assert all(len(entry.top_logprobs) == 2 for entry in entries)
+    assert all(entry.top_logprobs[0].logprob >= entry.logprob for entry in entries)
+    spelled = b"".join(bytes(entry.bytes or []) for entry in entries if entry.token != "<|im_end|>")
+    assert spelled.decode("utf-8", errors="replace") == completion.choices[0].message.content
+    assert plain.choices[0].logprobs is not None
+    assert plain.choices[0].logprobs.content is not None
+    assert all(entry.top_logprobs == [] for entry in plain.choices[0].logprobs.content)  # none asked
+    assert [e.logprob for e in plain.choices[0].logprobs.content] == second.completion_logprobs
+
+
 # ---- bad input, bad keys, admission ------------------------------------------------------------------
 
 

@@ -17,9 +17,17 @@ from consumers.inference import InferenceConfig
 from pipeline.inference.backends.torch_backend import TorchBackend
 from pipeline.inference.client import NatsLLMClient, versions_subject
 from pipeline.inference.service import InferenceService
-from schemas import ChatMessage, LLMRequest, LLMResponse, PolicyVersionPublished, SamplingParams, TokenPrefix
+from schemas import (
+    ChatMessage,
+    LLMRequest,
+    LLMResponse,
+    PolicyVersionPublished,
+    SamplingParams,
+    TokenPrefix,
+    parse_wire,
+)
 from tests.conftest import Servers
-from tests.reference import recomputed_logprobs
+from tests.reference import recomputed_logprobs, recomputed_top
 from tests.serving import serving
 from tests.waiting import wait_until
 
@@ -208,3 +216,37 @@ async def test_prefix_ids_outside_the_vocabulary_are_refused_before_they_reach_a
     with pytest.raises(RequestRejected, match=f"token id {vocabulary + 5} is outside the model's vocabulary"):
         await backend.generate(request)
     assert (await backend.generate(ask("still serving", max_tokens=2))).completion_token_ids
+
+
+async def test_top_logprobs_are_the_most_likely_tokens_and_token_bytes_spell_the_text(
+    backend: TorchBackend, tiny_model_dir: Path
+) -> None:
+    class Published:
+        async def __call__(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
+            pass
+
+    service = InferenceService(backend, policy="p", consumer_id="c", publish=Published())
+    detailed = ask("Tell me about the weather in Zürich.", temperature=1.0, seed=5, max_tokens=16)
+    detailed = detailed.model_copy(update={"top_logprobs": 3})
+    plain = ask("hi", seed=5)
+    replies = await asyncio.gather(
+        *(service.handle(r.model_dump_json().encode(), None) for r in (detailed, plain))  # one batch
+    )
+    reply, other = (parse_wire(body) for body in replies)
+    assert isinstance(reply, LLMResponse)
+    assert isinstance(other, LLMResponse)
+    assert (other.token_logprobs, other.top_logprobs) == (None, None)  # only when asked
+    assert reply.token_logprobs is not None
+    assert reply.top_logprobs is not None
+    assert [t.token_id for t in reply.token_logprobs] == reply.completion_token_ids
+    assert [t.logprob for t in reply.token_logprobs] == reply.completion_logprobs
+    expected = recomputed_top(tiny_model_dir, reply.prompt_token_ids, reply.completion_token_ids, 3)
+    assert [[t.token_id for t in position] for position in reply.top_logprobs] == expected
+    for position, chosen in zip(reply.top_logprobs, reply.token_logprobs, strict=True):
+        assert [t.logprob for t in position] == sorted((t.logprob for t in position), reverse=True)
+        assert position[0].logprob >= chosen.logprob
+    ids = [t.token_id for t in reply.token_logprobs if t.token_id not in backend.eos_ids]
+    spelled = b"".join(bytes(t.bytes) for t in reply.token_logprobs if t.token_id not in backend.eos_ids)
+    # the bytes are exact, even where a token holds part of a character (a random model writes such bytes)
+    assert spelled.decode("utf-8", errors="replace") == backend.tokenizer.decode(ids)
+    assert all(t.text == bytes(t.bytes).decode("utf-8", errors="replace") for t in reply.token_logprobs)

@@ -243,3 +243,30 @@ async def test_a_new_policy_version_is_loaded_without_dropping_requests_in_fligh
             checkpoint, generation.prompt_token_ids, generation.completion_token_ids
         )
         assert max_difference(generation.completion_logprobs, expected) <= 1e-4
+
+
+async def test_top_logprobs_are_the_most_likely_tokens_with_their_raw_logprobs(
+    backend: VllmBackend, model_dir: Path
+) -> None:
+    detailed = ask("Tell me about Paris.", temperature=1.0, seed=2, max_tokens=12).model_copy(
+        update={"top_logprobs": 3}
+    )
+    plain = ask("Tell me about Paris.", temperature=1.0, seed=2, max_tokens=12)
+    generation, other = await asyncio.gather(backend.generate(detailed), backend.generate(plain))
+    assert other.top_logprobs is None  # only when asked
+    assert generation.top_logprobs is not None
+    assert len(generation.top_logprobs) == len(generation.completion_token_ids)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ids = generation.prompt_token_ids + generation.completion_token_ids
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for index, (position, chosen) in enumerate(
+        zip(generation.top_logprobs, generation.completion_logprobs, strict=True)
+    ):
+        assert len(position) == 3
+        values = [logprob for _, logprob in position]
+        assert values == sorted(values, reverse=True)
+        assert values[0] >= chosen - 1e-6
+        row = logprobs[len(generation.prompt_token_ids) - 1 + index]
+        assert max(abs(float(row[token]) - logprob) for token, logprob in position) <= 1e-4  # raw logprobs
+        assert values[-1] >= float(torch.topk(row, 3).values[-1]) - 1e-4  # none better was left out

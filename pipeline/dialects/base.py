@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from pipeline.errors import TurnstileError
-from schemas import ChatMessage, FinishReason, SamplingParams, ToolCall, ToolChoice, ToolSpec
+from schemas import ChatMessage, FinishReason, SamplingParams, TokenLogprob, ToolCall, ToolChoice, ToolSpec
 from schemas.base import TOLERANT
 
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -48,6 +48,9 @@ class ChoiceData:
     completion_token_ids: list[int]
     completion_logprobs: list[float]
     token_texts: list[str] | None = None
+    token_logprobs: list[TokenLogprob] | None = None
+    """Each completion token's text, bytes and logprob, from the engine's tokenizer (when asked)."""
+    top_logprobs: list[list[TokenLogprob]] | None = None
 
     def __post_init__(self) -> None:
         tokens = len(self.completion_token_ids)

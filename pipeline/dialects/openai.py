@@ -13,7 +13,9 @@ Choices made where the OpenAI API leaves room:
   off. ``null`` for any top-level field means "not given".
 - Turnstile's ``abort`` and ``error`` finish reasons read as ``"length"``: the reply was cut short and is not
   what the model would have finished with. The exact reason stays in Turnstile's own record.
-- Logprob entries carry ``top_logprobs: []`` (the engines return the sampled token's logprob only).
+- Logprob entries carry each token's text and bytes and its ``top_logprobs`` alternatives, as the inference
+  consumer's tokenizer gives them (``LLMRequest.top_logprobs``); without them (a client of its own that does
+  not fill them) a token shows as ``<id>`` with ``bytes: null``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pipeline.dialects.base import (
     shown,
     validated,
 )
-from schemas import ChatMessage, FinishReason, SamplingParams, ToolChoice, ToolSpec
+from schemas import ChatMessage, FinishReason, SamplingParams, TokenLogprob, ToolChoice, ToolSpec
 
 OPENAI_FINISH_REASONS: Final[Mapping[FinishReason, str]] = {
     "stop": "stop",
@@ -323,6 +325,15 @@ def _message(choice: ChoiceData) -> dict[str, Any]:
 
 
 def _logprob_entries(choice: ChoiceData) -> list[dict[str, Any]]:
+    if choice.token_logprobs is not None:
+        top = choice.top_logprobs or [[] for _ in choice.token_logprobs]
+        return [
+            {
+                **_entry(token),
+                "top_logprobs": [_entry(alternative) for alternative in alternatives],
+            }
+            for token, alternatives in zip(choice.token_logprobs, top, strict=True)
+        ]
     texts = choice.token_texts or [f"<{token_id}>" for token_id in choice.completion_token_ids]
     return [
         {
@@ -333,6 +344,10 @@ def _logprob_entries(choice: ChoiceData) -> list[dict[str, Any]]:
         }
         for text, logprob in zip(texts, choice.completion_logprobs, strict=True)
     ]
+
+
+def _entry(token: TokenLogprob) -> dict[str, Any]:
+    return {"token": token.text, "logprob": token.logprob, "bytes": token.bytes}
 
 
 def _usage(prompt_tokens: int, choices: Sequence[ChoiceData]) -> dict[str, int]:

@@ -14,7 +14,7 @@ from pipeline.inference import RequestRejected
 from schemas import ChatMessage, SamplingParams, ToolChoice, ToolSpec
 
 ChatTurn = Callable[
-    [list[ChatMessage], list[ToolSpec], SamplingParams, ToolChoice | None], Awaitable[ChatReply]
+    [list[ChatMessage], list[ToolSpec], SamplingParams, ToolChoice | None, int | None], Awaitable[ChatReply]
 ]
 """One recorded turn of an episode (``EpisodeSession.chat``)."""
 
@@ -28,6 +28,9 @@ def chat_result(episode_id: str, replies: Sequence[ChatReply]) -> ChatResult:
             finish_reason=reply.finish_reason,
             completion_token_ids=reply.completion_token_ids,
             completion_logprobs=reply.completion_logprobs,
+            token_texts=[token.text for token in reply.token_logprobs] if reply.token_logprobs else None,
+            token_logprobs=reply.token_logprobs,
+            top_logprobs=reply.top_logprobs,
         )
         for reply in replies
     ]
@@ -41,6 +44,12 @@ def chat_result(episode_id: str, replies: Sequence[ChatReply]) -> ChatResult:
         }
     }
     return ChatResult(choices=choices, prompt_tokens=len(replies[0].prompt_token_ids), extra=extra)
+
+
+def wanted_detail(call: ChatCall) -> int | None:
+    """What to ask the consumer for: per-token detail with ``top_logprobs`` alternatives when the call asked
+    for logprobs, else none (it would only grow the reply)."""
+    return call.top_logprobs if call.logprobs else None
 
 
 def episode_openai_client(
@@ -57,7 +66,10 @@ def episode_openai_client(
     async def handle(call: ChatCall) -> ChatResult:
         try:
             replies = await asyncio.gather(
-                *(chat(call.messages, call.tools, call.sampling, call.tool_choice) for _ in range(call.n))
+                *(
+                    chat(call.messages, call.tools, call.sampling, call.tool_choice, wanted_detail(call))
+                    for _ in range(call.n)
+                )
             )
         except (InvalidLLMCall, RequestRejected) as error:
             raise OpenAIRequestError(str(error), param=getattr(error, "field", None)) from None

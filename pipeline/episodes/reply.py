@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from schemas import ChatMessage, FinishReason, ToolCall
+from schemas import ChatMessage, FinishReason, TokenLogprob, ToolCall
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +20,9 @@ class ChatReply:
     completion_token_ids: list[int]
     completion_logprobs: list[float]
     policy_version: int
+    token_logprobs: list[TokenLogprob] | None = None
+    """Each completion token's text and bytes, when the call asked for ``top_logprobs``."""
+    top_logprobs: list[list[TokenLogprob]] | None = None
 
     @property
     def message(self) -> ChatMessage:

@@ -148,15 +148,19 @@ class EpisodeSession:
         tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
         sampling: SamplingParams | Mapping[str, Any] | None = None,
         tool_choice: ToolChoice | None = None,
+        top_logprobs: int | None = None,
     ) -> ChatReply:
-        """One LLM turn: the request goes to inference, the turn is recorded, then the reply returns."""
+        """One LLM turn: the request goes to inference, the turn is recorded, then the reply returns.
+
+        ``top_logprobs`` (0-20): the reply carries each completion token's text and bytes and its most
+        likely alternatives (``ChatReply.token_logprobs``, ``top_logprobs``); they are not recorded."""
         if self.finished:
             raise TurnstileError(f"episode {self.episode_id} is finished; start a new episode")
         if self.max_turns is not None and self._calls >= self.max_turns:
             self.max_turns_hit = True
             raise MaxTurnsExceeded(self.max_turns)
         self._calls += 1
-        request, parent = self._request(messages, tools, sampling, tool_choice)
+        request, parent = self._request(messages, tools, sampling, tool_choice, top_logprobs)
         began = time.monotonic()
         response = await self.client(request)
         self.llm_seconds += time.monotonic() - began
@@ -189,6 +193,8 @@ class EpisodeSession:
             completion_token_ids=response.completion_token_ids,
             completion_logprobs=response.completion_logprobs,
             policy_version=response.policy_version,
+            token_logprobs=response.token_logprobs,
+            top_logprobs=response.top_logprobs,
         )
         self.turns.append(reply)
         self._contexts.append(
@@ -249,6 +255,7 @@ class EpisodeSession:
         tools: Sequence[ToolSpec | Mapping[str, Any]] | None,
         sampling: SamplingParams | Mapping[str, Any] | None,
         tool_choice: ToolChoice | None = None,
+        top_logprobs: int | None = None,
     ) -> tuple[LLMRequest, _Context | None]:
         if isinstance(sampling, SamplingParams):
             sampling = sampling.model_dump()
@@ -262,6 +269,7 @@ class EpisodeSession:
                     "tools": list(tools or []),
                     "sampling": chosen,
                     "tool_choice": tool_choice,
+                    "top_logprobs": top_logprobs,
                 }
             )
         except ValidationError as error:

@@ -24,6 +24,7 @@ from starlette.requests import Request
 
 from pipeline.dialects import ChatCall, ChatResult
 from pipeline.episodes import ChatReply, EpisodeSession, InvalidLLMCall, MaxTurnsExceeded, chat_result
+from pipeline.episodes.openai_client import wanted_detail
 from pipeline.errors import InvalidEvent, StoreUnavailable, WrongExpectedVersion
 from pipeline.gateway.errors import GatewayError
 from pipeline.gateway.sessions import SessionEntry, SessionRegistry, key_digest
@@ -290,7 +291,9 @@ class Gateway:
             return list(
                 await asyncio.gather(
                     *(
-                        session.chat(call.messages, call.tools, call.sampling, call.tool_choice)
+                        session.chat(
+                            call.messages, call.tools, call.sampling, call.tool_choice, wanted_detail(call)
+                        )
                         for _ in range(call.n)
                     )
                 )

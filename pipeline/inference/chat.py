@@ -128,3 +128,38 @@ def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
 
     content = _TOOL_CALL.sub(take, text)
     return (content.strip() if calls else content), calls
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (the printable character standing for each byte), reversed: what
+    byte-level tokenizers (Qwen, Llama 3, DeepSeek, GPT-2) write their vocabularies in."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    characters = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            characters.append(256 + extra)
+            extra += 1
+    return {chr(character): byte for byte, character in zip(printable, characters, strict=True)}
+
+
+_BYTE_LEVEL: Final = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece's byte tokens
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The raw bytes of one token: from its byte-level spelling where the vocabulary has one (so a token that
+    is half of a multi-byte character gives its exact bytes), else from decoding it alone."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        fallback = _BYTE_FALLBACK.match(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        if piece and all(character in _BYTE_LEVEL for character in piece):
+            return bytes(_BYTE_LEVEL[character] for character in piece)
+    return str(tokenizer.decode([token_id], skip_special_tokens=False)).encode()

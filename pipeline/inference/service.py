@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import Any, Final
 
 from pydantic import ValidationError
 
@@ -25,7 +26,16 @@ from pipeline.errors import describe_validation_error, field_path
 from pipeline.inference.backends import Backend, Generation
 from pipeline.inference.chat import split_tool_calls
 from pipeline.inference.client import CONSUMER_HEADER, HEARTBEAT_HEADER, RequestRejected
-from schemas import TOLERANT, LLMError, LLMRequest, LLMResponse, PolicyVersionPublished, Timings, ToolCall
+from schemas import (
+    TOLERANT,
+    LLMError,
+    LLMRequest,
+    LLMResponse,
+    PolicyVersionPublished,
+    Timings,
+    TokenLogprob,
+    ToolCall,
+)
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +181,33 @@ class InferenceService:
                 total_ms=(now - received) * 1000,
             ),
             prefix_break=generation.prefix_break,
+            **self._token_detail(request, generation),
+        )
+
+    def _token_detail(self, request: LLMRequest, generation: Generation) -> dict[str, Any]:
+        """Each completion token's text, bytes and top alternatives, when the request asked for them."""
+        if request.top_logprobs is None:
+            return {}
+        detail = functools.lru_cache(maxsize=None)(self._token)
+        chosen = [
+            detail(token_id, logprob)
+            for token_id, logprob in zip(
+                generation.completion_token_ids, generation.completion_logprobs, strict=True
+            )
+        ]
+        top = generation.top_logprobs or [[] for _ in chosen]
+        return {
+            "token_logprobs": chosen,
+            "top_logprobs": [[detail(t, lp) for t, lp in position] for position in top],
+        }
+
+    def _token(self, token_id: int, logprob: float) -> TokenLogprob:
+        raw = self.backend.token_bytes(token_id)
+        return TokenLogprob(
+            token_id=token_id,
+            text=raw.decode("utf-8", errors="replace"),
+            bytes=list(raw),
+            logprob=max(logprob, -9999.0),  # OpenAI's stand-in for a token the model rules out
         )
 
     async def _heartbeat(self, reply_to: str) -> None:

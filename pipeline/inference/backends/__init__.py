@@ -22,6 +22,8 @@ class Generation:
     prefix_break: bool = False
     tool_calls: list[ToolCall] | None = None
     """Already parsed (replay); None: the service parses hermes tool calls out of ``text``."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per completion token, the ``top_logprobs`` most likely (token id, raw logprob), when asked."""
     started_at: float = field(default_factory=time.monotonic)
     """time.monotonic() when the engine started on the request (after any queueing)."""
     first_token_at: float = field(default_factory=time.monotonic)
@@ -33,6 +35,10 @@ class Backend(Protocol):
     policy_version: int
 
     async def generate(self, request: LLMRequest) -> Generation: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token of this engine's vocabulary (for per-token logprob detail)."""
+        ...
 
     async def load_version(self, version: int, checkpoint: str) -> None:
         """Switch to new weights between requests; requests in flight finish on the old ones."""

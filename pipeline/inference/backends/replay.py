@@ -62,6 +62,9 @@ class ReplayBackend:
         """Start the episode's recorded turns over (for a second re-run)."""
         self._cursor.pop(episode_id, None)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return f"<{token_id}>".encode()  # the log holds ids, not the vocabulary
+
     async def load_version(self, version: int, checkpoint: str) -> None:
         """Replays are what was recorded; new policy versions do not change them."""
 

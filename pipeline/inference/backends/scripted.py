@@ -37,6 +37,9 @@ class ScriptedBackend:
             first_token_at=time.monotonic(),
         )
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return f"<{token_id}>".encode()  # no vocabulary: a stand-in text
+
     async def load_version(self, version: int, checkpoint: str) -> None:
         self.policy_version = version
 

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.inference.backends import Generation
-from pipeline.inference.chat import ChatRenderer
+from pipeline.inference.chat import ChatRenderer, token_bytes
 from pipeline.inference.client import RequestRejected
 from schemas import FinishReason, LLMRequest, SamplingParams
 
@@ -35,6 +35,7 @@ class _Row:
     future: asyncio.Future[Generation]
     completion: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     started_at: float = 0.0
     first_token_at: float = 0.0
@@ -98,6 +99,9 @@ class TorchBackend:
         await self._queue.put(row)
         return await row.future
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return token_bytes(self.tokenizer, token_id)
+
     async def load_version(self, version: int, checkpoint: str) -> None:
         model = await asyncio.to_thread(load_model, checkpoint, self.device, self.dtype)
         async with self._swap:
@@ -125,6 +129,7 @@ class TorchBackend:
                         prompt_token_ids=row.prompt,
                         completion_token_ids=row.completion,
                         completion_logprobs=row.logprobs,
+                        top_logprobs=row.top if row.request.top_logprobs is not None else None,
                         text=self._text(row.completion),
                         finish_reason=row.finish_reason or "length",
                         policy_version=version,
@@ -148,6 +153,7 @@ class TorchBackend:
             for row in batch:
                 row.completion.clear()
                 row.logprobs.clear()
+                row.top.clear()
                 row.finish_reason = None
                 await self._generate_isolated([row])
 
@@ -192,6 +198,14 @@ class TorchBackend:
                 token = _sample(logits[i], row.request.sampling, generators[i])
                 row.completion.append(token)
                 row.logprobs.append(float(raw_logprobs[i, token]))
+                if row.request.top_logprobs:
+                    k = min(row.request.top_logprobs, raw_logprobs.shape[-1])
+                    best = torch.topk(raw_logprobs[i], k)
+                    row.top.append(
+                        [(int(t), float(v)) for v, t in zip(best.values, best.indices, strict=True)]
+                    )
+                elif row.request.top_logprobs == 0:
+                    row.top.append([])
                 if len(row.completion) == 1:
                     row.first_token_at = time.monotonic()
                 row.finish_reason = self._finished(row, budgets[i])

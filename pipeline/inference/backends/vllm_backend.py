@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import AutoTokenizer
 
 from pipeline.inference.backends import Generation
-from pipeline.inference.chat import ChatRenderer
+from pipeline.inference.chat import ChatRenderer, token_bytes
 from pipeline.inference.client import RequestRejected
 from schemas import FinishReason, LLMRequest, SamplingParams
 
@@ -216,9 +216,10 @@ class VllmBackend:
     ) -> Generation:
         from vllm.inputs import TokensPrompt
 
-        parameters = self._sampling(request.sampling, len(prompt))
+        parameters = self._sampling(request.sampling, len(prompt), request.top_logprobs or 0)
         completion: list[int] = []
         logprobs: list[float] = []
+        top: list[list[tuple[int, float]]] = []
         finish: str | None = None
         started = first_token_at = time.monotonic()
         async for output in engine.generate(TokensPrompt(prompt_token_ids=prompt), parameters, request_id):
@@ -232,12 +233,18 @@ class VllmBackend:
                 for position, token in enumerate(piece.token_ids):
                     completion.append(token)
                     logprobs.append(float(samples[position][token].logprob))
+                    if request.top_logprobs is not None:
+                        # the k most likely (ranks 1..k), and the sampled token with its own rank if it is not
+                        ranked = sorted(samples[position].items(), key=lambda item: item[1].rank or 0)
+                        best = [(int(t), float(p.logprob)) for t, p in ranked if p.rank]
+                        top.append(best[: request.top_logprobs])
             if output.finished:
                 finish = piece.finish_reason
         return Generation(
             prompt_token_ids=prompt,
             completion_token_ids=completion,
             completion_logprobs=logprobs,
+            top_logprobs=top if request.top_logprobs is not None else None,
             text=self._text(completion),
             finish_reason=_finish_reason(finish),
             policy_version=version,
@@ -246,7 +253,10 @@ class VllmBackend:
             first_token_at=first_token_at,
         )
 
-    def _sampling(self, sampling: SamplingParams, prompt_length: int) -> Any:
+    def token_bytes(self, token_id: int) -> bytes:
+        return token_bytes(self.tokenizer, token_id)
+
+    def _sampling(self, sampling: SamplingParams, prompt_length: int, top_logprobs: int = 0) -> Any:
         from vllm.sampling_params import RequestOutputKind
         from vllm.sampling_params import SamplingParams as VllmSamplingParams
 
@@ -258,7 +268,7 @@ class VllmBackend:
             stop=list(sampling.stop) or None,
             stop_token_ids=list(self.eos_ids),
             seed=sampling.seed,
-            logprobs=0,  # the sampled token's own logprob only
+            logprobs=top_logprobs,  # the sampled token's own logprob, and the k most likely when asked
             detokenize=bool(sampling.stop),  # the text is decoded here; vLLM needs its own for stop strings
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
