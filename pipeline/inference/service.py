@@ -202,7 +202,8 @@ class InferenceService:
         }
 
     def _token(self, token_id: int, logprob: float) -> TokenLogprob:
-        raw = self.backend.token_bytes(token_id)
+        spell = getattr(self.backend, "token_bytes", None)
+        raw = spell(token_id) if spell is not None else f"<{token_id}>".encode()
         return TokenLogprob(
             token_id=token_id,
             text=raw.decode("utf-8", errors="replace"),

@@ -34,10 +34,9 @@ class Backend(Protocol):
 
     policy_version: int
 
-    async def generate(self, request: LLMRequest) -> Generation: ...
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes of one token of this engine's vocabulary (for per-token logprob detail)."""
+    async def generate(self, request: LLMRequest) -> Generation:
+        """Also optional on a backend: ``token_bytes(token_id) -> bytes``, the raw bytes of one token of its
+        vocabulary, for per-token logprob detail (without it a token shows as ``<id>``)."""
         ...
 
     async def load_version(self, version: int, checkpoint: str) -> None:
