@@ -26,8 +26,12 @@ TRIMS_WHITESPACE = """{%- for m in messages -%}
 {% endfor -%}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif -%}"""
-NOT_MESSAGE_LOCAL = """{{ messages | length }} messages
+COUNTS_MESSAGES = """{{ messages | length }} messages
 {%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor -%}<|im_start|>assistant
+"""
+NUMBERS_ROUNDS = """{%- for m in messages %}<|im_start|>{{ m.role }} {{ loop.index }}
 {{ m.content }}<|im_end|>
 {% endfor -%}<|im_start|>assistant
 """
@@ -80,15 +84,28 @@ def test_a_continuation_keeps_the_earlier_tokens_even_when_the_template_drifts(
         assert full[: len(prefix_ids)] != prefix_ids  # a full re-render would have changed history
 
 
-def test_a_template_that_is_not_message_local_falls_back_to_a_full_render_marked_prefix_break(
+def test_a_template_whose_header_counts_the_messages_continues_and_only_a_full_render_drifts(
     tokenizer: Any,
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
-    tokenizer.chat_template = NOT_MESSAGE_LOCAL
+    tokenizer.chat_template = COUNTS_MESSAGES
     first, prefix_ids = first_turn(tokenizer, "4")
     request = second_request(first, "4", prefix_ids)
     prompt = ChatRenderer(tokenizer).prompt(request)
-    assert prompt.prefix_break
+    assert not prompt.prefix_break  # the new messages render the same whatever came before them
+    assert prompt.token_ids[: len(prefix_ids)] == prefix_ids
+    assert ChatRenderer(tokenizer).full(request)[:3] != prefix_ids[:3]  # "4 messages": history rewritten
+
+
+def test_a_template_that_numbers_messages_falls_back_to_a_full_render_marked_prefix_break(
+    tokenizer: Any,
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = NUMBERS_ROUNDS
+    first, prefix_ids = first_turn(tokenizer, "4")
+    request = second_request(first, "4", prefix_ids)
+    prompt = ChatRenderer(tokenizer).prompt(request)
+    assert prompt.prefix_break  # the new messages' rendering depends on how many came before
     assert prompt.token_ids == ChatRenderer(tokenizer).full(request)
 
 

