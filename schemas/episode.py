@@ -54,6 +54,9 @@ class TurnReply(Contract):
     text: str
     tool_calls: list[ToolCall] = Field(default_factory=list)
     finish_reason: FinishReason
+    reasoning: str | None = Field(
+        default=None, description="the model's reasoning (``<think>`` ... ``</think>``), apart from ``text``"
+    )
 
 
 class TurnCompleted(Contract):

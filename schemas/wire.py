@@ -68,6 +68,9 @@ class LLMResponse(Contract):
     text: str
     tool_calls: list[ToolCall] = Field(default_factory=list)
     finish_reason: FinishReason
+    reasoning: str | None = Field(
+        default=None, description="the model's reasoning, split from ``text`` at the consumer's markers"
+    )
     prompt_token_ids: TokenIds
     completion_token_ids: TokenIds
     completion_logprobs: Logprobs

@@ -87,8 +87,9 @@ PREFIX_ECHO_COMPLETION = [7, 8, 2]
 class PrefixEcho:
     """An in-process LLM client: the prompt is the request's prefix ids plus one id per new message."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, reasoning: str | None = None) -> None:
         self.requests: list[LLMRequest] = []
+        self.reasoning = reasoning
 
     async def __call__(self, request: LLMRequest) -> LLMResponse:
         self.requests.append(request)
@@ -99,6 +100,7 @@ class PrefixEcho:
             request_id=request.request_id,
             text=f"reply {len(self.requests)}",
             finish_reason="stop",
+            reasoning=self.reasoning,
             prompt_token_ids=prefix + new,
             completion_token_ids=PREFIX_ECHO_COMPLETION,
             completion_logprobs=[-0.25] * len(PREFIX_ECHO_COMPLETION),

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.inference.chat import ChatRenderer, split_tool_calls
+from pipeline.inference.chat import ChatRenderer, split_reasoning, split_tool_calls
 from schemas import ChatMessage, FunctionCall, LLMRequest, TokenPrefix, ToolCall, ToolSpec
 
 # Templates that render a past assistant turn differently once the conversation goes on.
@@ -162,3 +162,20 @@ def test_hermes_tool_calls_are_parsed_and_malformed_ones_stay_in_the_text() -> N
     assert split_tool_calls(broken) == (broken, [])
     nameless = '<tool_call>{"arguments": {}}</tool_call>'
     assert split_tool_calls(nameless) == (nameless, [])
+
+
+@pytest.mark.parametrize(
+    ("text", "reasoning", "answer"),
+    [
+        ("<think>\nAdd them.\n</think>\n\n4", "Add them.", "4"),
+        ("Add them.\n</think>\n\n4", "Add them.", "4"),  # the template opened <think> in the prompt
+        ("  <think>a</think>b", "a", "b"),
+        ("4", None, "4"),
+        ("So <think>a</think> b", None, "So <think>a</think> b"),  # not where a reply starts: left alone
+        ("<think>never closed", None, "<think>never closed"),
+    ],
+)
+def test_reasoning_is_split_from_the_answer_at_its_markers(
+    text: str, reasoning: str | None, answer: str
+) -> None:
+    assert split_reasoning(text) == (reasoning, answer)

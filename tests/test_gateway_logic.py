@@ -222,3 +222,38 @@ async def test_tool_choice_is_recorded_with_the_turn_in_both_apis(
         ToolChoice(mode="function", name="add"),
         None,
     ]
+
+
+async def test_reasoning_comes_back_in_each_apis_field_and_continues_whether_sent_back_or_dropped() -> None:
+    store, backend = InMemoryStore(), PrefixEcho(reasoning="Think first.")
+    app = create_gateway(store, backend, admin_key="admin-key", policy_default="main")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+        session = (await client.post("/admin/sessions", json={}, headers=ADMIN)).json()
+        key = {"x-api-key": session["api_key"]}
+        question = {"role": "user", "content": "2+2?"}
+        first = (
+            await client.post(
+                "/v1/chat/completions", json={"model": "m", "messages": [question]}, headers=key
+            )
+        ).json()
+        message = first["choices"][0]["message"]
+        assert message["reasoning_content"] == "Think first."
+        follow_up = {"role": "user", "content": "and 3+3?"}
+        without = {"role": "assistant", "content": message["content"]}  # a client that drops it
+        for sent_back in (message, without):
+            body = {"model": "m", "messages": [question, sent_back, follow_up]}
+            assert (await client.post("/v1/chat/completions", json=body, headers=key)).status_code == 200
+            assert backend.requests[-1].prefix is not None  # continued from the recorded tokens
+            assert backend.requests[-1].prefix.message_count == 2
+        anthropic = (
+            await client.post(
+                "/v1/messages", json={"model": "m", "max_tokens": 8, "messages": [question]}, headers=key
+            )
+        ).json()
+        assert anthropic["content"][0] == {"type": "thinking", "thinking": "Think first.", "signature": ""}
+        history = [question, {"role": "assistant", "content": anthropic["content"]}, follow_up]
+        body = {"model": "m", "max_tokens": 8, "messages": history}
+        assert (await client.post("/v1/messages", json=body, headers=key)).status_code == 200
+        assert backend.requests[-1].prefix is not None
+    turns = [r.event for r in await store.read_all() if isinstance(r.event, TurnCompleted)]
+    assert {t.reply.reasoning for t in turns} == {"Think first."}

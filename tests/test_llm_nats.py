@@ -339,3 +339,20 @@ async def test_tool_choice_none_leaves_tool_call_blocks_as_text_and_auto_parses_
         "stop",
         [],
     )
+
+
+async def test_reasoning_is_split_off_before_tool_calls_are_parsed() -> None:
+    block = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    backend = ScriptedBackend(f"<think>\nI should add.\n</think>\n\nsure {block}")
+    service = InferenceService(backend, policy="p", consumer_id="c", publish=Published())
+    reply = parse_wire(await service.handle(ask("p", "e1").model_dump_json().encode(), None))
+    assert isinstance(reply, LLMResponse)
+    assert (reply.reasoning, reply.text, reply.finish_reason) == ("I should add.", "sure", "tool_calls")
+    assert [call.function.name for call in reply.tool_calls] == ["add"]
+    plain = InferenceService(
+        backend, policy="p", consumer_id="c", publish=Published(), reasoning_markers=None
+    )
+    kept = parse_wire(await plain.handle(ask("p", "e2").model_dump_json().encode(), None))
+    assert isinstance(kept, LLMResponse)
+    assert kept.reasoning is None
+    assert kept.text.startswith("<think>")  # a model without a reasoning channel keeps its text as written

@@ -10,8 +10,9 @@ How the two shapes meet:
 - ``system`` (a string or text blocks) becomes a leading ``system`` message. A user message's ``tool_result``
   blocks become ``tool`` messages (``tool_call_id`` = ``tool_use_id``) and its text blocks a user message, in
   block order; an assistant message's text blocks are joined into its content and its ``tool_use`` blocks
-  become tool calls whose id is the block's id. Text blocks are joined with ``"\\n"``; other block kinds
-  (images, documents, thinking) are refused.
+  become tool calls whose id is the block's id, its ``thinking`` block its ``reasoning_content``
+  (``redacted_thinking`` is ignored). Text blocks are joined with ``"\\n"``; other block kinds (images,
+  documents) are refused. A reply's reasoning comes back as a ``thinking`` block.
 - A ``tool_use`` block carries parsed ``input``; the turn recorded the arguments as the model wrote them.
   ``known_arguments`` (tool call id -> the recorded arguments text) lets the parser send back the exact text
   when the input still equals it, so a conversation that returns the reply it got continues token-exact.
@@ -210,6 +211,7 @@ def _user_messages(content: object, path: str) -> list[ChatMessage]:
 
 
 def _assistant_message(content: object, path: str, known_arguments: Mapping[str, str]) -> ChatMessage:
+    reasoning: str | None = None
     texts: list[str] = []
     calls: list[ToolCall] = []
     for index, block in enumerate(_blocks(content, path)):
@@ -217,6 +219,10 @@ def _assistant_message(content: object, path: str, known_arguments: Mapping[str,
         kind = block.get("type")
         if kind == "text":
             texts.append(_string(block, "text", block_path))
+        elif kind == "thinking":
+            reasoning = _string(block, "thinking", block_path)
+        elif kind == "redacted_thinking":
+            continue  # opaque to us; the recorded tokens hold what the model wrote
         elif kind == "tool_use":
             call_id = _string(block, "id", block_path)
             name = _string(block, "name", block_path)
@@ -235,9 +241,13 @@ def _assistant_message(content: object, path: str, known_arguments: Mapping[str,
             )
         else:
             raise _invalid(
-                f"{block_path}.type", "assistant content blocks must be 'text' or 'tool_use'", kind
+                f"{block_path}.type",
+                "assistant content blocks must be 'text', 'thinking' or 'tool_use'",
+                kind,
             )
-    return ChatMessage(role="assistant", content="\n".join(texts), tool_calls=calls or None)
+    return ChatMessage(
+        role="assistant", content="\n".join(texts), tool_calls=calls or None, reasoning_content=reasoning
+    )
 
 
 def _arguments_text(call_id: str, arguments: dict[str, Any], known: Mapping[str, str]) -> str:
@@ -333,8 +343,11 @@ def stop_reason(choice: ChoiceData, stop_sequences: Sequence[str]) -> tuple[str,
 
 
 def content_blocks(choice: ChoiceData) -> list[dict[str, Any]]:
-    """A text block (when there is text), then a ``tool_use`` block per tool call."""
+    """A ``thinking`` block (when the model reasoned), a text block (when there is text), then a ``tool_use``
+    block per tool call. The thinking block's ``signature`` is empty: nothing here signs it."""
     blocks: list[dict[str, Any]] = []
+    if choice.reasoning is not None:
+        blocks.append({"type": "thinking", "thinking": choice.reasoning, "signature": ""})
     if choice.text:
         blocks.append({"type": "text", "text": choice.text})
     for call in choice.tool_calls:
@@ -404,9 +417,14 @@ def message_events(
     }
     events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
     for index, block in enumerate(content_blocks(choice)):
+        deltas: list[dict[str, Any]] = []
         if block["type"] == "text":
             opening: dict[str, Any] = {"type": "text", "text": ""}
             delta = {"type": "text_delta", "text": block["text"]}
+        elif block["type"] == "thinking":
+            opening = {"type": "thinking", "thinking": "", "signature": ""}
+            delta = {"type": "thinking_delta", "thinking": block["thinking"]}
+            deltas = [{"type": "signature_delta", "signature": ""}]
         else:
             opening = {**block, "input": {}}
             delta = {
@@ -415,7 +433,7 @@ def message_events(
             }
         events += [
             {"type": "content_block_start", "index": index, "content_block": opening},
-            {"type": "content_block_delta", "index": index, "delta": delta},
+            *({"type": "content_block_delta", "index": index, "delta": each} for each in [delta, *deltas]),
             {"type": "content_block_stop", "index": index},
         ]
     usage = {"input_tokens": prompt_tokens, "output_tokens": len(choice.completion_token_ids)}

@@ -51,6 +51,8 @@ class ChoiceData:
     token_logprobs: list[TokenLogprob] | None = None
     """Each completion token's text, bytes and logprob, from the engine's tokenizer (when asked)."""
     top_logprobs: list[list[TokenLogprob]] | None = None
+    reasoning: str | None = None
+    """The model's reasoning, apart from ``text`` (``reasoning_content``; Anthropic ``thinking`` blocks)."""
 
     def __post_init__(self) -> None:
         tokens = len(self.completion_token_ids)

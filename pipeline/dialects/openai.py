@@ -288,6 +288,8 @@ def completion_chunks(
         chunks.append(
             chunk(index, {"role": "assistant", "content": "" if content is not None else None}, None, None)
         )
+        if choice.reasoning is not None:
+            chunks.append(chunk(index, {"reasoning_content": choice.reasoning}, None, None))
         entries = _logprob_entries(choice)
         if choice.token_texts is not None and "".join(choice.token_texts) == choice.text != "":
             for text, entry in zip(choice.token_texts, entries, strict=True):
@@ -319,6 +321,8 @@ def _content(choice: ChoiceData) -> str | None:
 
 def _message(choice: ChoiceData) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": _content(choice), "refusal": None}
+    if choice.reasoning is not None:
+        message["reasoning_content"] = choice.reasoning  # as vLLM and DeepSeek name it
     if choice.tool_calls:
         message["tool_calls"] = [call.model_dump(mode="json") for call in choice.tool_calls]
     return message

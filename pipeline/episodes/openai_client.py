@@ -31,6 +31,7 @@ def chat_result(episode_id: str, replies: Sequence[ChatReply]) -> ChatResult:
             token_texts=[token.text for token in reply.token_logprobs] if reply.token_logprobs else None,
             token_logprobs=reply.token_logprobs,
             top_logprobs=reply.top_logprobs,
+            reasoning=reply.reasoning,
         )
         for reply in replies
     ]

@@ -23,8 +23,15 @@ class ChatReply:
     token_logprobs: list[TokenLogprob] | None = None
     """Each completion token's text and bytes, when the call asked for ``top_logprobs``."""
     top_logprobs: list[list[TokenLogprob]] | None = None
+    reasoning: str | None = None
+    """The model's reasoning, split from ``text`` (see ``schemas.TurnReply.reasoning``)."""
 
     @property
     def message(self) -> ChatMessage:
         """The assistant message to append to the conversation for the next turn."""
-        return ChatMessage(role="assistant", content=self.text, tool_calls=self.tool_calls or None)
+        return ChatMessage(
+            role="assistant",
+            content=self.text,
+            tool_calls=self.tool_calls or None,
+            reasoning_content=self.reasoning,
+        )

@@ -173,7 +173,10 @@ class EpisodeSession:
                 tool_choice=request.tool_choice,
             ),
             reply=TurnReply(
-                text=response.text, tool_calls=response.tool_calls, finish_reason=response.finish_reason
+                text=response.text,
+                tool_calls=response.tool_calls,
+                finish_reason=response.finish_reason,
+                reasoning=response.reasoning,
             ),
             prompt_token_ids=response.prompt_token_ids,
             completion_token_ids=response.completion_token_ids,
@@ -195,6 +198,7 @@ class EpisodeSession:
             policy_version=response.policy_version,
             token_logprobs=response.token_logprobs,
             top_logprobs=response.top_logprobs,
+            reasoning=response.reasoning,
         )
         self.turns.append(reply)
         self._contexts.append(
@@ -298,7 +302,7 @@ class EpisodeSession:
             if (
                 len(request.messages) > count
                 and context.tools == request.tools
-                and request.messages[:count] == context.messages
+                and all(map(same_message, request.messages[:count], context.messages))
                 and same_assistant_message(request.messages[count], context.reply)
             ):
                 return context
@@ -319,6 +323,18 @@ class EpisodeSession:
             self._version = result.version
             self.events.extend(events)
             return result
+
+
+def same_message(sent: ChatMessage, recorded: ChatMessage) -> bool:
+    """Whether an earlier message came back unchanged; an assistant's reasoning may be sent back or dropped
+    (clients differ), as the continuation uses the recorded tokens either way."""
+    if sent == recorded:
+        return True
+    if sent.role == recorded.role == "assistant":
+        return sent.model_copy(update={"reasoning_content": None}) == recorded.model_copy(
+            update={"reasoning_content": None}
+        )
+    return sent == recorded
 
 
 def same_assistant_message(sent: ChatMessage, reply: ChatMessage) -> bool:

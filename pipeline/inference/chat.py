@@ -208,3 +208,27 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
         if piece and all(character in _BYTE_LEVEL for character in piece):
             return bytes(_BYTE_LEVEL[character] for character in piece)
     return str(tokenizer.decode([token_id], skip_special_tokens=False)).encode()
+
+
+REASONING_MARKERS: Final = ("<think>", "</think>")
+"""Where a reasoning model's reasoning begins and ends in its completion (Qwen3, DeepSeek-R1, QwQ, ...)."""
+
+
+def split_reasoning(text: str, markers: tuple[str, str] = REASONING_MARKERS) -> tuple[str | None, str]:
+    """(reasoning, answer): the reasoning between the markers at the start of ``text`` and what follows it.
+
+    The opening marker may be missing (a template that ends its generation prompt with it, so the model
+    begins inside the reasoning); the closing one must be there. No reasoning: (None, text) unchanged.
+    """
+    opening, closing = markers
+    stripped = text.lstrip()
+    end = text.find(closing)
+    if end < 0:
+        return None, text
+    if stripped.startswith(opening):
+        start = text.index(opening) + len(opening)
+    elif opening in text[:end]:
+        return None, text  # the reasoning does not start the reply: leave the text as the model wrote it
+    else:
+        start = 0
+    return text[start:end].strip("\n"), text[end + len(closing) :].lstrip("\n")

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from pipeline.errors import describe_validation_error, field_path
 from pipeline.inference.backends import Backend, Generation
-from pipeline.inference.chat import split_tool_calls
+from pipeline.inference.chat import REASONING_MARKERS, split_reasoning, split_tool_calls
 from pipeline.inference.client import CONSUMER_HEADER, HEARTBEAT_HEADER, RequestRejected
 from schemas import (
     TOLERANT,
@@ -59,8 +59,11 @@ class InferenceService:
         publish: Publish,
         max_payload: int = 8 * 1024 * 1024,
         heartbeat_interval: float = 5.0,
+        reasoning_markers: tuple[str, str] | None = REASONING_MARKERS,
     ) -> None:
         self.backend = backend
+        self.reasoning_markers = reasoning_markers
+        """Where the model's reasoning begins and ends in its text (None: it has none to split off)."""
         self.policy = policy
         self.consumer_id = consumer_id
         self.publish = publish
@@ -155,10 +158,13 @@ class InferenceService:
         return body
 
     def _response(self, request: LLMRequest, generation: Generation, received: float) -> LLMResponse:
+        reasoning, text = generation.reasoning, printable(generation.text)
+        if self.reasoning_markers is not None and generation.tool_calls is None:
+            reasoning, text = split_reasoning(text, self.reasoning_markers)
         if request.tool_choice is not None and request.tool_choice.mode == "none":
-            content, tool_calls = printable(generation.text), list[ToolCall]()  # the blocks stay text
+            content, tool_calls = text, list[ToolCall]()  # the blocks stay text
         elif generation.tool_calls is None:
-            content, tool_calls = split_tool_calls(printable(generation.text))
+            content, tool_calls = split_tool_calls(text)
         else:
             content, tool_calls = generation.text, generation.tool_calls
         finish_reason = (
@@ -170,6 +176,7 @@ class InferenceService:
             text=content,
             tool_calls=tool_calls,
             finish_reason=finish_reason,
+            reasoning=reasoning,
             prompt_token_ids=generation.prompt_token_ids,
             completion_token_ids=generation.completion_token_ids,
             completion_logprobs=generation.completion_logprobs,

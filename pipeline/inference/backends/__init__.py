@@ -22,6 +22,8 @@ class Generation:
     prefix_break: bool = False
     tool_calls: list[ToolCall] | None = None
     """Already parsed (replay); None: the service parses hermes tool calls out of ``text``."""
+    reasoning: str | None = None
+    """Already split (replay), with ``tool_calls``; otherwise the service splits it off ``text``."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per completion token, the ``top_logprobs`` most likely (token id, raw logprob), when asked."""
     started_at: float = field(default_factory=time.monotonic)

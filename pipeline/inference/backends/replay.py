@@ -47,6 +47,7 @@ class ReplayBackend:
             policy_version=turn.policy_version,
             prefix_break=turn.prefix_break,
             tool_calls=list(turn.reply.tool_calls),
+            reasoning=turn.reply.reasoning,
             started_at=started,
             first_token_at=time.monotonic(),
         )
