@@ -79,6 +79,12 @@ class TurnCompleted(Contract):
     engine_id: str
     timings: Timings = Field(default_factory=Timings)
     prefix_break: bool = False
+    render_drift: bool | None = Field(
+        default=None,
+        description="whether the prompt differs from what a full re-render of its messages would give "
+        "(re-tokenizing the conversation would have changed what the policy saw); None: not checked",
+    )
+    chat_template: str | None = Field(default=None, description="sha256 of the chat template, 12 hex digits")
 
     @model_validator(mode="after")
     def _one_logprob_per_completion_token(self, info: ValidationInfo) -> TurnCompleted:

@@ -78,6 +78,12 @@ class LLMResponse(Contract):
     consumer_id: str
     timings: Timings = Field(default_factory=Timings)
     prefix_break: bool = False
+    render_drift: bool | None = Field(
+        default=None,
+        description="whether the prompt differs from a full re-render of its messages with the template "
+        "(None: not checked)",
+    )
+    chat_template: str | None = Field(default=None, description="sha256 of the chat template, 12 hex digits")
     token_logprobs: list[TokenLogprob] | None = Field(
         default=None, description="the completion's tokens with their text, when the request set top_logprobs"
     )

@@ -80,8 +80,11 @@ def test_a_continuation_keeps_the_earlier_tokens_even_when_the_template_drifts(
     full = renderer.full(request)
     if template is None:
         assert full == prompt.token_ids  # ChatML renders stably: continuation and full render agree
+        assert prompt.render_drift is False
     else:
         assert full[: len(prefix_ids)] != prefix_ids  # a full re-render would have changed history
+        assert prompt.render_drift is True  # and the turn says so
+    assert ChatRenderer(tokenizer, check_drift=False).prompt(request).render_drift is None
 
 
 def test_a_template_whose_header_counts_the_messages_continues_and_only_a_full_render_drifts(
@@ -95,6 +98,7 @@ def test_a_template_whose_header_counts_the_messages_continues_and_only_a_full_r
     assert not prompt.prefix_break  # the new messages render the same whatever came before them
     assert prompt.token_ids[: len(prefix_ids)] == prefix_ids
     assert ChatRenderer(tokenizer).full(request)[:3] != prefix_ids[:3]  # "4 messages": history rewritten
+    assert prompt.render_drift is True
 
 
 def test_a_template_that_numbers_messages_falls_back_to_a_full_render_marked_prefix_break(

@@ -506,3 +506,31 @@ def test_rematerialize_command_and_its_bad_options(database_url: str, tmp_path: 
     )
     assert main.returncode == 2
     assert "live materializer" in main.stderr
+
+
+async def test_render_drift_and_the_chat_template_reach_the_turns_and_their_view(
+    store: EventStore, database_url: str
+) -> None:
+    def drifting(
+        prompt: list[int], completion: list[int], drift: bool | None, template: str
+    ) -> TurnCompleted:
+        return turn(prompt, completion).model_copy(update={"render_drift": drift, "chat_template": template})
+
+    t1 = drifting([1, 10, 2], [20, 2], False, "aaaaaaaaaaaa")
+    t2 = drifting([1, 10, 2, 20, 2, 1, 11, 2], [21, 2], True, "aaaaaaaaaaaa")
+    t3 = drifting([1, 10, 2, 20, 2, 1, 11, 2, 21, 2, 1, 12, 2], [22, 2], None, "aaaaaaaaaaaa")
+    other = drifting([1, 30, 2], [31, 2], False, "bbbbbbbbbbbb")
+    await record(store, "a", [started("a"), t1, t2, t3, EpisodeFinished(termination="done")])
+    await record(store, "b", [started("b"), other, EpisodeFinished(termination="done")])
+    await materialize(database_url, MaterializerConfig())
+    assert rows(database_url, "SELECT turn_id, render_drift, chat_template FROM turns ORDER BY position") == [
+        (t1.turn_id, False, "aaaaaaaaaaaa"), (t2.turn_id, True, "aaaaaaaaaaaa"),
+        (t3.turn_id, None, "aaaaaaaaaaaa"), (other.turn_id, False, "bbbbbbbbbbbb"),
+    ]  # fmt: skip
+    view = rows(
+        database_url,
+        "SELECT chat_template, turns, continued_turns, drifted_turns, checked_turns, render_drift_rate "
+        "FROM render_drift_by_agent ORDER BY chat_template",
+    )
+    # a: 3 turns, 2 continue the one before (token-level parents), 1 drifted of the 2 checked
+    assert view == [("aaaaaaaaaaaa", 3, 2, 1, 2, 0.5), ("bbbbbbbbbbbb", 1, 0, 0, 1, 0.0)]

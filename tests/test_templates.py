@@ -99,11 +99,13 @@ def test_a_six_turn_tool_conversation_continues_token_exactly(tokenizer_name: st
         ChatMessage(role="user", content="What is (2+3)*7? Use the calculator."),
     ]
     prefix: TokenPrefix | None = None
-    breaks, extended = 0, 0
+    breaks, extended, drifted = 0, 0, 0
     for reply, following in SCRIPT:
         request = LLMRequest(policy="p", messages=messages, tools=TOOLS, prefix=prefix)
         prompt = renderer.prompt(request)
         breaks += prompt.prefix_break
+        drifted += bool(prompt.render_drift)
+        assert prompt.render_drift is not None  # every turn is checked against a full re-render
         if prefix is not None:
             extended += prompt.token_ids[: len(prefix.token_ids)] == prefix.token_ids
         pairs = zip(prompt.token_ids, prompt.token_ids[1:], strict=False)
@@ -111,5 +113,5 @@ def test_a_six_turn_tool_conversation_continues_token_exactly(tokenizer_name: st
         completion = [*tokenizer.encode(completion_text(template, reply), add_special_tokens=False), stop]
         prefix = TokenPrefix(token_ids=[*prompt.token_ids, *completion], message_count=len(messages) + 1)
         messages = [*messages, reply, *following]
-    print(f"{tokenizer_name} + {template}: prefix_break {breaks}, extends {extended}/{len(SCRIPT) - 1}")
+    print(f"{tokenizer_name} + {template}: prefix_break {breaks}, extends {extended}/5, drift {drifted}/5")
     assert (breaks, extended) == (0, len(SCRIPT) - 1)

@@ -185,6 +185,8 @@ class EpisodeSession:
             engine_id=response.consumer_id,
             timings=response.timings,
             prefix_break=response.prefix_break,
+            render_drift=response.render_drift,
+            chat_template=response.chat_template,
         )
         await self._append([turn])
         reply = ChatReply(

@@ -19,6 +19,7 @@ any whitespace before it) is not added again: never two end tokens in a row.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -61,6 +62,8 @@ class Prompt:
     token_ids: list[int]
     prefix_break: bool = False
     """True when the request asked for continuation but the template made a full render necessary."""
+    render_drift: bool | None = None
+    """Whether the prompt differs from a full re-render of the request's messages (None: not checked)."""
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -75,13 +78,21 @@ class ChatRenderer:
     """Turns a request into prompt token ids with the model's own chat template.
 
     ``stop_ids``: the tokens the engine stops on (``generation_config.eos_token_id``, which may list several);
-    by default the tokenizer's ``eos_token_id``.
+    by default the tokenizer's ``eos_token_id``. ``check_drift``: also render each continued request in full
+    and say whether that differs from the continued prompt (``Prompt.render_drift``): where re-tokenizing
+    the conversation would have changed what the policy saw. It costs a full render per continued turn.
     """
 
-    def __init__(self, tokenizer: ChatTokenizer, *, stop_ids: Iterable[int] | None = None) -> None:
+    def __init__(
+        self, tokenizer: ChatTokenizer, *, stop_ids: Iterable[int] | None = None, check_drift: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         default = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.stop_ids = frozenset(default if stop_ids is None else stop_ids)
+        self.check_drift = check_drift
+        template = getattr(tokenizer, "chat_template", None)
+        self.template_id = hashlib.sha256(str(template).encode()).hexdigest()[:12] if template else None
+        """sha256 of the chat template, 12 hex digits: which template made a turn's prompt."""
 
     def render(
         self,
@@ -104,18 +115,20 @@ class ChatRenderer:
     def prompt(self, request: LLMRequest) -> Prompt:
         prefix = request.prefix
         if prefix is None:
-            return Prompt(self.full(request))
+            return Prompt(self.full(request), render_drift=False)
         if prefix.message_count >= len(request.messages):
-            return Prompt(self.full(request), prefix_break=True)
+            return Prompt(self.full(request), prefix_break=True, render_drift=False)
         tail = self.continuation(
             message_dicts(request.messages[prefix.message_count :]), tool_dicts(request.tools)
         )
         if tail is None:
-            return Prompt(self.full(request), prefix_break=True)
+            return Prompt(self.full(request), prefix_break=True, render_drift=False)
         ids = self.tokenizer.encode(tail, add_special_tokens=False)
         if prefix.token_ids and prefix.token_ids[-1] in self.stop_ids:
             ids = self._without_end_token(ids)
-        return Prompt([*prefix.token_ids, *ids])
+        prompt = [*prefix.token_ids, *ids]
+        drift = self.full(request) != prompt if self.check_drift else None
+        return Prompt(prompt, render_drift=drift)
 
     def continuation(self, new: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
         """The text that follows an assistant message's content when ``new`` comes next: its closing glue,

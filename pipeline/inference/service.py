@@ -188,6 +188,8 @@ class InferenceService:
                 total_ms=(now - received) * 1000,
             ),
             prefix_break=generation.prefix_break,
+            render_drift=generation.render_drift,
+            chat_template=generation.chat_template,
             **self._token_detail(request, generation),
         )
 

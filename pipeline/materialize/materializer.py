@@ -198,7 +198,7 @@ TURN_COLUMNS: Final = (
     "turn_id", "episode_id", "turn_index", "parent_turn_id", "recorded_parent", "prompt_tokens",
     "completion_tokens", "finish_reason", "policy_version", "engine_id", "queued_ms", "first_token_ms",
     "latency_ms", "mean_logprob", "reward", "discounted_return", "prefix_break", "tool_calls", "recorded_at",
-    "position",
+    "position", "render_drift", "chat_template",
 )  # fmt: skip
 SAMPLE_COLUMNS: Final = (
     "sample_id", "episode_id", "policy", "group_id", "slot", "turn_ids", "policy_version", "tokens",
@@ -414,6 +414,8 @@ class Fold:
                     sum(lps) / len(lps) if lps else None, turn.reward, values[turn.turn_id],
                     bool(data.get("prefix_break", False)), len(data["reply"].get("tool_calls") or []),
                     event.recorded_at, event.position,
+                    data.get("render_drift") if isinstance(data.get("render_drift"), bool) else None,
+                    _text(event, "chat_template", None),
                 )
             )  # fmt: skip
         return turns, rows, tree, values

@@ -20,6 +20,8 @@ class Generation:
     finish_reason: FinishReason
     policy_version: int
     prefix_break: bool = False
+    render_drift: bool | None = None
+    chat_template: str | None = None
     tool_calls: list[ToolCall] | None = None
     """Already parsed (replay); None: the service parses hermes tool calls out of ``text``."""
     reasoning: str | None = None

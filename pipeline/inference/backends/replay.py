@@ -46,6 +46,8 @@ class ReplayBackend:
             finish_reason=turn.reply.finish_reason,
             policy_version=turn.policy_version,
             prefix_break=turn.prefix_break,
+            render_drift=turn.render_drift,
+            chat_template=turn.chat_template,
             tool_calls=list(turn.reply.tool_calls),
             reasoning=turn.reply.reasoning,
             started_at=started,

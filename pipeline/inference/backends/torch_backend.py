@@ -32,6 +32,7 @@ class _Row:
     request: LLMRequest
     prompt: list[int]
     prefix_break: bool
+    render_drift: bool | None
     future: asyncio.Future[Generation]
     completion: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -93,7 +94,8 @@ class TorchBackend:
                 "messages",
                 f"the prompt is {len(prompt.token_ids)} tokens; the model's context is {self.context_length}",
             )
-        row = _Row(request, prompt.token_ids, prompt.prefix_break, asyncio.get_running_loop().create_future())
+        future = asyncio.get_running_loop().create_future()
+        row = _Row(request, prompt.token_ids, prompt.prefix_break, prompt.render_drift, future)
         if self._worker is None:
             self._worker = asyncio.create_task(self._run(), name="torch-backend-batches")
         await self._queue.put(row)
@@ -134,6 +136,8 @@ class TorchBackend:
                         finish_reason=row.finish_reason or "length",
                         policy_version=version,
                         prefix_break=row.prefix_break,
+                        render_drift=row.render_drift,
+                        chat_template=self.renderer.template_id,
                         started_at=row.started_at,
                         first_token_at=row.first_token_at,
                     )

