@@ -183,3 +183,15 @@ def test_reasoning_is_split_from_the_answer_at_its_markers(
     text: str, reasoning: str | None, answer: str
 ) -> None:
     assert split_reasoning(text) == (reasoning, answer)
+
+
+def test_the_consumer_says_at_start_what_its_template_does_to_continuation(tokenizer: Any) -> None:
+    assert ChatRenderer(tokenizer).diagnose() == []  # the tiny model's ChatML: exact, no drift
+    numbered = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    numbered.chat_template = NUMBERS_ROUNDS
+    [problem, *_] = ChatRenderer(numbered).diagnose()
+    assert "renders a tool message differently after different histories" in problem
+    assert "prefix_break" in problem
+    counted = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    counted.chat_template = COUNTS_MESSAGES
+    assert [p for p in ChatRenderer(counted).diagnose() if "render_drift" in p]  # continues, but drifts

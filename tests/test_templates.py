@@ -115,3 +115,12 @@ def test_a_six_turn_tool_conversation_continues_token_exactly(tokenizer_name: st
         messages = [*messages, reply, *following]
     print(f"{tokenizer_name} + {template}: prefix_break {breaks}, extends {extended}/5, drift {drifted}/5")
     assert (breaks, extended) == (0, len(SCRIPT) - 1)
+
+
+@pytest.mark.parametrize(("tokenizer_name", "template"), PAIRS)
+def test_the_start_up_diagnosis_of_each_real_template(tokenizer_name: str, template: str) -> None:
+    problems = ChatRenderer(tokenizer_with_template(tokenizer_name, template)).diagnose()
+    assert not [p for p in problems if "prefix_break" in p or "cannot render" in p]  # all continue exactly
+    # Qwen3 renders the last assistant with an empty <think> block, DeepSeek-V3 ends a render in a newline:
+    # a full re-render differs from the continued tokens, and the consumer says so when it starts.
+    assert bool(problems) == (template in ("qwen3", "deepseek-v3"))

@@ -146,6 +146,49 @@ class ChatRenderer:
             tails.add(rendered[end + len(_BASE_ASSISTANT) :])
         return tails.pop() if len(tails) == 1 else None
 
+    def diagnose(self) -> list[str]:
+        """What this template does to continuation, in sentences for the consumer's start-up log: empty when
+        a probe conversation (a tool call, its result, a follow-up) continues exactly without drift."""
+        call: dict[str, Any] = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "lookup", "arguments": '{"q": "x"}'},
+        }
+        tools = tool_dicts(
+            [ToolSpec.model_validate({"function": {"name": "lookup", "parameters": {"type": "object"}}})]
+        )
+        steps: list[list[dict[str, Any]]] = [
+            [{"role": "tool", "tool_call_id": "call_1", "content": "found"}],
+            [{"role": "user", "content": "Thanks. And y?"}],
+        ]
+        problems = []
+        for new in steps:
+            if self.continuation(new, tools) is None:
+                problems.append(
+                    f"the template renders a {new[0]['role']} message differently after different histories "
+                    "(it keeps state across messages, or cannot render the stand-in history): such turns are "
+                    "rendered in full and marked prefix_break"
+                )
+        probe: list[dict[str, Any]] = [
+            {"role": "user", "content": "Look up x."},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            *steps[0],
+            {"role": "assistant", "content": "It is found."},
+            *steps[1],
+        ]
+        try:
+            whole = self.render(probe, tools, add_generation_prompt=True)
+            pieces = self.render(probe[:2], tools, add_generation_prompt=False)
+        except Exception as error:  # a template that refuses the probe's shape
+            return [*problems, f"the template cannot render a tool conversation ({error})"]
+        if not whole.startswith(pieces):
+            problems.append(
+                "a full render of a conversation changes how earlier messages look (e.g. it strips earlier "
+                "reasoning or whitespace): continued turns keep the tokens the policy saw, and render_drift "
+                "marks where re-tokenizing would differ"
+            )
+        return problems
+
     def _without_end_token(self, ids: list[int]) -> list[int]:
         """``ids`` without the glue's end token (and the whitespace before it), when the glue has one."""
         for index, token in enumerate(ids):

@@ -66,6 +66,8 @@ class TorchBackend:
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 4096))
         self.eos_ids = self._eos_ids()
         self.renderer = ChatRenderer(self.tokenizer, stop_ids=self.eos_ids)  # the glue knows what we stop on
+        for problem in self.renderer.diagnose():
+            log.warning("chat template %s: %s", self.renderer.template_id, problem)
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         )

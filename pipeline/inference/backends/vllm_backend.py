@@ -60,6 +60,8 @@ class VllmBackend:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.eos_ids = _eos_ids(self.model_dir, self.tokenizer.eos_token_id)
         self.renderer = ChatRenderer(self.tokenizer, stop_ids=self.eos_ids)  # the glue knows what we stop on
+        for problem in self.renderer.diagnose():
+            log.warning("chat template %s: %s", self.renderer.template_id, problem)
         self.policy_version = policy_version
         self.dtype = dtype
         self.max_model_len = max_model_len
