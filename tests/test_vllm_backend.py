@@ -245,9 +245,7 @@ async def test_a_new_policy_version_is_loaded_without_dropping_requests_in_fligh
         assert max_difference(generation.completion_logprobs, expected) <= 1e-4
 
 
-async def test_top_logprobs_are_the_most_likely_tokens_with_their_raw_logprobs(
-    backend: VllmBackend, model_dir: Path
-) -> None:
+async def test_top_logprobs_are_the_most_likely_tokens_with_their_raw_logprobs(backend: VllmBackend) -> None:
     detailed = ask("Tell me about Paris.", temperature=1.0, seed=2, max_tokens=12).model_copy(
         update={"top_logprobs": 3}
     )
@@ -256,7 +254,8 @@ async def test_top_logprobs_are_the_most_likely_tokens_with_their_raw_logprobs(
     assert other.top_logprobs is None  # only when asked
     assert generation.top_logprobs is not None
     assert len(generation.top_logprobs) == len(generation.completion_token_ids)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    # the weights it serves now: an earlier test in this module may have loaded a new policy version
+    model = AutoModelForCausalLM.from_pretrained(backend.checkpoint, dtype=torch.float32).eval()
     with torch.inference_mode():
         ids = generation.prompt_token_ids + generation.completion_token_ids
         logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
