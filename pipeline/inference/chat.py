@@ -34,7 +34,6 @@ _BASE_ASSISTANT: Final = "\u2063turnstile-base-assistant\u2063"
 _STAND_INS: Final = (
     [{"role": "user", "content": _BASE_USER}, {"role": "assistant", "content": _BASE_ASSISTANT}],
     [
-        {"role": "system", "content": "\u2063turnstile-base-system\u2063"},
         {"role": "user", "content": "\u2063turnstile-base-user-1\u2063"},
         {"role": "assistant", "content": "\u2063turnstile-base-assistant-1\u2063"},
         {"role": "user", "content": _BASE_USER},
@@ -138,8 +137,8 @@ class ChatRenderer:
         for history in _STAND_INS:
             try:
                 rendered = self.render([*history, *new], tools, add_generation_prompt=True)
-            except Exception:  # a template that raises on the stand-in's shape (e.g. no system role)
-                continue
+            except Exception:  # a template that raises on this shape: locality cannot be checked
+                return None
             end = rendered.rfind(_BASE_ASSISTANT)
             if end < 0:
                 return None  # the template dropped the assistant's content: nothing to cut at
