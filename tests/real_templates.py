@@ -58,3 +58,30 @@ def tokenizer_with_template(tokenizer: str, template: str) -> Any:
     )  # fmt: skip
     fresh.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
     return fresh
+
+
+def build_model(tokenizer_name: str, template: str, directory: Path, *, seed: int = 0) -> Path:
+    """A random-weight Qwen2 of two small layers over the real tokenizer, with the real template, stopping on
+    the template's end-of-message token and the tokenizer's end-of-sequence token (several stop ids)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = tokenizer_with_template(tokenizer_name, template)
+    stop_ids = [tokenizer.eos_token_id]
+    for marker in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) == 1 and ids[0] not in stop_ids:
+            stop_ids.append(ids[0])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(directory)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8192, tie_word_embeddings=True,
+        eos_token_id=stop_ids, pad_token_id=stop_ids[0], dtype="float32",
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
+    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=stop_ids[0])  # type: ignore[no-untyped-call]
+    model.save_pretrained(directory)
+    return directory

@@ -8,13 +8,32 @@ ending on the model's stop token. Every continued prompt must begin with the pre
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
+import uuid
+from pathlib import Path
 
 import pytest
 
+from consumers.inference import InferenceConfig
+from pipeline.episodes import EpisodeSession
 from pipeline.inference.chat import ChatRenderer
-from schemas import ChatMessage, FunctionCall, LLMRequest, TokenPrefix, ToolCall, ToolSpec
-from tests.real_templates import PAIRS, tokenizer_with_template
+from pipeline.inference.client import NatsLLMClient
+from pipeline.log import EventStore
+from schemas import (
+    ChatMessage,
+    FunctionCall,
+    LLMRequest,
+    SamplingParams,
+    TokenPrefix,
+    ToolCall,
+    ToolSpec,
+    TurnCompleted,
+)
+from tests.conftest import Servers
+from tests.real_templates import PAIRS, build_model, tokenizer_with_template
+from tests.serving import serving
 
 
 def deepseek(name: str) -> str:
@@ -124,3 +143,69 @@ def test_the_start_up_diagnosis_of_each_real_template(tokenizer_name: str, templ
     # Qwen3 renders the last assistant with an empty <think> block, DeepSeek-V3 ends a render in a newline:
     # a full re-render differs from the continued tokens, and the consumer says so when it starts.
     assert bool(problems) == (template in ("qwen3", "deepseek-v3"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tokenizer_name", "template"), PAIRS)
+async def test_episodes_through_a_torch_consumer_on_a_real_template_continue_token_exactly(
+    servers: Servers, store: EventStore, server_dir: Path, tokenizer_name: str, template: str
+) -> None:
+    """Three six-turn episodes on a random-weight model of the real tokenizer and template, served by
+    ``turnstile serve inference --backend torch``'s service and driven by an ``EpisodeSession``: the agent
+    sends each reply back and adds a tool result or a user message, as a tool agent does."""
+    model_dir = build_model(tokenizer_name, template, server_dir / "model")
+    policy = f"t{uuid.uuid4().hex[:8]}"
+    config = InferenceConfig(servers.nats_url, policy, model=model_dir, consumer_id="real", max_batch=4)
+    llm = await NatsLLMClient.connect(servers.nats_url, wait_for_consumer=30.0)
+    try:
+        async with serving(config):
+
+            async def episode(seed: int) -> list[TurnCompleted]:
+                session = EpisodeSession(
+                    store, llm, policy=policy, sampling=SamplingParams(max_tokens=8, seed=seed)
+                )
+                await session.start()
+                messages = [ChatMessage(role="user", content="What is (2+3)*7? Use the calculator.")]
+                for turn in range(6):
+                    reply = await session.chat(messages, TOOLS)
+                    follow = ChatMessage(role="user", content=f"Go on ({turn}).")
+                    messages = [*messages, reply.message, follow]
+                await session.finish("done")
+                return [e for e in session.events if isinstance(e, TurnCompleted)]
+
+            episodes = await asyncio.gather(*(episode(seed) for seed in range(3)))
+    finally:
+        await llm.close()
+    breaks = sum(t.prefix_break for turns in episodes for t in turns)
+    extended = sum(
+        later.prompt_token_ids[: len(earlier.prompt_token_ids) + len(earlier.completion_token_ids)]
+        == earlier.prompt_token_ids + earlier.completion_token_ids
+        for turns in episodes
+        for earlier, later in itertools.pairwise(turns)
+    )
+    samples = concat_samples_of(episodes)
+    print(
+        f"e2e {tokenizer_name} + {template}: prefix_break {breaks}, extends {extended}/15, samples {samples}"
+    )
+    assert (breaks, extended, samples) == (0, 15, 3)
+    assert all(t.chat_template is not None for turns in episodes for t in turns)
+    assert all(t.render_drift is not None for turns in episodes for t in turns[1:])
+
+
+def concat_samples_of(episodes: list[list[TurnCompleted]]) -> int:
+    """How many concat-style samples the episodes make (one per root-to-leaf path: 1 each when exact)."""
+    from pipeline.materialize.trajectory import Turn, concat_samples, discounted_rewards, parents
+
+    total = 0
+    for turns in episodes:
+        items = [
+            Turn(
+                turn_id=t.turn_id, episode_id="e", index=i, prompt_token_ids=tuple(t.prompt_token_ids),
+                completion_token_ids=tuple(t.completion_token_ids),
+                completion_logprobs=tuple(t.completion_logprobs), policy_version=0, reward=0.0,
+            )
+            for i, t in enumerate(turns)
+        ]  # fmt: skip
+        tree = parents(items)
+        total += len(concat_samples(items, tree, discounted_rewards(items, tree, 1.0)))
+    return total
