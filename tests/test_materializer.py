@@ -372,7 +372,7 @@ async def test_restarting_at_every_position_gives_what_one_uninterrupted_run_giv
     store: EventStore, database_url: str
 ) -> None:
     await random_log(store, groups=6)
-    config = dict(discount=0.8, batch_samples=5)
+    config = dict(discount=0.8, batch_samples=1)
     await materialize(database_url, MaterializerConfig(name="whole", **config), create=True)  # type: ignore[arg-type]
 
     stepwise = Materializer(database_url, MaterializerConfig(name="steps", step_events=1, **config))  # type: ignore[arg-type]
@@ -455,7 +455,7 @@ async def test_rebuilds_are_byte_identical_and_a_config_change_is_refused(
     assert {b for b, _ in other["outbox"]}.isdisjoint({b for b, _ in one["outbox"]})
 
     with pytest.raises(ConfigError, match="cannot go on with"):
-        await materialize(database_url, MaterializerConfig(name="one", batch_samples=5))
+        await materialize(database_url, MaterializerConfig(name="one", batch_samples=1))
     with pytest.raises(ConfigError, match="exists already"):
         await materialize(database_url, MaterializerConfig(name="one", batch_samples=4), create=True)
     with pytest.raises(ConfigError, match="--discount"):
@@ -534,3 +534,70 @@ async def test_render_drift_and_the_chat_template_reach_the_turns_and_their_view
     )
     # a: 3 turns, 2 continue the one before (token-level parents), 1 drifted of the 2 checked
     assert view == [("aaaaaaaaaaaa", 3, 2, 1, 2, 0.5), ("bbbbbbbbbbbb", 1, 0, 0, 1, 0.0)]
+
+
+def branching_group() -> list[tuple[str, Event]]:
+    """A group of two: episode "a" branches after its first turn (t2 earns 1, its sibling t3 earns 0);
+    episode "b" is a chain of two turns earning 0."""
+    t1 = turn([1, 10, 2], [20, 2])
+    t2 = turn([1, 10, 2, 20, 2, 1, 30, 2], [21, 2])  # both extend t1: a branch
+    t3 = turn([1, 10, 2, 20, 2, 1, 31, 2], [22, 2])
+    u1 = turn([1, 11, 2], [23, 2])
+    u2 = turn([1, 11, 2, 23, 2, 1, 32, 2], [24, 2])
+    a = [started("a", group="g", size=2), t1, t2, RewardAssigned(turn_id=t2.turn_id, value=1.0), t3,
+         RewardAssigned(turn_id=t3.turn_id, value=0.0), EpisodeFinished(termination="done")]  # fmt: skip
+    b = [started("b", group="g", size=2), u1, u2, RewardAssigned(turn_id=u2.turn_id, value=0.0),
+         EpisodeFinished(termination="done")]  # fmt: skip
+    return [*(("episode-a", e) for e in a), *(("episode-b", e) for e in b)]
+
+
+def advantages_of(config: MaterializerConfig) -> dict[tuple[str, tuple[int, ...]], float]:
+    fold = Fold(config)
+    for row in fold_rows(branching_group()):
+        fold.apply(row)
+    [payload] = [entry[2] for entry in fold.writes.outbox]
+    batch = decode_batch(payload)
+    # keyed by episode and the sample's completion tokens (the trained ones), which name its turn or path
+    return {
+        (s.episode_id, tuple(t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if m)): s.advantage
+        for s in batch.samples
+    }
+
+
+@pytest.mark.parametrize("style", ["concat", "individual"])
+def test_advantages_on_a_branching_group_compare_like_with_like_hand_computed(style: str) -> None:
+    config = MaterializerConfig(discount=1.0, style=style, batch_samples=1)  # type: ignore[arg-type]
+    got = advantages_of(config)
+    if style == "concat":
+        # Paths: a/t1-t2 and a/t1-t3 both carry a's return 0 + mean(1, 0) = 0.5 (a branch averages its
+        # branches); b's path carries 0. Each episode weighs 1, so a's two paths weigh 1/2 each: weighted
+        # mean (0.25 + 0.25 + 0) / 2 = 0.25, std 0.25, and both of a's paths get +1, b's gets -1.
+        assert got == pytest.approx(
+            {("a", (20, 2, 21, 2)): 1.0, ("a", (20, 2, 22, 2)): 1.0, ("b", (23, 2, 24, 2)): -1.0}, abs=1e-4
+        )
+    else:
+        # Depth 0: t1 (value 0.5) against u1 (value 0): +1, -1. Depth 1: t2 (1) and t3 (0) weigh 1/2 each,
+        # u2 (0) weighs 1: mean (0.5 + 0 + 0) / 2 = 0.25; variance (0.5 * 0.5625 + 0.5 * 0.0625 + 0.0625) / 2
+        # = 0.1875, std 0.4330: t2 +1.7321, t3 and u2 -0.5774.
+        assert got == pytest.approx(
+            {("a", (20, 2)): 1.0, ("b", (23, 2)): -1.0, ("a", (21, 2)): 1.7320508, ("a", (22, 2)): -0.5773503,
+             ("b", (24, 2)): -0.5773503},
+            abs=1e-4,
+        )  # fmt: skip
+
+
+def test_the_slot_rule_stays_available_and_shows_what_it_got_wrong_on_trees() -> None:
+    concat = advantages_of(MaterializerConfig(style="concat", advantage_peers="slot", batch_samples=1))
+    # the second sibling path has no peer in its slot: 0, while its twin gets +1 for the same return
+    assert concat == pytest.approx(
+        {("a", (20, 2, 21, 2)): 1.0, ("a", (20, 2, 22, 2)): 0.0, ("b", (23, 2, 24, 2)): -1.0}, abs=1e-4
+    )
+    individual = advantages_of(
+        MaterializerConfig(style="individual", advantage_peers="slot", batch_samples=1)
+    )
+    # a's branch turn t3 (index 2) has no peer; t2 (index 1) is compared with b's chain turn u2
+    assert individual[("a", (22, 2))] == 0.0
+    assert individual[("a", (21, 2))] == pytest.approx(1.0, abs=1e-4)
+    # and its configuration hashes as before the choice existed (a live materializer goes on with it)
+    before = MaterializerConfig(style="individual", advantage_peers="slot").semantics()
+    assert "advantage_peers" not in before

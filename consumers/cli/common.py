@@ -33,6 +33,11 @@ class Advantage(enum.StrEnum):
     none = "none"
 
 
+class Peers(enum.StrEnum):
+    depth = "depth"
+    slot = "slot"
+
+
 class Stale(enum.StrEnum):
     drop = "drop"
     flag = "flag"
@@ -83,6 +88,13 @@ StyleOption = Annotated[
 ]
 AdvantageOption = Annotated[
     Advantage, typer.Option(help="grpo (r - mean) / std over the group | mean (r - mean) | none (r)")
+]
+PeersOption = Annotated[
+    Peers,
+    typer.Option(
+        help="who a sample is compared with: depth (samples at the same depth of the episodes' turn trees, "
+        "each episode weighing 1) | slot (the k-th sample of each episode: the rule before trees)"
+    ),
 ]
 BatchSamples = Annotated[int, typer.Option(help="samples per batch (groups are kept whole)")]
 BatchTokens = Annotated[

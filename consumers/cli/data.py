@@ -17,6 +17,8 @@ from consumers.cli.common import (
     BatchTokens,
     Discount,
     GroupTimeout,
+    Peers,
+    PeersOption,
     SampleStaleness,
     Stale,
     StaleOption,
@@ -39,6 +41,7 @@ def materializer_config(
     discount: float,
     style: Style,
     advantage: Advantage,
+    peers: Peers,
     batch_samples: int,
     batch_tokens: int | None,
     max_staleness: int | None,
@@ -54,6 +57,7 @@ def materializer_config(
         discount=discount,
         style=style.value,
         advantage=advantage.value,
+        advantage_peers=peers.value,
         batch_samples=batch_samples,
         batch_tokens=batch_tokens,
         max_staleness=max_staleness,
@@ -68,6 +72,7 @@ def rematerialize(
     discount: Discount = 1.0,
     style: StyleOption = Style.individual,
     advantage: AdvantageOption = Advantage.grpo,
+    advantage_peers: PeersOption = Peers.depth,
     batch_samples: BatchSamples = 64,
     batch_tokens: BatchTokens = None,
     max_staleness: SampleStaleness = None,
@@ -87,8 +92,8 @@ def rematerialize(
     if name == "main":
         raise ConfigError("'main' is the live materializer; give the rebuild another --name")
     config = materializer_config(
-        name, discount, style, advantage, batch_samples, batch_tokens, max_staleness, stale, group_timeout,
-        step_events,
+        name, discount, style, advantage, advantage_peers, batch_samples, batch_tokens, max_staleness, stale,
+        group_timeout, step_events,
     )  # fmt: skip
     done = asyncio.run(rebuild(Settings().require_database_url(), config, replace=replace))
     console.print(

@@ -20,6 +20,8 @@ from consumers.cli.common import (
     HeartbeatTimeout,
     MaxTokens,
     MaxTurns,
+    Peers,
+    PeersOption,
     Retries,
     Reward,
     SampleStaleness,
@@ -126,6 +128,7 @@ def materializer(
     discount: Discount = 1.0,
     style: StyleOption = Style.individual,
     advantage: AdvantageOption = Advantage.grpo,
+    advantage_peers: PeersOption = Peers.depth,
     batch_samples: BatchSamples = 64,
     batch_tokens: BatchTokens = None,
     max_staleness: SampleStaleness = None,
@@ -141,8 +144,8 @@ def materializer(
 
     setup_logging()
     config = materializer_config(
-        name, discount, style, advantage, batch_samples, batch_tokens, max_staleness, stale, group_timeout,
-        step_events,
+        name, discount, style, advantage, advantage_peers, batch_samples, batch_tokens, max_staleness, stale,
+        group_timeout, step_events,
     )  # fmt: skip
     console.print(f"materializer {name!r} running ({config.semantics()})")
     done = asyncio.run(serve_materializer(Settings().require_database_url(), config))

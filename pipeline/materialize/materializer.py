@@ -41,10 +41,12 @@ from pipeline.log.tokens import unpack_tokens
 from pipeline.materialize.trajectory import (
     Turn,
     concat_samples,
+    depths,
     discounted_rewards,
     group_advantages,
     individual_samples,
     parents,
+    tree_peers,
 )
 from pipeline.settings import libpq_url
 
@@ -65,6 +67,10 @@ class MaterializerConfig:
     discount: float = 1.0
     style: Literal["individual", "concat"] = "individual"
     advantage: Literal["grpo", "mean", "none"] = "grpo"
+    advantage_peers: Literal["depth", "slot"] = "depth"
+    """Who a sample is compared with in its group: ``depth`` (samples at the same depth of their episodes'
+    turn trees, each episode weighing 1: ``trajectory.tree_peers``), or ``slot`` (the k-th sample of each
+    episode against the k-th of the others: the rule before trees were considered)."""
     batch_samples: int = 64
     batch_tokens: int | None = None
     max_staleness: int | None = None
@@ -81,6 +87,8 @@ class MaterializerConfig:
             raise ConfigError(f"--style must be individual or concat, got {self.style!r}")
         if self.advantage not in ("grpo", "mean", "none"):
             raise ConfigError(f"--advantage must be grpo, mean or none, got {self.advantage!r}")
+        if self.advantage_peers not in ("depth", "slot"):
+            raise ConfigError(f"--advantage-peers must be depth or slot, got {self.advantage_peers!r}")
         if self.stale not in ("drop", "flag"):
             raise ConfigError(f"--stale must be drop or flag, got {self.stale!r}")
         if self.batch_samples < 1 or (self.batch_tokens is not None and self.batch_tokens < 1):
@@ -102,6 +110,10 @@ class MaterializerConfig:
     def semantics(self) -> dict[str, Any]:
         fields = asdict(self)
         del fields["name"], fields["step_events"]
+        if fields["advantage_peers"] == "slot":
+            del fields[
+                "advantage_peers"
+            ]  # the rule before there was a choice: its configurations hash as then
         return fields
 
     def config_hash(self) -> str:
@@ -352,7 +364,12 @@ class Fold:
         self.pending.move_to_end(key)
         group.last_time = row.recorded_at
         group.episodes.add(episode_id)
-        for slot, sample in enumerate(samples):
+        if self.config.advantage_peers == "depth":
+            depth_of = depths(tree)
+            slots = [0 if self.config.style == "concat" else depth_of[s.turn_ids[0]] for s in samples]
+        else:
+            slots = list(range(len(samples)))
+        for slot, sample in zip(slots, samples, strict=True):
             ready = ReadySample(
                 sample_id=sample.sample_id,
                 episode_id=episode_id,
@@ -464,15 +481,25 @@ class Fold:
         for group in sorted(groups, key=lambda g: g.group_id):
             del self.pending[(group.policy, group.group_id)]
             members = sorted(group.samples, key=lambda s: (s.position, s.sample_id))
-            # Group-relative per slot: the k-th turn (or path) of each episode against the k-th of the others,
-            # so a turn is not judged against the group's other turns, which face other requests.
+            # Group-relative within each slot (a depth of the turn trees, or the k-th sample: see
+            # MaterializerConfig.advantage_peers): a turn is not judged against turns facing other requests.
+            # With depth, each episode weighs 1 at each depth and a depth holding fewer than two episodes
+            # has nothing to compare with.
+            weights = tree_peers([(s.episode_id, s.slot) for s in members])[1]
             for slot in sorted({s.slot for s in members}):
-                peers = [s for s in members if s.slot == slot]
+                chosen = [i for i, s in enumerate(members) if s.slot == slot]
+                peers = [members[i] for i in chosen]
                 rewards = [s.reward for s in peers]
                 if self.config.advantage == "none":
                     advantages = rewards
-                else:
+                elif self.config.advantage_peers == "slot":
                     advantages = group_advantages(rewards, mode=self.config.advantage)
+                elif len({s.episode_id for s in peers}) < 2:
+                    advantages = [0.0] * len(peers)
+                else:
+                    advantages = group_advantages(
+                        rewards, mode=self.config.advantage, weights=[weights[i] for i in chosen]
+                    )
                 for sample, advantage in zip(peers, advantages, strict=True):
                     sample.advantage = advantage
                     self._update_sample(sample.sample_id, {_S_ADVANTAGE: advantage, _S_READY: row.position})
@@ -639,11 +666,18 @@ class Materializer:
                      self.fold.config_hash),
                 )  # fmt: skip
             elif row[1] != self.fold.config_hash:
+                older = "advantage_peers" not in row[0] and self.config.advantage_peers != "slot"
+                hint = (
+                    " It was made before --advantage-peers existed, when samples were compared by slot: "
+                    "--advantage-peers slot goes on with it."
+                    if older
+                    else ""
+                )
                 raise ConfigError(
                     f"materializer {self.config.name!r} was built with {json.dumps(row[0], sort_keys=True)}; "
                     f"it cannot go on with {json.dumps(self.config.semantics(), sort_keys=True)} (its "
                     "batches would mix two configurations). Rebuild under a new name: "
-                    "turnstile rematerialize --name NEW"
+                    f"turnstile rematerialize --name NEW.{hint}"
                 )
             elif create:
                 raise ConfigError(

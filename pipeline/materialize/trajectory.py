@@ -6,6 +6,7 @@ episode's events that tests can check against hand-computed numbers.
 
 from __future__ import annotations
 
+import math
 import statistics
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -217,23 +218,76 @@ def concat_samples(
 
 
 def group_advantages(
-    rewards: Sequence[float], *, mode: Literal["grpo", "mean"] = "grpo", eps: float = 1e-6
+    rewards: Sequence[float],
+    *,
+    mode: Literal["grpo", "mean"] = "grpo",
+    eps: float = 1e-6,
+    weights: Sequence[float] | None = None,
 ) -> list[float]:
     """Advantages within one group of samples of the same task.
 
     ``grpo``: ``(r - mean) / (std + eps)`` with the POPULATION std (divide by n, as the group is the
     whole population being compared; verl's ``torch.std`` divides by n - 1). ``mean``: ``r - mean``
     (no scaling, as in Dr. GRPO). A group of one has nothing to compare with: advantage 0.0.
+    ``weights``: the mean and std are weighted (``tree_peers`` gives each episode weight 1 in total).
     """
     if len(rewards) < 2:
         return [0.0] * len(rewards)
-    mean = statistics.fmean(rewards)
+    if weights is None:
+        mean = statistics.fmean(rewards)
+        spread = statistics.pstdev(rewards, mu=mean)
+    else:
+        total = math.fsum(weights)
+        mean = math.fsum(w * r for w, r in zip(weights, rewards, strict=True)) / total
+        spread = math.sqrt(
+            math.fsum(w * (r - mean) ** 2 for w, r in zip(weights, rewards, strict=True)) / total
+        )
     if mode == "mean":
         return [r - mean for r in rewards]
     if mode == "grpo":
-        std = statistics.pstdev(rewards, mu=mean)
-        return [(r - mean) / (std + eps) for r in rewards]
+        return [(r - mean) / (spread + eps) for r in rewards]
     raise ValueError(f"unknown advantage mode {mode!r}; use 'grpo' or 'mean'")
+
+
+def depths(parents: Parents) -> dict[uuid.UUID, int]:
+    """Each turn's depth in its episode's tree: 0 for a root, its parent's depth + 1 otherwise."""
+    found: dict[uuid.UUID, int] = {}
+
+    def depth(turn_id: uuid.UUID) -> int:
+        chain = []
+        while turn_id not in found:
+            parent = parents[turn_id]
+            if parent is None:
+                found[turn_id] = 0
+                break
+            chain.append(turn_id)
+            turn_id = parent
+        for child in reversed(chain):
+            found[child] = found[parents[child]] + 1  # type: ignore[index]
+        return found[chain[0]] if chain else found[turn_id]
+
+    for turn_id in parents:
+        depth(turn_id)
+    return found
+
+
+def tree_peers(keys: Sequence[tuple[str, int]]) -> tuple[dict[int, list[int]], list[float]]:
+    """Who a sample is compared with on trees, and with what weight.
+
+    ``keys``: per sample, (its episode, its depth: the turn's depth in the episode's tree for one sample
+    per turn, 0 for one per root-to-leaf path). Samples of the same depth across the group's episodes are
+    peers, and each episode has weight 1 in total at each depth (its samples there share it): a branch's
+    two turns at depth 1 count as half an episode each against a chain's one turn at depth 1, and two
+    sibling paths of one episode count as one episode against another episode's single path.
+    Returns the peers by depth (indexes into ``keys``) and each sample's weight.
+    """
+    per_episode_depth: dict[tuple[str, int], int] = {}
+    for key in keys:
+        per_episode_depth[key] = per_episode_depth.get(key, 0) + 1
+    peers: dict[int, list[int]] = {}
+    for index, (_, depth) in enumerate(keys):
+        peers.setdefault(depth, []).append(index)
+    return peers, [1.0 / per_episode_depth[key] for key in keys]
 
 
 def apply_staleness(
