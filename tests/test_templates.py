@@ -13,6 +13,7 @@ import itertools
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -209,3 +210,55 @@ def concat_samples_of(episodes: list[list[TurnCompleted]]) -> int:
         tree = parents(items)
         total += len(concat_samples(items, tree, discounted_rewards(items, tree, 1.0)))
     return total
+
+
+async def test_tools_read_back_from_the_log_render_as_they_were_sent(store: EventStore) -> None:
+    """jsonb reorders object keys; a tool's parameters are kept as text, so a turn read back from the log
+    re-renders (``tools | tojson`` in the system prompt) exactly as it was rendered for the model."""
+    parameters = {
+        "type": "object",
+        "required": ["alpha_long", "z"],
+        "properties": {"alpha_long": {"type": "string", "description": "first"}, "z": {"type": "number"}},
+    }
+    tools = [
+        ToolSpec.model_validate({"function": {"name": "f", "description": "d", "parameters": parameters}})
+    ]
+    messages = [ChatMessage(role="user", content="hi")]
+    sent = turn_with(messages, tools)
+    await store.append("episode-tools", [sent], None)
+    [recorded] = [r.event for r in await store.read_stream("episode-tools")]
+    assert isinstance(recorded, TurnCompleted)
+    assert json.dumps(recorded.request.tools[0].function.parameters) == json.dumps(parameters)  # same order
+    renderer = ChatRenderer(tokenizer_with_template("qwen", "qwen2.5-instruct"))
+    as_sent = LLMRequest(policy="p", messages=messages, tools=tools)
+    read_back = LLMRequest(policy="p", messages=recorded.request.messages, tools=recorded.request.tools)
+    assert renderer.full(read_back) == renderer.full(as_sent)
+    stored = await raw_tools(store)
+    assert list(stored["properties"]) == ["z", "alpha_long"]  # what jsonb would have done to a dict
+
+
+def turn_with(messages: list[ChatMessage], tools: list[ToolSpec]) -> TurnCompleted:
+    from schemas import TurnReply, TurnRequest
+
+    return TurnCompleted(
+        request=TurnRequest(messages=messages, tools=tools),
+        reply=TurnReply(text="ok", finish_reason="stop"),
+        prompt_token_ids=[1, 2],
+        completion_token_ids=[3],
+        completion_logprobs=[-0.5],
+        policy_version=0,
+        engine_id="e",
+    )
+
+
+async def raw_tools(store: EventStore) -> dict[str, Any]:
+    """The parameters as jsonb holds a dict (to show the reordering the text avoids)."""
+    async with store.engine.connect() as connection:
+        text = (
+            await connection.exec_driver_sql(
+                "SELECT data->'request'->'tools'->0->'function'->>'parameters' FROM events "
+                "WHERE stream = 'episode-tools'"
+            )
+        ).scalar_one()
+        reordered = (await connection.exec_driver_sql(f"SELECT CAST('{text}' AS jsonb)::text")).scalar_one()
+    return dict(json.loads(reordered))

@@ -6,6 +6,7 @@ event id, expected versions, positions). Both store adapters use these, so they 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -67,6 +68,8 @@ def encode_event(event: Event) -> EncodedEvent:
     try:
         if isinstance(event, TurnCompleted):
             data = event.model_dump_json(exclude=set(TOKEN_FIELDS))
+            if event.request.tools:
+                data = _parameters_as_text(data)
             tokens: bytes | None = pack_tokens(
                 event.prompt_token_ids, event.completion_token_ids, event.completion_logprobs
             )
@@ -84,11 +87,39 @@ def encode_event(event: Event) -> EncodedEvent:
     return EncodedEvent(event.event_id, event.type, data, tokens, digest.digest())
 
 
+def _parameters_as_text(data: str) -> str:
+    """A turn's JSON with each tool's ``parameters`` held as JSON text. ``events.data`` is jsonb, which
+    reorders object keys; a template that prints ``tools | tojson`` would render a turn read back from the
+    log differently from how it was rendered for the model. Text keeps the keys in the order they came."""
+    fields = json.loads(data)
+    for tool in fields["request"]["tools"]:
+        function = tool["function"]
+        function["parameters"] = json.dumps(function["parameters"], ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
+
+
+def _parameters_from_text(fields: dict[str, Any]) -> None:
+    """Undo ``_parameters_as_text`` in ``fields`` (copying what it changes: the stored row stays as it is)."""
+    request = fields.get("request")
+    if not isinstance(request, dict) or not isinstance(request.get("tools"), list):
+        return
+    tools = []
+    for tool in request["tools"]:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("parameters"), str):
+            with contextlib.suppress(ValueError):  # not JSON: validation names it
+                tool = {**tool, "function": {**function, "parameters": json.loads(function["parameters"])}}
+        tools.append(tool)
+    fields["request"] = {**request, "tools": tools}
+
+
 def decode_event(type_: str, data: Mapping[str, Any], tokens: bytes | None) -> Event | None:
     """The event stored as ``data`` + ``tokens``; unknown fields are ignored, unknown types give None."""
     if type_ not in EVENT_TYPES:
         return None
     fields = dict(data)
+    if type_ == "TurnCompleted":
+        _parameters_from_text(fields)
     if tokens is not None:
         prompt, completion, logprobs = unpack_tokens(tokens)
         fields.update(prompt_token_ids=prompt, completion_token_ids=completion, completion_logprobs=logprobs)
