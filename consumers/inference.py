@@ -24,6 +24,7 @@ from nats.aio.subscription import Subscription
 from pipeline.errors import ConfigError
 from pipeline.inference.backends import Backend
 from pipeline.inference.client import QUEUE_GROUP, request_subject, versions_subject
+from pipeline.inference.held import DEFAULT_BUDGET_TOKENS
 from pipeline.inference.service import InferenceService
 from pipeline.settings import nats_inbox_prefix
 
@@ -40,6 +41,7 @@ class InferenceConfig:
     max_in_flight: int = 1024
     max_batch: int = 16
     heartbeat_interval: float = 5.0
+    held_tokens: int = DEFAULT_BUDGET_TOKENS
 
 
 def default_consumer_id() -> str:
@@ -129,6 +131,7 @@ def create_app(
         consumer_id=consumer_id,
         publish=publish,
         heartbeat_interval=config.heartbeat_interval,
+        held_tokens=config.held_tokens,
     )
 
     requests = RequestSubscriptions(service, config.policy, consumer_id)

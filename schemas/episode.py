@@ -60,16 +60,41 @@ class TurnReply(Contract):
 
 
 class TurnCompleted(Contract):
-    """One LLM call and its reply, with the engine's own tokens.
+    """One LLM call and its reply, with the engine's own tokens: what the turn adds to its parent.
+
+    A turn that continues its parent (``parent_turn_id``) records only what it adds: the messages after the
+    parent's conversation and reply (``prefix_messages`` of them are the parent's, not repeated), the prompt
+    ids after the parent's prompt + completion ids (``prefix_tokens`` of them, glue excluded: the glue is
+    recorded), and no tools when they are the parent's (``tools_from_parent``). A root, or a turn whose
+    prompt does not extend its parent's tokens, records everything (the prefix counts are 0). An episode's
+    storage therefore grows linearly with its turns; ``pipeline.episodes.expand_turns`` gives the full
+    turns back. Version 1 (every turn whole) is read as version 2 with nothing inherited.
 
     The three token arrays are stored in a binary column of the log, never as JSON numbers.
     """
 
     type: Literal["TurnCompleted"] = "TurnCompleted"
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = 2
     event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
     turn_id: uuid.UUID = Field(default_factory=uuid.uuid4)
     parent_turn_id: uuid.UUID | None = None
+    prefix_messages: int = Field(
+        default=0,
+        ge=0,
+        lt=2**31,
+        description="leading messages of the request that are the parent turn's messages and its reply, "
+        "left out of request.messages",
+    )
+    prefix_tokens: int = Field(
+        default=0,
+        ge=0,
+        lt=2**31,
+        description="leading prompt ids that are the parent turn's prompt + completion ids, left out of "
+        "prompt_token_ids",
+    )
+    tools_from_parent: bool = Field(
+        default=False, description="the request's tools are the parent turn's (request.tools is empty)"
+    )
     request: TurnRequest
     reply: TurnReply
     prompt_token_ids: TokenIds
@@ -86,6 +111,19 @@ class TurnCompleted(Contract):
     )
     chat_template: str | None = Field(default=None, description="sha256 of the chat template, 12 hex digits")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _upcast_v1_v2(cls, data: Any) -> Any:
+        # Version 1 recorded every turn whole: it is version 2 with nothing taken from the parent.
+        if isinstance(data, dict) and data.get("schema_version") == 1:
+            return {**data, "schema_version": 2}
+        return data
+
+    @property
+    def is_delta(self) -> bool:
+        """Whether the turn leaves out part of its request or prompt (its parent holds it)."""
+        return bool(self.prefix_messages or self.prefix_tokens or self.tools_from_parent)
+
     @model_validator(mode="after")
     def _one_logprob_per_completion_token(self, info: ValidationInfo) -> TurnCompleted:
         # Checked when writing; a stored event is read as it is (a reader must never stop on the log).
@@ -95,6 +133,13 @@ class TurnCompleted(Contract):
                 f"{len(self.completion_logprobs)} completion_logprobs for {len(self.completion_token_ids)} "
                 "completion_token_ids: one logprob per completion token"
             )
+        if not tolerant and self.is_delta and self.parent_turn_id is None:
+            raise ValueError(
+                "prefix_messages, prefix_tokens and tools_from_parent take from the parent turn: set "
+                "parent_turn_id, or record the whole turn (all three 0/false)"
+            )
+        if not tolerant and self.tools_from_parent and self.request.tools:
+            raise ValueError("tools_from_parent: the tools are the parent's; leave request.tools empty")
         return self
 
 

@@ -27,7 +27,7 @@ def prompt_ids(request: LLMRequest) -> list[int]:
     """The prefix's exact tokens plus one made-up token run per new message (token-exact continuation)."""
     if request.prefix is not None:
         new = request.messages[request.prefix.message_count :]
-        return [*request.prefix.token_ids, 1, *[i for m in new for i in text_ids(m.content or m.role)], 1]
+        return [*request.prefix.ids, 1, *[i for m in new for i in text_ids(m.content or m.role)], 1]
     return [i for m in request.messages for i in (1, *text_ids(m.content or m.role), 2)]
 
 
@@ -93,7 +93,7 @@ class PrefixEcho:
 
     async def __call__(self, request: LLMRequest) -> LLMResponse:
         self.requests.append(request)
-        prefix = list(request.prefix.token_ids) if request.prefix else []
+        prefix = list(request.prefix.ids) if request.prefix else []
         skipped = request.prefix.message_count if request.prefix else 0
         new = [100 + len(message.content or "") for message in request.messages[skipped:]]
         return LLMResponse(

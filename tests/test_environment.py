@@ -12,6 +12,7 @@ import pytest
 
 from consumers.inference import InferenceConfig
 from pipeline.episodes.environment import AgentEnvironment, StepType
+from pipeline.episodes.fold import whole_events
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec
@@ -32,7 +33,8 @@ async def llm(servers: Servers) -> AsyncIterator[NatsLLMClient]:
 
 
 async def events_of(store: EventStore, episode_id: str) -> list[Event]:
-    return [r.event for r in await store.read_stream(f"episode-{episode_id}") if r.event is not None]
+    recorded = await store.read_stream(f"episode-{episode_id}")
+    return whole_events([r.event for r in recorded if r.event is not None])
 
 
 def comparable(events: list[Event]) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ import pytest
 
 from consumers.inference import InferenceConfig
 from pipeline.episodes import EpisodeLLM, EpisodeSession, InvalidLLMCall, fold_episode, run_episode
+from pipeline.episodes.fold import whole_events
 from pipeline.errors import ConfigError
 from pipeline.examples import ARITHMETIC_TASKS
 from pipeline.examples.calculator import MALFORMED_TOOL_CALL, CalculatorAgent
@@ -56,7 +57,8 @@ async def echo_policy(servers: Servers) -> AsyncIterator[str]:
 
 
 async def events_of(store: EventStore, episode_id: str) -> list[Event]:
-    return [r.event for r in await store.read_stream(f"episode-{episode_id}") if r.event is not None]
+    recorded = await store.read_stream(f"episode-{episode_id}")
+    return whole_events([r.event for r in recorded if r.event is not None])
 
 
 def session(store: EventStore, llm: NatsLLMClient, policy: str, **options: Any) -> EpisodeSession:

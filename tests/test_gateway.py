@@ -26,6 +26,7 @@ from consumers.inference import InferenceConfig
 from pipeline.dialects import ChoiceData
 from pipeline.dialects.anthropic import AnthropicRequestError, parse_messages_request, stop_reason
 from pipeline.episodes import EpisodeSession
+from pipeline.episodes.fold import whole_events
 from pipeline.examples import ARITHMETIC_TASKS
 from pipeline.examples.tools import CALCULATOR, run_calculator, score
 from pipeline.gateway import create_gateway, serving_http
@@ -119,7 +120,8 @@ async def gateway(
 
 
 async def events_of(store: EventStore, episode_id: str) -> list[Event]:
-    return [r.event for r in await store.read_stream(f"episode-{episode_id}") if r.event is not None]
+    recorded = await store.read_stream(f"episode-{episode_id}")
+    return whole_events([r.event for r in recorded if r.event is not None])
 
 
 async def turns_of(store: EventStore, episode_id: str) -> list[TurnCompleted]:

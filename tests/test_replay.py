@@ -21,6 +21,7 @@ import pytest
 
 from consumers.inference import InferenceConfig
 from pipeline.episodes import Agent, EpisodeSession, fold_episode, run_episode
+from pipeline.episodes.fold import whole_events
 from pipeline.errors import WrongExpectedVersion
 from pipeline.examples.calculator import CalculatorAgent
 from pipeline.examples.openai_agent import OpenAIAgent
@@ -156,7 +157,7 @@ async def test_json_dumps_the_folded_episode_with_tokens_and_discounted_returns(
     store: EventStore, llm: NatsLLMClient, policy: str, database_url: str
 ) -> None:
     episode_id = await calculator_episode(store, llm, policy)
-    recorded = [r.event for r in await store.read_stream(f"episode-{episode_id}")]
+    recorded = whole_events([r.event for r in await store.read_stream(f"episode-{episode_id}") if r.event])
     turns = [e for e in recorded if isinstance(e, TurnCompleted)]
 
     shown = turnstile(database_url, "replay", episode_id, "--json", "--discount", "0.5")

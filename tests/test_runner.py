@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy as sa
 
 from consumers.inference import InferenceConfig
-from pipeline.episodes import EpisodeSession
+from pipeline.episodes import EpisodeSession, expand_turns
 from pipeline.episodes.fold import EpisodeOutcome
 from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
 from pipeline.examples import ARITHMETIC_TASKS
@@ -122,7 +122,7 @@ async def test_200_concurrent_episodes_of_3_turns_on_the_tiny_model(
     assert len(by_episode) == 200
     for episode_turns in by_episode.values():
         assert len(episode_turns) == 3
-        first, second, third = episode_turns
+        first, second, third = expand_turns(episode_turns)
         assert first.parent_turn_id is None
         assert second.parent_turn_id == first.turn_id
         assert third.parent_turn_id == second.turn_id

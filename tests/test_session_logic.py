@@ -21,6 +21,7 @@ from pipeline.episodes import (
     fold_episode,
     run_episode,
 )
+from pipeline.episodes.fold import whole_events
 from pipeline.errors import TurnstileError, WrongExpectedVersion
 from pipeline.log import InMemoryStore
 from pipeline.runners import Runner, RunnerConfig, TaskSpec
@@ -40,7 +41,7 @@ from tests.backends import PrefixEcho
 
 
 async def recorded(store: InMemoryStore, session: EpisodeSession) -> list[Event]:
-    return [r.event for r in await store.read_stream(session.stream) if r.event is not None]
+    return whole_events([r.event for r in await store.read_stream(session.stream) if r.event is not None])
 
 
 async def test_a_continuing_turn_is_sent_as_its_parents_exact_tokens_and_recorded_with_its_parent() -> None:

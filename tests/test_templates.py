@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from consumers.inference import InferenceConfig
-from pipeline.episodes import EpisodeSession
+from pipeline.episodes import EpisodeSession, expand_turns
 from pipeline.inference.chat import ChatRenderer
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
@@ -172,7 +172,10 @@ async def test_episodes_through_a_torch_consumer_on_a_real_template_continue_tok
                     follow = ChatMessage(role="user", content=f"Go on ({turn}).")
                     messages = [*messages, reply.message, follow]
                 await session.finish("done")
-                return [e for e in session.events if isinstance(e, TurnCompleted)]
+                recorded = [e for e in session.events if isinstance(e, TurnCompleted)]
+                # every continued turn records only what it adds to its parent's tokens
+                assert all(t.prefix_tokens > 0 for t in recorded[1:])
+                return expand_turns(recorded)
 
             episodes = await asyncio.gather(*(episode(seed) for seed in range(3)))
     finally:

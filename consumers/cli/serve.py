@@ -36,6 +36,7 @@ from consumers.cli.common import (
 )
 from consumers.cli.data import materializer_config
 from pipeline.errors import ConfigError
+from pipeline.inference.held import DEFAULT_BUDGET_TOKENS
 from pipeline.settings import Settings
 
 
@@ -49,6 +50,12 @@ def inference(
         "", help="this consumer's id in sticky subjects \\[default: host-pid-random]"
     ),
     max_batch: int = typer.Option(16, help="torch backend: requests batched together"),
+    held_tokens: int = typer.Option(
+        DEFAULT_BUDGET_TOKENS,
+        min=0,
+        help="token ids of recent turns kept (with their messages), so a request continuing one need not "
+        "send them again; least recently used first",
+    ),
 ) -> None:
     """Answer LLM requests for POLICY over NATS (queue group `inference`), reloading published versions."""
     import asyncio
@@ -64,6 +71,7 @@ def inference(
         model=model_dir,
         consumer_id=consumer_id,
         max_batch=max_batch,
+        held_tokens=held_tokens,
     )
     application, service = create_app(config)
     console.print(

@@ -4,7 +4,16 @@ agent contract and run loop, the environment interface and runner leases."""
 from pipeline.episodes.agent import Agent, AgentResult, FunctionAgent, RewardFunction, run_episode
 from pipeline.episodes.environment import AgentEnvironment, TimeStep
 from pipeline.episodes.errors import InvalidLLMCall, MaxTurnsExceeded
-from pipeline.episodes.fold import Episode, EpisodeOutcome, fold_episode
+from pipeline.episodes.fold import (
+    Episode,
+    EpisodeOutcome,
+    UnfoldableTurn,
+    expand_turn,
+    expand_turns,
+    fold_episode,
+    turn_delta,
+    whole_events,
+)
 from pipeline.episodes.leases import (
     RunnerLease,
     close_abandoned_episodes,
@@ -39,10 +48,13 @@ __all__ = [
     "RewardFunction",
     "RunnerLease",
     "TimeStep",
+    "UnfoldableTurn",
     "chat_result",
     "close_abandoned_episodes",
     "episode_openai_client",
     "episode_stream",
+    "expand_turn",
+    "expand_turns",
     "find_abandoned_episodes",
     "fold_episode",
     "new_runner_id",
@@ -50,4 +62,6 @@ __all__ = [
     "run_episode",
     "same_assistant_message",
     "slot_episode_id",
+    "turn_delta",
+    "whole_events",
 ]

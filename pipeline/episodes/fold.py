@@ -1,4 +1,8 @@
-"""The state of an episode as a pure fold of its events, and how it ended."""
+"""The state of an episode as a pure fold of its events, and how it ended.
+
+A recorded turn holds what it adds to its parent (``TurnCompleted.prefix_*``); the fold gives whole turns
+back (``pipeline.log.turns``).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import TurnstileError
-from schemas import ChatMessage, EpisodeFinished, EpisodeStarted, Event, RewardAssigned, TurnCompleted
+from pipeline.log.turns import (
+    UnfoldableTurn,
+    conversation,
+    expand_turn,
+    expand_turns,
+    reply_message,
+    turn_delta,
+    whole_events,
+)
+from schemas import (
+    ChatMessage,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    RewardAssigned,
+    TurnCompleted,
+)
 from schemas.episode import Termination
 
 
 @dataclass
 class Episode:
-    """An episode folded from its events (what a reward function and replay see)."""
+    """An episode folded from its events (what a reward function and replay see); its turns are whole."""
 
     started: EpisodeStarted
     turns: list[TurnCompleted] = field(default_factory=list)
@@ -49,7 +69,7 @@ def fold_episode(events: Sequence[Event]) -> Episode:
     if not events or not isinstance(events[0], EpisodeStarted):
         raise TurnstileError("an episode stream must begin with EpisodeStarted")
     episode = Episode(started=events[0])
-    for event in events[1:]:
+    for event in whole_events(events[1:]):
         if isinstance(event, TurnCompleted):
             episode.turns.append(event)
         elif isinstance(event, RewardAssigned):
@@ -81,3 +101,17 @@ class EpisodeOutcome:
             error=episode.finished.error,
             retry_of=episode.started.retry_of,
         )
+
+
+__all__ = [
+    "Episode",
+    "EpisodeOutcome",
+    "UnfoldableTurn",
+    "conversation",
+    "expand_turn",
+    "expand_turns",
+    "fold_episode",
+    "reply_message",
+    "turn_delta",
+    "whole_events",
+]

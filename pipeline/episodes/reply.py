@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from schemas import ChatMessage, FinishReason, TokenLogprob, ToolCall
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ChatReply:
     """What ``llm.chat`` returns: the reply, and the engine's tokens for it."""
 
@@ -16,7 +18,9 @@ class ChatReply:
     text: str
     tool_calls: list[ToolCall]
     finish_reason: FinishReason
-    prompt_token_ids: list[int]
+    prompt_ids: Callable[[], list[int]] = field(repr=False, compare=False)
+    """Builds the whole prompt from what the episode recorded, once, when it is asked for (a long
+    conversation's prompt is not copied on every turn that nobody reads it on)."""
     completion_token_ids: list[int]
     completion_logprobs: list[float]
     policy_version: int
@@ -25,6 +29,11 @@ class ChatReply:
     top_logprobs: list[list[TokenLogprob]] | None = None
     reasoning: str | None = None
     """The model's reasoning, split from ``text`` (see ``schemas.TurnReply.reasoning``)."""
+
+    @functools.cached_property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids, the engine's own."""
+        return self.prompt_ids()
 
     @property
     def message(self) -> ChatMessage:

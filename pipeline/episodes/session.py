@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import time
 import uuid
@@ -25,7 +26,7 @@ from pipeline.episodes.fold import Episode, fold_episode
 from pipeline.episodes.openai_client import episode_openai_client
 from pipeline.episodes.reply import ChatReply
 from pipeline.errors import TurnstileError, describe_validation_error
-from pipeline.inference.client import LLMClient
+from pipeline.inference.client import InferenceError, LLMClient, PrefixUnknown
 from pipeline.log import AppendResult, Store
 from schemas import (
     ChatMessage,
@@ -33,6 +34,7 @@ from schemas import (
     EpisodeStarted,
     Event,
     LLMRequest,
+    LLMResponse,
     RewardAssigned,
     SamplingParams,
     TokenPrefix,
@@ -63,13 +65,34 @@ def slot_episode_id(group_id: str, slot: int, attempt: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Context:
-    """A recorded turn as a conversation that later turns may extend (token-exact continuation)."""
+    """A recorded turn as a conversation that later turns may extend (token-exact continuation).
 
-    turn_id: uuid.UUID
+    Its token ids are held as the recorded turn holds them, what it adds to its parent's context (a chain):
+    a session's memory grows with what its episode adds, not with the history of every turn."""
+
+    turn: TurnCompleted
     messages: list[ChatMessage]
     tools: list[ToolSpec]
     reply: ChatMessage
-    token_ids: list[int]
+    parent: _Context | None
+    length: int
+    """Prompt + completion ids of the whole turn."""
+    tokens_key: str | None
+    """Under which the consumer that answered keeps the whole turn (``LLMResponse.tokens_key``)."""
+
+    def token_ids(self) -> list[int]:
+        """The whole turn's prompt + completion ids, gathered along the chain."""
+        parts: list[list[int]] = []
+        node: _Context | None = self
+        end = self.length
+        while node is not None and end > 0:
+            own = node.turn.prefix_tokens
+            parts.append([*node.turn.prompt_token_ids, *node.turn.completion_token_ids][: end - own])
+            end, node = own, node.parent
+        return list(itertools.chain.from_iterable(reversed(parts)))
+
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids()[: self.length - len(self.turn.completion_token_ids)]
 
 
 class EpisodeSession:
@@ -162,13 +185,24 @@ class EpisodeSession:
         self._calls += 1
         request, parent = self._request(messages, tools, sampling, tool_choice, top_logprobs)
         began = time.monotonic()
-        response = await self.client(request)
+        response = await self._call(request, parent)
         self.llm_seconds += time.monotonic() - began
+        taken = response.prompt_prefix_tokens
+        if taken not in (0, parent.length if parent is not None else 0):
+            raise InferenceError(
+                f"inference consumer {response.consumer_id} answered with a prompt prefix of {taken} tokens; "
+                f"the request's was {parent.length if parent is not None else 0}"
+            )
+        shared = shared_messages(request.messages, [*parent.messages, parent.reply]) if parent else 0
+        tools_from_parent = parent is not None and bool(request.tools)
         turn = TurnCompleted(
-            parent_turn_id=parent.turn_id if parent else None,
+            parent_turn_id=parent.turn.turn_id if parent else None,
+            prefix_messages=shared,
+            prefix_tokens=taken,
+            tools_from_parent=tools_from_parent,
             request=TurnRequest(
-                messages=request.messages,
-                tools=request.tools,
+                messages=request.messages[shared:],
+                tools=[] if tools_from_parent else request.tools,
                 sampling=request.sampling,
                 tool_choice=request.tool_choice,
             ),
@@ -189,12 +223,26 @@ class EpisodeSession:
             chat_template=response.chat_template,
         )
         await self._append([turn])
+        context = _Context(
+            turn=turn,
+            messages=request.messages,
+            tools=request.tools,
+            reply=ChatMessage(
+                role="assistant",
+                content=response.text,
+                tool_calls=response.tool_calls or None,
+                reasoning_content=response.reasoning,
+            ),
+            parent=parent if taken else None,
+            length=taken + len(response.prompt_token_ids) + len(response.completion_token_ids),
+            tokens_key=response.tokens_key,
+        )
         reply = ChatReply(
             turn_id=turn.turn_id,
             text=response.text,
             tool_calls=response.tool_calls,
             finish_reason=response.finish_reason,
-            prompt_token_ids=response.prompt_token_ids,
+            prompt_ids=context.prompt_ids,
             completion_token_ids=response.completion_token_ids,
             completion_logprobs=response.completion_logprobs,
             policy_version=response.policy_version,
@@ -203,16 +251,31 @@ class EpisodeSession:
             reasoning=response.reasoning,
         )
         self.turns.append(reply)
-        self._contexts.append(
-            _Context(
-                turn_id=turn.turn_id,
-                messages=request.messages,
-                tools=request.tools,
-                reply=reply.message,
-                token_ids=[*response.prompt_token_ids, *response.completion_token_ids],
-            )
-        )
+        self._contexts.append(context)
         return reply
+
+    async def _call(self, request: LLMRequest, parent: _Context | None) -> LLMResponse:
+        """Send the request: continuing a turn, by naming the tokens its consumer holds (only the new
+        messages travel), else, or when that consumer does not hold them, with the tokens themselves."""
+        if parent is None:
+            return await self.client(request)
+        count = len(parent.messages) + 1
+        if parent.tokens_key is not None:
+            held = request.model_copy(
+                update={
+                    "messages": request.messages[count:],
+                    "tools": [],
+                    "prefix": TokenPrefix(
+                        key=parent.tokens_key, token_count=parent.length, message_count=count
+                    ),
+                }
+            )
+            try:
+                return await self.client(held)
+            except PrefixUnknown:
+                pass  # evicted, another consumer, a restart: send everything
+        whole = TokenPrefix(token_ids=parent.token_ids(), message_count=count)
+        return await self.client(request.model_copy(update={"prefix": whole, "request_id": uuid.uuid4()}))
 
     async def reward(
         self, value: float, turn_id: uuid.UUID | str | None = None, source: str = "agent"
@@ -291,11 +354,7 @@ class EpisodeSession:
                     f"llm.chat: messages.{index}.content holds a NUL character (\\x00), which the event log "
                     "(PostgreSQL jsonb) cannot store; remove or replace it"
                 )
-        parent = self._parent(request)
-        if parent is None:
-            return request, None
-        prefix = TokenPrefix(token_ids=parent.token_ids, message_count=len(parent.messages) + 1)
-        return request.model_copy(update={"prefix": prefix}), parent
+        return request, self._parent(request)
 
     def _parent(self, request: LLMRequest) -> _Context | None:
         """The latest recorded turn whose conversation and reply begin this request's messages."""
@@ -325,6 +384,15 @@ class EpisodeSession:
             self._version = result.version
             self.events.extend(events)
             return result
+
+
+def shared_messages(sent: Sequence[ChatMessage], conversation: Sequence[ChatMessage]) -> int:
+    """How many leading messages of ``sent`` are exactly the parent's ``conversation`` (its messages and
+    reply): a turn records the rest. A reply sent back without its reasoning is recorded as it was sent."""
+    shared, limit = 0, min(len(conversation), len(sent) - 1)  # a turn adds at least one message
+    while shared < limit and (sent[shared] is conversation[shared] or sent[shared] == conversation[shared]):
+        shared += 1
+    return shared
 
 
 def same_message(sent: ChatMessage, recorded: ChatMessage) -> bool:

@@ -123,9 +123,9 @@ class ChatRenderer:
         if tail is None:
             return Prompt(self.full(request), prefix_break=True, render_drift=False)
         ids = self.tokenizer.encode(tail, add_special_tokens=False)
-        if prefix.token_ids and prefix.token_ids[-1] in self.stop_ids:
+        if prefix.ids and prefix.ids[-1] in self.stop_ids:
             ids = self._without_end_token(ids)
-        prompt = [*prefix.token_ids, *ids]
+        prompt = [*prefix.ids, *ids]
         drift = self.full(request) != prompt if self.check_drift else None
         return Prompt(prompt, render_drift=drift)
 

@@ -78,9 +78,16 @@ class RequestRejected(InferenceError):
         super().__init__(f"LLM request rejected because {field or 'request'}: {message}")
 
 
+class PrefixUnknown(InferenceError):
+    """The consumer does not hold the prefix the request named (``prefix.key``): send the request again
+    with the prefix's tokens and the whole conversation."""
+
+
 def raise_for_error(error: LLMError) -> None:
     if error.code in ("invalid_request", "payload_too_large"):
         raise RequestRejected(error.field, error.message)
+    if error.code == "prefix_unknown":
+        raise PrefixUnknown(error.message)
     raise InferenceError(
         f"inference consumer {error.consumer_id or '?'} failed: {error.code}: {error.message}"
     )

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import time
 import uuid
+from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -26,8 +27,10 @@ from pipeline.errors import describe_validation_error, field_path
 from pipeline.inference.backends import Backend, Generation
 from pipeline.inference.chat import REASONING_MARKERS, split_reasoning, split_tool_calls
 from pipeline.inference.client import CONSUMER_HEADER, HEARTBEAT_HEADER, RequestRejected
+from pipeline.inference.held import DEFAULT_BUDGET_TOKENS, HeldPrefixes, HeldTurn
 from schemas import (
     TOLERANT,
+    ChatMessage,
     LLMError,
     LLMRequest,
     LLMResponse,
@@ -60,8 +63,11 @@ class InferenceService:
         max_payload: int = 8 * 1024 * 1024,
         heartbeat_interval: float = 5.0,
         reasoning_markers: tuple[str, str] | None = REASONING_MARKERS,
+        held_tokens: int = DEFAULT_BUDGET_TOKENS,
     ) -> None:
         self.backend = backend
+        self.held = HeldPrefixes(held_tokens)
+        """Recent turns' tokens, messages and tools, by the key each reply names (``tokens_key``)."""
         self.reasoning_markers = reasoning_markers
         """Where the model's reasoning begins and ends in its text (None: it has none to split off)."""
         self.policy = policy
@@ -137,6 +143,24 @@ class InferenceService:
                 )
 
     async def _answer(self, request: LLMRequest, received: float, digest: bytes) -> bytes:
+        held: HeldTurn | None = None
+        if request.prefix is not None and request.prefix.held:
+            prefix = request.prefix
+            held = self.held.take(prefix.key or "", prefix.token_count or 0, prefix.message_count)
+            if held is None:
+                message = (
+                    f"this consumer does not hold prefix {prefix.key!r} ({prefix.token_count} tokens, "
+                    f"{prefix.message_count} messages): send the request again with prefix.token_ids, the "
+                    "whole conversation and the tools"
+                )
+                return self._error(request.request_id, "prefix_unknown", message, "prefix.key")
+            request = request.model_copy(
+                update={
+                    "messages": [*held.messages, *request.messages],
+                    "tools": held.tools,
+                    "prefix": prefix.model_copy(update={"token_ids": held.token_ids.tolist()}),
+                }
+            )
         try:
             generation = await self.backend.generate(request)
         except RequestRejected as error:
@@ -144,7 +168,7 @@ class InferenceService:
         except Exception as error:
             log.exception("backend failed on request %s", request.request_id)
             return self._error(request.request_id, "engine_error", f"{type(error).__name__}: {error}")
-        body = self._response(request, generation, received).model_dump_json().encode()
+        body = self._response(request, generation, received, held).model_dump_json().encode()
         if len(body) > self.max_payload:
             message = (
                 f"the reply is {len(body):,} bytes, over the NATS server's max_payload of "
@@ -157,7 +181,9 @@ class InferenceService:
             self._recent.popitem(last=False)
         return body
 
-    def _response(self, request: LLMRequest, generation: Generation, received: float) -> LLMResponse:
+    def _response(
+        self, request: LLMRequest, generation: Generation, received: float, held: HeldTurn | None = None
+    ) -> LLMResponse:
         reasoning, text = generation.reasoning, printable(generation.text)
         if self.reasoning_markers is not None and generation.tool_calls is None:
             reasoning, text = split_reasoning(text, self.reasoning_markers)
@@ -170,6 +196,20 @@ class InferenceService:
         finish_reason = (
             "tool_calls" if tool_calls and generation.finish_reason == "stop" else generation.finish_reason
         )
+        # The reply leaves out the prompt's prefix (the requester sent it or named it): no echo of history.
+        prompt, known = generation.prompt_token_ids, 0
+        prefix_ids = request.prefix.token_ids if request.prefix is not None else None
+        if prefix_ids and not generation.prefix_break and prompt[: len(prefix_ids)] == prefix_ids:
+            known = len(prefix_ids)
+        added = prompt[known:] if known else prompt
+        reply = ChatMessage(
+            role="assistant", content=content, tool_calls=tool_calls or None, reasoning_content=reasoning
+        )
+        if held is not None and known == len(held.token_ids):
+            kept = held.token_ids + array("i", [*added, *generation.completion_token_ids])
+        else:
+            kept = array("i", [*prompt, *generation.completion_token_ids])
+        key = self.held.keep(kept, [*request.messages, reply], request.tools)
         now = time.monotonic()
         return LLMResponse(
             request_id=request.request_id,
@@ -177,11 +217,13 @@ class InferenceService:
             tool_calls=tool_calls,
             finish_reason=finish_reason,
             reasoning=reasoning,
-            prompt_token_ids=generation.prompt_token_ids,
+            prompt_token_ids=added,
+            prompt_prefix_tokens=known,
             completion_token_ids=generation.completion_token_ids,
             completion_logprobs=generation.completion_logprobs,
             policy_version=generation.policy_version,
             consumer_id=self.consumer_id,
+            tokens_key=key,
             timings=Timings(
                 queued_ms=max(0.0, generation.started_at - received) * 1000,
                 first_token_ms=max(0.0, generation.first_token_at - received) * 1000,

@@ -414,7 +414,8 @@ class Fold:
                     target = str(completed[-1].data["turn_id"])  # the episode's reward: its last turn's
                 if target in own:
                     own[target] += _reward(event)
-        turns = [self._turn(episode_id, index, event, own) for index, event in enumerate(completed)]
+        whole: dict[str, Turn] = {}
+        turns = [self._turn(episode_id, index, event, own, whole) for index, event in enumerate(completed)]
         tree = parents(turns)
         values = discounted_rewards(turns, tree, self.config.discount)
         rows = []
@@ -438,12 +439,34 @@ class Fold:
         return turns, rows, tree, values
 
     @staticmethod
-    def _turn(episode_id: str, index: int, event: LogRow, own: dict[str, float]) -> Turn:
-        """One recorded turn, or ``Unfoldable`` naming it when its fields or token arrays are not usable."""
+    def _turn(
+        episode_id: str, index: int, event: LogRow, own: dict[str, float], whole: dict[str, Turn]
+    ) -> Turn:
+        """One recorded turn made whole (``whole``: the episode's earlier turns, by id; this one is added),
+        or ``Unfoldable`` naming it when its fields or token arrays are not usable."""
         try:
             if event.tokens is None:
                 raise ValueError("it has no token arrays")
             prompt, completion, logprobs = unpack_tokens(event.tokens)
+            taken = event.data.get("prefix_tokens", 0)
+            if taken:  # a turn records the prompt ids after its parent's prompt + completion
+                parent = whole.get(str(event.data.get("parent_turn_id")))
+                if (
+                    parent is None
+                    or not isinstance(taken, int)
+                    or not 0 < taken <= len(parent.prompt_token_ids) + len(parent.completion_token_ids)
+                ):
+                    raise ValueError(
+                        f"it takes {taken!r} prompt ids from its parent turn "
+                        f"{event.data.get('parent_turn_id')}, not an earlier turn of its episode that long"
+                    )
+                cut = len(parent.prompt_token_ids)
+                inherited = (
+                    parent.prompt_token_ids[:taken]
+                    if taken <= cut
+                    else (parent.prompt_token_ids + parent.completion_token_ids[: taken - cut])
+                )
+                prompt = [*inherited, *prompt]
             if len(logprobs) != len(completion):
                 raise ValueError(f"it has {len(logprobs)} logprobs for {len(completion)} completion tokens")
             if not all(-math.inf < lp <= 0.0 for lp in logprobs):
@@ -451,7 +474,7 @@ class Fold:
             data = event.data
             if not isinstance(data["reply"]["finish_reason"], str) or not isinstance(data["engine_id"], str):
                 raise ValueError("its finish_reason or engine_id is not a string")
-            return Turn(
+            turn = Turn(
                 turn_id=_uuid(data["turn_id"]),
                 episode_id=episode_id,
                 index=index,
@@ -461,6 +484,8 @@ class Fold:
                 policy_version=_count(event, data["policy_version"], "policy_version"),
                 reward=own[str(data["turn_id"])],
             )
+            whole[str(turn.turn_id)] = turn
+            return turn
         except UNFOLDABLE as error:
             if isinstance(error, Unfoldable):
                 raise

@@ -12,6 +12,7 @@ import time
 from pipeline.inference.backends import Generation
 from pipeline.inference.client import RequestRejected
 from pipeline.log import Store
+from pipeline.log.turns import expand_turns
 from schemas import LLMRequest, TurnCompleted
 
 
@@ -58,7 +59,10 @@ class ReplayBackend:
         async with self._loading:
             if episode_id not in self._turns:
                 recorded = await self.store.read_stream(f"episode-{episode_id}")
-                self._turns[episode_id] = [r.event for r in recorded if isinstance(r.event, TurnCompleted)]
+                # whole turns: a recorded turn holds what it adds to its parent
+                self._turns[episode_id] = expand_turns(
+                    [r.event for r in recorded if isinstance(r.event, TurnCompleted)]
+                )
         return self._turns[episode_id]
 
     def rewind(self, episode_id: str) -> None:

@@ -24,7 +24,7 @@ class ScriptedBackend:
         started = time.monotonic()
         if self.delay:
             await asyncio.sleep(self.delay)
-        prompt = list(request.prefix.token_ids) if request.prefix else []
+        prompt = list(request.prefix.ids) if request.prefix else []
         prompt += [len(message.content or "") % 1000 for message in request.messages]
         return Generation(
             prompt_token_ids=prompt,

@@ -83,8 +83,8 @@ class TorchBackend:
 
     async def generate(self, request: LLMRequest) -> Generation:
         vocabulary = int(self.model.config.vocab_size)
-        if request.prefix is not None and any(t >= vocabulary for t in request.prefix.token_ids):
-            bad = next(t for t in request.prefix.token_ids if t >= vocabulary)
+        if request.prefix is not None and any(t >= vocabulary for t in request.prefix.ids):
+            bad = next(t for t in request.prefix.ids if t >= vocabulary)
             raise RequestRejected(
                 "prefix.token_ids",
                 f"token id {bad} is outside the model's vocabulary of {vocabulary}; send the ids this "

@@ -1,0 +1,219 @@
+"""What a turn costs as an episode grows: bytes in the log, bytes on the wire, CPU per turn.
+
+One agent conversation of N turns (``--turns``, default 10,40,100) is recorded by a real ``EpisodeSession``
+into PostgreSQL, its requests answered by the inference consumer's own request handling
+(``InferenceService.handle``, in process: the bytes it receives and sends are the NATS payloads) over a
+synthetic backend. Each turn adds a user message of ``--new-text`` bytes (one prompt id per 4 bytes, about
+220 ids) and a reply of ``--reply-tokens`` ids, so the prompt reaches ~32k ids at turn 100.
+
+Two writers, side by side in one run:
+- ``delta`` (today): a turn records what it adds to its parent; a request continuing a turn names the
+  tokens the consumer holds and carries only its new messages; the reply leaves out the prompt's prefix.
+- ``whole`` (the baseline, the version-1 layout): the same turns expanded before they are appended, so each
+  stores its whole history again, and the wire carries the whole conversation and prefix both ways.
+
+Figures: stored bytes (``pg_column_size`` of ``data`` + ``tokens`` of the episode's events) ÷ the raw new
+content (4 bytes per new prompt id, completion id and logprob, plus the new text's bytes); wire bytes per
+continuation turn ÷ that turn's new content; CPU per turn (session + consumer handling, this process) at the
+last tenth of the turns ÷ the first tenth.
+
+    python bench/storage.py                  # about a minute on 2 cores
+    python bench/storage.py --turns 10,40
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import string
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.episodes import EpisodeSession, expand_turn
+from pipeline.inference import InferenceService, raise_for_error
+from pipeline.inference.backends import Generation
+from pipeline.log import EventStore
+from schemas import Event, LLMError, LLMRequest, LLMResponse, TurnCompleted, parse_wire
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+from materialize import postgres_server, scratch_database  # a sibling script
+
+
+def words(rng: random.Random, size: int) -> str:
+    """Text that compresses about as well as prose (PostgreSQL compresses what it stores)."""
+    return "".join(rng.choices(string.ascii_letters + string.digits + "      .,", k=size))
+
+
+class SyntheticBackend:
+    """Prompt: the prefix's ids, then one id per 4 bytes of each new message; a fixed-size reply."""
+
+    def __init__(self, reply_tokens: int) -> None:
+        self.reply_tokens = reply_tokens
+        self.policy_version = 0
+
+    async def generate(self, request: LLMRequest) -> Generation:
+        started = time.monotonic()
+        skipped = request.prefix.message_count if request.prefix else 0
+        prompt = list(request.prefix.ids) if request.prefix else []
+        for message in request.messages[skipped:]:
+            text = (message.content or "").encode()
+            prompt += [1, *(100 + (b * 7919 + i * 104729) % 150_000 for i, b in enumerate(text[::4])), 2]
+        rng = random.Random(len(prompt))
+        completion = [rng.randrange(100, 150_000) for _ in range(self.reply_tokens - 1)] + [2]
+        return Generation(
+            prompt_token_ids=prompt,
+            completion_token_ids=completion,
+            completion_logprobs=[-rng.random() * 5 for _ in completion],
+            text=words(rng, self.reply_tokens * 4),
+            finish_reason="stop",
+            policy_version=0,
+            started_at=started,
+            first_token_at=time.monotonic(),
+        )
+
+    async def load_version(self, version: int, checkpoint: str) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+class Published:
+    async def __call__(self, subject: str, body: bytes, headers: dict[str, str]) -> None:
+        pass
+
+
+@dataclass
+class Wire:
+    service: InferenceService
+    whole: bool
+    bytes_per_call: list[int] = field(default_factory=list)
+
+    async def __call__(self, request: LLMRequest) -> LLMResponse:
+        data = request.model_dump_json().encode()
+        body = await self.service.handle(data, None)
+        reply = parse_wire(body)
+        if isinstance(reply, LLMError):
+            raise_for_error(reply)
+        assert isinstance(reply, LLMResponse)
+        if self.whole:  # the version-1 wire: the reply echoes the whole prompt; nothing is held
+            prompt = [*(request.prefix.ids if request.prefix else [])][: reply.prompt_prefix_tokens]
+            reply = reply.model_copy(
+                update={"prompt_token_ids": [*prompt, *reply.prompt_token_ids], "prompt_prefix_tokens": 0,
+                        "tokens_key": None}
+            )  # fmt: skip
+            body = reply.model_dump_json().encode()
+        self.bytes_per_call.append(len(data) + len(body))
+        return reply
+
+
+class WholeTurns:
+    """A store wrapper that appends each turn whole (the version-1 layout) instead of its delta."""
+
+    def __init__(self, store: EventStore) -> None:
+        self.store = store
+        self.whole: dict[Any, TurnCompleted] = {}
+
+    async def append(self, stream: str, events: Sequence[Event], expected_version: int | None = None,
+                     **options: Any) -> Any:  # fmt: skip
+        expanded: list[Event] = []
+        for event in events:
+            if isinstance(event, TurnCompleted):
+                parent = self.whole.get(event.parent_turn_id)
+                event = self.whole[event.turn_id] = expand_turn(event, parent)
+            expanded.append(event)
+        return await self.store.append(stream, expanded, expected_version, **options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+@dataclass
+class Result:
+    stored: int
+    new_content: int
+    wire_ratio: float
+    cpu_ratio: float
+    prompt_tokens: int
+
+
+async def episode(url: str, turns: int, args: argparse.Namespace, *, whole: bool) -> Result:
+    store = await EventStore.connect(url)
+    service = InferenceService(
+        SyntheticBackend(args.reply_tokens), policy="p", consumer_id="c", publish=Published()
+    )
+    wire = Wire(service, whole)
+    session = EpisodeSession(WholeTurns(store) if whole else store, wire, policy="p")  # type: ignore[arg-type]
+    await session.start()
+    rng = random.Random(turns)
+    messages: list[Any] = [{"role": "user", "content": words(rng, args.new_text)}]
+    cpu, new_content = [], 0
+    for k in range(turns):
+        began = time.process_time()
+        reply = await session.chat(messages)
+        cpu.append(time.process_time() - began)
+        new_text = len(messages[-1]["content"]) + len(reply.text)
+        new_ids = len(reply.completion_token_ids) * 2 + (len(messages[-1]["content"]) + 3) // 4 + 2
+        new_content += new_text + 4 * new_ids
+        if k == 0:
+            first_new = new_text + 4 * new_ids
+        messages = [*messages, reply.message, {"role": "user", "content": words(rng, args.new_text)}]
+    prompt_tokens = len(session.turns[-1].prompt_token_ids)
+    await session.finish("done")
+    with psycopg.connect(url) as connection:
+        row = connection.execute(
+            "SELECT sum(pg_column_size(data) + coalesce(pg_column_size(tokens), 0)) FROM events "
+            "WHERE stream = %s",
+            (session.stream,),
+        ).fetchone()
+    await store.close()
+    tenth = max(1, turns // 10)
+    continued = wire.bytes_per_call[1:] or wire.bytes_per_call
+    return Result(
+        stored=int(row[0]) if row else 0,
+        new_content=new_content,
+        wire_ratio=statistics.median(continued) / first_new,
+        cpu_ratio=statistics.fmean(cpu[-tenth:]) / statistics.fmean(cpu[1 : 1 + tenth] or cpu),
+        prompt_tokens=prompt_tokens,
+    )
+
+
+async def run(url: str, args: argparse.Namespace) -> Table:
+    table = Table(title="bytes and CPU per episode: turns recorded as deltas vs whole (version 1)")
+    for column in ("turns", "prompt ids at the end", "writer", "stored / new content", "wire / new content",
+                   "CPU/turn last ÷ first tenth", "stored, delta ÷ whole"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for turns in args.turns:
+        whole = await episode(url, turns, args, whole=True)
+        delta = await episode(url, turns, args, whole=False)
+        for name, result in (("whole (v1)", whole), ("delta", delta)):
+            table.add_row(
+                str(turns), f"{result.prompt_tokens:,}", name, f"{result.stored / result.new_content:.2f}",
+                f"{result.wire_ratio:.2f}", f"{result.cpu_ratio:.2f}",
+                f"{delta.stored / whole.stored:.3f}" if name == "delta" else "",
+            )  # fmt: skip
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--turns", type=lambda s: [int(x) for x in s.split(",")], default=[10, 40, 100])
+    parser.add_argument("--new-text", type=int, default=880, help="bytes of the user message each turn adds")
+    parser.add_argument("--reply-tokens", type=int, default=100)
+    args = parser.parse_args(argv)
+    with postgres_server(None) as (server_url, _), scratch_database(server_url) as url:
+        table = asyncio.run(run(url, args))
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
