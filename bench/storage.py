@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import string
@@ -32,6 +33,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -41,8 +43,9 @@ from rich.table import Table
 from pipeline.episodes import EpisodeSession, expand_turn
 from pipeline.inference import InferenceService, raise_for_error
 from pipeline.inference.backends import Generation
-from pipeline.log import EventStore
-from schemas import Event, LLMError, LLMRequest, LLMResponse, TurnCompleted, parse_wire
+from pipeline.log import EventStore, encode_event
+from pipeline.materialize.materializer import Fold, LogRow, MaterializerConfig
+from schemas import ChatMessage, Event, LLMError, LLMRequest, LLMResponse, TurnCompleted, parse_wire
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 from materialize import postgres_server, scratch_database  # a sibling script
@@ -54,13 +57,22 @@ def words(rng: random.Random, size: int) -> str:
 
 
 class SyntheticBackend:
-    """Prompt: the prefix's ids, then one id per 4 bytes of each new message; a fixed-size reply."""
+    """Prompt: the prefix's ids, then one id per 4 bytes of each new message; a fixed-size reply. ``cpu``:
+    the seconds it spent (the engine's share, left out of the consumer's figure)."""
 
     def __init__(self, reply_tokens: int) -> None:
         self.reply_tokens = reply_tokens
         self.policy_version = 0
+        self.cpu = 0.0
 
     async def generate(self, request: LLMRequest) -> Generation:
+        began = time.process_time()
+        try:
+            return self._generate(request)
+        finally:
+            self.cpu += time.process_time() - began
+
+    def _generate(self, request: LLMRequest) -> Generation:
         started = time.monotonic()
         skipped = request.prefix.message_count if request.prefix else 0
         prompt = list(request.prefix.ids) if request.prefix else []
@@ -97,10 +109,18 @@ class Wire:
     service: InferenceService
     whole: bool
     bytes_per_call: list[int] = field(default_factory=list)
+    consumer_cpu: float = 0.0
+    """Seconds the consumer's request handling took (``handle``), the engine's share left out."""
+    handle_cpu: float = 0.0
 
     async def __call__(self, request: LLMRequest) -> LLMResponse:
-        data = request.model_dump_json().encode()
+        data = request.model_dump_json(exclude_none=True).encode()  # as NatsLLMClient sends it
+        backend = self.service.backend
+        assert isinstance(backend, SyntheticBackend)
+        began, engine = time.process_time(), backend.cpu
         body = await self.service.handle(data, None)
+        self.handle_cpu += time.process_time() - began
+        self.consumer_cpu += time.process_time() - began - (backend.cpu - engine)
         reply = parse_wire(body)
         if isinstance(reply, LLMError):
             raise_for_error(reply)
@@ -142,8 +162,27 @@ class Result:
     stored: int
     new_content: int
     wire_ratio: float
-    cpu_ratio: float
+    session_ratio: float
+    consumer_ratio: float
+    fold_ms: dict[str, float]
     prompt_tokens: int
+
+
+def fold_ms_per_turn(stream: str, events: list[Event], turns: int) -> dict[str, float]:
+    """The materializer's fold of the episode (as it reads the log), ms of CPU per turn, by sample style."""
+    rows = []
+    for position, event in enumerate(events, start=1):
+        encoded = encode_event(event)
+        at = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=position)
+        rows.append(LogRow(position, stream, event.type, json.loads(encoded.data), encoded.tokens, at))
+    spent = {}
+    for style in ("concat", "individual"):
+        fold = Fold(MaterializerConfig(name="bench", style=style, batch_samples=10**6))  # type: ignore[arg-type]
+        began = time.process_time()
+        for row in rows:
+            fold.apply(row)
+        spent[style] = (time.process_time() - began) / turns * 1000
+    return spent
 
 
 async def episode(url: str, turns: int, args: argparse.Namespace, *, whole: bool) -> Result:
@@ -155,18 +194,19 @@ async def episode(url: str, turns: int, args: argparse.Namespace, *, whole: bool
     session = EpisodeSession(WholeTurns(store) if whole else store, wire, policy="p")  # type: ignore[arg-type]
     await session.start()
     rng = random.Random(turns)
-    messages: list[Any] = [{"role": "user", "content": words(rng, args.new_text)}]
-    cpu, new_content = [], 0
+    messages: list[ChatMessage] = [ChatMessage(role="user", content=words(rng, args.new_text))]
+    session_cpu, consumer_cpu, new_content = [], [], 0
     for k in range(turns):
-        began = time.process_time()
+        began, handled, consumed = time.process_time(), wire.handle_cpu, wire.consumer_cpu
         reply = await session.chat(messages)
-        cpu.append(time.process_time() - began)
-        new_text = len(messages[-1]["content"]) + len(reply.text)
-        new_ids = len(reply.completion_token_ids) * 2 + (len(messages[-1]["content"]) + 3) // 4 + 2
+        session_cpu.append(time.process_time() - began - (wire.handle_cpu - handled))
+        consumer_cpu.append(wire.consumer_cpu - consumed)
+        new_text = len(messages[-1].content or "") + len(reply.text)
+        new_ids = len(reply.completion_token_ids) * 2 + (len(messages[-1].content or "") + 3) // 4 + 2
         new_content += new_text + 4 * new_ids
         if k == 0:
             first_new = new_text + 4 * new_ids
-        messages = [*messages, reply.message, {"role": "user", "content": words(rng, args.new_text)}]
+        messages = [*messages, reply.message, ChatMessage(role="user", content=words(rng, args.new_text))]
     prompt_tokens = len(session.turns[-1].prompt_token_ids)
     await session.finish("done")
     with psycopg.connect(url) as connection:
@@ -178,19 +218,28 @@ async def episode(url: str, turns: int, args: argparse.Namespace, *, whole: bool
     await store.close()
     tenth = max(1, turns // 10)
     continued = wire.bytes_per_call[1:] or wire.bytes_per_call
+
+    def growth(cpu: list[float]) -> float:
+        """Mean CPU of the last tenth of the turns ÷ the first tenth (turn 1, the root, left out)."""
+        return statistics.fmean(cpu[-tenth:]) / statistics.fmean(cpu[1 : 1 + tenth] or cpu)
+
     return Result(
         stored=int(row[0]) if row else 0,
         new_content=new_content,
         wire_ratio=statistics.median(continued) / first_new,
-        cpu_ratio=statistics.fmean(cpu[-tenth:]) / statistics.fmean(cpu[1 : 1 + tenth] or cpu),
+        session_ratio=growth(session_cpu),
+        consumer_ratio=growth(consumer_cpu),
+        fold_ms=fold_ms_per_turn(session.stream, session.events, turns),
         prompt_tokens=prompt_tokens,
     )
 
 
 async def run(url: str, args: argparse.Namespace) -> Table:
     table = Table(title="bytes and CPU per episode: turns recorded as deltas vs whole (version 1)")
-    for column in ("turns", "prompt ids at the end", "writer", "stored / new content", "wire / new content",
-                   "CPU/turn last ÷ first tenth", "stored, delta ÷ whole"):  # fmt: skip
+    columns = ("turns", "prompt ids at the end", "writer", "stored ÷ new content", "wire ÷ new content",
+               "session CPU/turn last ÷ first tenth", "consumer CPU/turn last ÷ first tenth",
+               "fold ms/turn concat | individual", "stored, delta ÷ whole")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="right")
     for turns in args.turns:
         whole = await episode(url, turns, args, whole=True)
@@ -198,7 +247,8 @@ async def run(url: str, args: argparse.Namespace) -> Table:
         for name, result in (("whole (v1)", whole), ("delta", delta)):
             table.add_row(
                 str(turns), f"{result.prompt_tokens:,}", name, f"{result.stored / result.new_content:.2f}",
-                f"{result.wire_ratio:.2f}", f"{result.cpu_ratio:.2f}",
+                f"{result.wire_ratio:.2f}", f"{result.session_ratio:.2f}", f"{result.consumer_ratio:.2f}",
+                f"{result.fold_ms['concat']:.2f} | {result.fold_ms['individual']:.2f}",
                 f"{delta.stored / whole.stored:.3f}" if name == "delta" else "",
             )  # fmt: skip
     return table
@@ -209,10 +259,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--turns", type=lambda s: [int(x) for x in s.split(",")], default=[10, 40, 100])
     parser.add_argument("--new-text", type=int, default=880, help="bytes of the user message each turn adds")
     parser.add_argument("--reply-tokens", type=int, default=100)
+    parser.add_argument(
+        "--compression",
+        choices=("pglz", "lz4"),
+        default="pglz",
+        help="PostgreSQL's TOAST compression (>= 14)",
+    )
     args = parser.parse_args(argv)
     with postgres_server(None) as (server_url, _), scratch_database(server_url) as url:
+        if args.compression != "pglz":
+            with psycopg.connect(url, autocommit=True) as connection:
+                for column in ("data", "tokens"):
+                    connection.execute(
+                        f"ALTER TABLE events ALTER COLUMN {column} SET COMPRESSION {args.compression}"
+                    )
         table = asyncio.run(run(url, args))
-    Console().print(table)
+        table.caption = f"TOAST compression of events.data and events.tokens: {args.compression}"
+    Console(width=200).print(table)
 
 
 if __name__ == "__main__":

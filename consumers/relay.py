@@ -20,6 +20,7 @@ class RelayConfig:
     nats_url: str
     schema: str = "public"
     poll_interval: float = 1.0
+    outbox_retention: float = 86_400.0
 
 
 async def serve_relay(
@@ -35,7 +36,13 @@ async def serve_relay(
             if connection is None:
                 return None
             runtime.check("nats", lambda: connection.is_connected)
-            relay = OutboxRelay(engine, connection, schema=config.schema, poll_interval=config.poll_interval)
+            relay = OutboxRelay(
+                engine,
+                connection,
+                schema=config.schema,
+                poll_interval=config.poll_interval,
+                retention=config.outbox_retention,
+            )
             console.print(f"relay publishing batches from {config.schema}.batch_outbox to JetStream BATCHES")
             try:
                 await relay.run(runtime.stop)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
+import sys
 from array import array
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, NonNegativeFloat
+from pydantic import AfterValidator, BeforeValidator, Field, NonNegativeFloat, PlainSerializer
 
 from schemas.base import Contract
 
@@ -30,6 +34,52 @@ def _as_float32(values: list[float]) -> list[float]:
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=4_000_000)]
 Logprobs = Annotated[list[Annotated[float, Field(allow_inf_nan=False, le=0.0)]], AfterValidator(_as_float32)]
+
+
+def _packer(code: str) -> tuple[Callable[[Any], Any], Callable[[list[Any]], str]]:
+    """Base64 of a little-endian array (``i``: int32, ``f``: float32) for the wire, and back."""
+
+    def unpack(value: Any) -> Any:
+        if not isinstance(value, str):
+            return value  # a list of numbers is read as it is
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except binascii.Error:
+            raise ValueError("not base64 (a packed array is base64 of little-endian 4-byte values)") from None
+        if len(raw) % 4:
+            raise ValueError(f"a packed array is whole 4-byte values; this one is {len(raw)} bytes")
+        values = array(code, raw)
+        if sys.byteorder == "big":
+            values.byteswap()
+        return values.tolist()
+
+    def pack(values: list[Any]) -> str:
+        packed = array(code, values)
+        if sys.byteorder == "big":
+            packed.byteswap()
+        return base64.b64encode(packed.tobytes()).decode()
+
+    return unpack, pack
+
+
+_unpack_ids, _pack_ids = _packer("i")
+_unpack_logprobs, _pack_logprobs = _packer("f")
+_PACKED = "; in JSON base64 of little-endian {} values (a list of numbers is accepted too)"
+
+WireTokenIds = Annotated[
+    TokenIds,
+    BeforeValidator(_unpack_ids),
+    PlainSerializer(_pack_ids, return_type=str, when_used="json"),
+    Field(description="token ids" + _PACKED.format("int32")),
+]
+"""Token ids on the wire: 4 bytes an id (and a third for base64), not a JSON number each."""
+WireLogprobs = Annotated[
+    Logprobs,
+    BeforeValidator(_unpack_logprobs),
+    PlainSerializer(_pack_logprobs, return_type=str, when_used="json"),
+    Field(description="logprobs" + _PACKED.format("float32")),
+]
+"""Logprobs on the wire: float32 (what they are), 4 bytes each, not ~20 characters of JSON each."""
 
 
 class FunctionCall(Contract):

@@ -11,13 +11,13 @@ from schemas.base import Contract
 from schemas.common import (
     ChatMessage,
     FinishReason,
-    Logprobs,
     SamplingParams,
     Timings,
-    TokenIds,
     ToolCall,
     ToolChoice,
     ToolSpec,
+    WireLogprobs,
+    WireTokenIds,
 )
 
 
@@ -31,7 +31,7 @@ class TokenPrefix(Contract):
     answers ``prefix_unknown``; the requester sends the request again with the tokens and everything.
     """
 
-    token_ids: TokenIds | None = None
+    token_ids: WireTokenIds | None = None
     key: str | None = Field(default=None, min_length=1, max_length=200)
     token_count: int | None = Field(default=None, ge=0, lt=2**31, description="len(token_ids)")
     message_count: int = Field(ge=1, lt=2**31)
@@ -118,12 +118,12 @@ class LLMResponse(Contract):
     reasoning: str | None = Field(
         default=None, description="the model's reasoning, split from ``text`` at the consumer's markers"
     )
-    prompt_token_ids: TokenIds
+    prompt_token_ids: WireTokenIds
     prompt_prefix_tokens: int = Field(
         default=0, ge=0, lt=2**31, description="prompt ids before prompt_token_ids: the request's prefix"
     )
-    completion_token_ids: TokenIds
-    completion_logprobs: Logprobs
+    completion_token_ids: WireTokenIds
+    completion_logprobs: WireLogprobs
     policy_version: int = Field(ge=0, lt=2**31)
     consumer_id: str
     tokens_key: str | None = Field(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -334,3 +335,18 @@ def test_samples_carry_their_episode_and_the_oldest_policy_version_of_their_path
     assert [s.episode_id for s in individual_samples([first, second], values)] == ["ep-7", "ep-7"]
     (path,) = concat_samples([first, second], tree, values)
     assert (path.episode_id, path.policy_version) == ("ep-7", 2)
+
+
+def test_a_named_parent_is_taken_unless_a_longer_earlier_turn_also_begins_the_prompt() -> None:
+    """``Turn.extends`` (a recorded delta's parent) spares the token comparisons with shorter turns; the tree
+    is still the token-level one: a longer earlier turn that begins the prompt wins over the named one."""
+    root = make(0, [1, 2], [3])
+    side = make(1, [1, 2, 3, 4], [5])  # extends root; its tokens begin `later`'s prompt
+    later = replace(make(2, [1, 2, 3, 4, 5, 6], [7]), extends=root.turn_id)
+    chained = replace(make(3, [1, 2, 3, 4, 5, 6, 7, 8], [9]), extends=later.turn_id)
+    tree = parents([root, side, later, chained])
+    assert tree == {root.turn_id: None, side.turn_id: root.turn_id, later.turn_id: side.turn_id,
+                    chained.turn_id: later.turn_id}  # fmt: skip
+    # the same turns without names give the same tree, token by token
+    plain = [replace(t, extends=None) for t in (root, side, later, chained)]
+    assert parents(plain) == tree

@@ -52,7 +52,7 @@ class Wire:
         self.unknown = 0
 
     async def __call__(self, request: LLMRequest) -> LLMResponse:
-        data = request.model_dump_json().encode()
+        data = request.model_dump_json(exclude_none=True).encode()  # as NatsLLMClient sends it
         self.requests.append(request)
         body = await self.services[self.route].handle(data, None)
         self.sent.append(len(data))
@@ -209,21 +209,19 @@ async def test_a_consumer_without_the_prefix_gets_everything_and_the_turn_is_sti
 
 
 def test_held_prefixes_keep_a_token_budget_least_recently_used_first() -> None:
-    from array import array
-
     held = HeldPrefixes(budget_tokens=10)
-    a = held.keep(array("i", [1, 2, 3, 4]), [], [])
-    b = held.keep(array("i", [5, 6, 7, 8]), [], [])
+    a = held.keep([1, 2, 3, 4], [], [])
+    b = held.keep([5, 6, 7, 8], [], [])
     assert a is not None
     assert b is not None
     assert held.take(a, 4, 0) is not None  # a is now the most recently used
-    c = held.keep(array("i", [9, 9, 9]), [], [])  # over budget: b goes
+    c = held.keep([9, 9, 9], [], [])  # over budget: b goes
     assert held.tokens == 7
     assert held.take(b, 4, 0) is None
     assert held.take(a, 4, 1) is None  # the wrong message count is not the turn that was kept
     assert held.take(a, 4, 0) is not None
     assert c is not None
-    assert held.keep(array("i", range(11)), [], []) is None  # alone over the budget: not kept
+    assert held.keep(list(range(11)), [], []) is None  # alone over the budget: not kept
 
 
 def test_a_turn_that_takes_more_than_its_parent_has_is_refused_by_the_fold() -> None:

@@ -165,6 +165,11 @@ def relay(
     poll_interval: float = typer.Option(
         1.0, help="seconds between passes when no NOTIFY wakes the relay sooner"
     ),
+    outbox_retention: float = typer.Option(
+        86_400.0,
+        help="seconds a published batch payload stays in the outbox before it is deleted (0: at once; inf: "
+        "keep); `batches` keeps its size and sha256 and `turnstile rematerialize` rebuilds the same bytes",
+    ),
 ) -> None:
     """Publish the materializer's batches to JetStream BATCHES (batches.<policy>), each once."""
     import asyncio
@@ -173,6 +178,8 @@ def relay(
 
     if poll_interval <= 0:
         raise ConfigError(f"--poll-interval must be more than 0, got {poll_interval}")
+    if not outbox_retention >= 0:
+        raise ConfigError(f"--outbox-retention is seconds, 0 or more (inf: keep), got {outbox_retention}")
     from consumers.runtime import setup_logging
 
     setup_logging()
@@ -182,6 +189,7 @@ def relay(
         settings.require_nats_url(),
         schema=schema,
         poll_interval=poll_interval,
+        outbox_retention=outbox_retention,
     )
     asyncio.run(serve_relay(config, console=console))
     console.print("relay stopped")

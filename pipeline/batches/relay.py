@@ -22,6 +22,7 @@ import base64
 import contextlib
 import hashlib
 import logging
+import math
 import struct
 from typing import Any, Final
 
@@ -153,6 +154,7 @@ class OutboxRelay:
         bucket: str = BATCH_PAYLOADS_BUCKET,
         publish_timeout: float = 10.0,
         max_backoff: float = 5.0,
+        retention: float = math.inf,
     ) -> None:
         if poll_interval <= 0 or batch_limit < 1:
             raise ConfigError(
@@ -166,6 +168,12 @@ class OutboxRelay:
         self.bucket = bucket
         self.publish_timeout = publish_timeout
         self.max_backoff = max_backoff
+        if not retention >= 0:
+            raise ConfigError(f"the outbox retention is seconds, 0 or more (inf: keep), got {retention}")
+        self.retention = retention
+        """Seconds a published payload stays in the outbox; then it is deleted (the log rebuilds it)."""
+        self.released = 0
+        """Published payloads this relay deleted from the outbox."""
         self.published = 0
         """Batches acknowledged by JetStream and marked published by this relay."""
         self.passes = 0
@@ -195,8 +203,26 @@ class OutboxRelay:
             published, more = await self._publish_chunk()
             total += published
             if not more:
+                await self.release_published()
                 self.passes += 1
                 return total
+
+    async def release_published(self) -> int:
+        """Delete the payloads published more than ``retention`` seconds ago; how many. ``batches`` keeps
+        each one's size and sha256, and ``turnstile rematerialize`` rebuilds the same bytes from the log."""
+        if math.isinf(self.retention):
+            return 0
+        outbox = self._outbox
+        async with self.engine.begin() as db:
+            result = await db.execute(
+                sa.delete(outbox).where(
+                    outbox.c.published_at
+                    < sa.func.clock_timestamp() - sa.func.make_interval(0, 0, 0, 0, 0, 0, self.retention)
+                )
+            )
+        released = int(result.rowcount or 0)
+        self.released += released
+        return released
 
     async def publish_next(self) -> int:
         """Publish up to ``batch_limit`` unpublished batches, the oldest first (what one pass of

@@ -328,19 +328,24 @@ class EpisodeSession:
     ) -> tuple[LLMRequest, _Context | None]:
         if isinstance(sampling, SamplingParams):
             sampling = sampling.model_dump()
+        # Messages that are ChatMessage objects are valid already (frozen): validating the request with the
+        # last of them and then putting all of them in keeps a turn's cost from growing with the history.
+        built = all(type(message) is ChatMessage for message in messages) and bool(messages)
         try:
             chosen = SamplingParams.model_validate({**self.started.sampling.model_dump(), **(sampling or {})})
             request = LLMRequest.model_validate(
                 {
                     "policy": self.policy,
                     "episode_id": self.episode_id,
-                    "messages": list(messages),
+                    "messages": list(messages[-1:] if built else messages),
                     "tools": list(tools or []),
                     "sampling": chosen,
                     "tool_choice": tool_choice,
                     "top_logprobs": top_logprobs,
                 }
             )
+            if built:
+                request = request.model_copy(update={"messages": list(messages)})
         except ValidationError as error:
             raise InvalidLLMCall(
                 f"llm.chat: {describe_validation_error(error)}; messages are OpenAI-style chat messages "
@@ -398,7 +403,7 @@ def shared_messages(sent: Sequence[ChatMessage], conversation: Sequence[ChatMess
 def same_message(sent: ChatMessage, recorded: ChatMessage) -> bool:
     """Whether an earlier message came back unchanged; an assistant's reasoning may be sent back or dropped
     (clients differ), as the continuation uses the recorded tokens either way."""
-    if sent == recorded:
+    if sent is recorded or sent == recorded:
         return True
     if sent.role == recorded.role == "assistant":
         return sent.model_copy(update={"reasoning_content": None}) == recorded.model_copy(

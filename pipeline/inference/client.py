@@ -161,7 +161,7 @@ class NatsLLMClient:
         return self._affinity.get(episode_id)
 
     async def __call__(self, request: LLMRequest) -> LLMResponse:
-        payload = request.model_dump_json().encode()
+        payload = request.model_dump_json(exclude_none=True).encode()  # every None is a default
         if len(payload) > self.connection.max_payload:
             raise RequestRejected(
                 "request",

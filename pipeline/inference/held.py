@@ -10,20 +10,20 @@ used first; a key this consumer does not hold (evicted, another consumer's, a re
 from __future__ import annotations
 
 import uuid
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Final
 
 from schemas import ChatMessage, ToolSpec
 
-DEFAULT_BUDGET_TOKENS: Final = 8_000_000
-"""About 32 MB of token ids (int32), plus the messages that go with them."""
+DEFAULT_BUDGET_TOKENS: Final = 4_000_000
+"""Token ids are kept as the lists the engines take (8 bytes a reference; a turn shares its parent's int
+objects), so a continuation costs a copy of references, not a conversion: at most ~150 MB at this budget."""
 
 
 @dataclass(frozen=True, slots=True)
 class HeldTurn:
-    token_ids: array[int]
+    token_ids: list[int]
     messages: list[ChatMessage]
     tools: list[ToolSpec]
 
@@ -39,7 +39,7 @@ class HeldPrefixes:
     def __len__(self) -> int:
         return len(self._turns)
 
-    def keep(self, token_ids: array[int], messages: list[ChatMessage], tools: list[ToolSpec]) -> str | None:
+    def keep(self, token_ids: list[int], messages: list[ChatMessage], tools: list[ToolSpec]) -> str | None:
         """Keep a turn; its key, or None when it alone is over the budget."""
         if len(token_ids) > self.budget_tokens:
             return None

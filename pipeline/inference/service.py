@@ -16,7 +16,6 @@ import hashlib
 import logging
 import time
 import uuid
-from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -158,7 +157,7 @@ class InferenceService:
                 update={
                     "messages": [*held.messages, *request.messages],
                     "tools": held.tools,
-                    "prefix": prefix.model_copy(update={"token_ids": held.token_ids.tolist()}),
+                    "prefix": prefix.model_copy(update={"token_ids": held.token_ids}),
                 }
             )
         try:
@@ -168,7 +167,7 @@ class InferenceService:
         except Exception as error:
             log.exception("backend failed on request %s", request.request_id)
             return self._error(request.request_id, "engine_error", f"{type(error).__name__}: {error}")
-        body = self._response(request, generation, received, held).model_dump_json().encode()
+        body = self._response(request, generation, received, held).model_dump_json(exclude_none=True).encode()
         if len(body) > self.max_payload:
             message = (
                 f"the reply is {len(body):,} bytes, over the NATS server's max_payload of "
@@ -205,10 +204,7 @@ class InferenceService:
         reply = ChatMessage(
             role="assistant", content=content, tool_calls=tool_calls or None, reasoning_content=reasoning
         )
-        if held is not None and known == len(held.token_ids):
-            kept = held.token_ids + array("i", [*added, *generation.completion_token_ids])
-        else:
-            kept = array("i", [*prompt, *generation.completion_token_ids])
+        kept = prompt + generation.completion_token_ids  # a copy of references: no id is converted
         key = self.held.keep(kept, [*request.messages, reply], request.tools)
         now = time.monotonic()
         return LLMResponse(
@@ -224,10 +220,10 @@ class InferenceService:
             policy_version=generation.policy_version,
             consumer_id=self.consumer_id,
             tokens_key=key,
-            timings=Timings(
-                queued_ms=max(0.0, generation.started_at - received) * 1000,
-                first_token_ms=max(0.0, generation.first_token_at - received) * 1000,
-                total_ms=(now - received) * 1000,
+            timings=Timings(  # to the microsecond: what the clocks can tell apart
+                queued_ms=round(max(0.0, generation.started_at - received) * 1000, 3),
+                first_token_ms=round(max(0.0, generation.first_token_at - received) * 1000, 3),
+                total_ms=round((now - received) * 1000, 3),
             ),
             prefix_break=generation.prefix_break,
             render_drift=generation.render_drift,

@@ -67,7 +67,8 @@ def encode_event(event: Event) -> EncodedEvent:
     """Split an event into its JSON data and its packed token arrays, with a hash of the content."""
     try:
         if isinstance(event, TurnCompleted):
-            data = event.model_dump_json(exclude=set(TOKEN_FIELDS))
+            # A turn is the bulk of the log: its None fields (all defaults) are left out.
+            data = event.model_dump_json(exclude=set(TOKEN_FIELDS), exclude_none=True)
             if event.request.tools:
                 data = _parameters_as_text(data)
             tokens: bytes | None = pack_tokens(

@@ -218,7 +218,8 @@ SAMPLE_COLUMNS: Final = (
 )  # fmt: skip
 BATCH_COLUMNS: Final = (
     "batch_id", "policy", "samples", "groups", "tokens", "stale_samples", "min_policy_version",
-    "max_policy_version", "newest_version", "config_hash", "position", "created_at",
+    "max_policy_version", "newest_version", "config_hash", "position", "created_at", "payload_bytes",
+    "payload_sha256",
 )  # fmt: skip
 FINISHED_COLUMNS: Final = (
     "status", "termination", "error", "reward", "turns", "prompt_tokens", "completion_tokens",
@@ -447,8 +448,8 @@ class Fold:
         try:
             if event.tokens is None:
                 raise ValueError("it has no token arrays")
-            prompt, completion, logprobs = unpack_tokens(event.tokens)
-            taken = event.data.get("prefix_tokens", 0)
+            recorded, completion, logprobs = unpack_tokens(event.tokens)
+            prompt, taken, extends = tuple(recorded), event.data.get("prefix_tokens", 0), None
             if taken:  # a turn records the prompt ids after its parent's prompt + completion
                 parent = whole.get(str(event.data.get("parent_turn_id")))
                 if (
@@ -466,7 +467,9 @@ class Fold:
                     if taken <= cut
                     else (parent.prompt_token_ids + parent.completion_token_ids[: taken - cut])
                 )
-                prompt = [*inherited, *prompt]
+                prompt = inherited + prompt  # tuples: a copy of references
+                if taken == len(parent.prompt_token_ids) + len(parent.completion_token_ids):
+                    extends = parent.turn_id
             if len(logprobs) != len(completion):
                 raise ValueError(f"it has {len(logprobs)} logprobs for {len(completion)} completion tokens")
             if not all(-math.inf < lp <= 0.0 for lp in logprobs):
@@ -478,11 +481,12 @@ class Fold:
                 turn_id=_uuid(data["turn_id"]),
                 episode_id=episode_id,
                 index=index,
-                prompt_token_ids=tuple(prompt),
+                prompt_token_ids=prompt,
                 completion_token_ids=tuple(completion),
                 completion_logprobs=tuple(logprobs),
                 policy_version=_count(event, data["policy_version"], "policy_version"),
                 reward=own[str(data["turn_id"])],
+                extends=extends,
             )
             whole[str(turn.turn_id)] = turn
             return turn
@@ -583,16 +587,19 @@ class Fold:
                 }
             )
         versions = [s.policy_version for s in members]
+        payload = (
+            encode_packed(batch_id, policy, self.config_hash, newest, headers, [s.arrays for s in kept])
+            if kept
+            else None
+        )
         self.writes.batches.append(
             (
                 batch_id, policy, len(kept), len(groups), sum(s.tokens for s in kept), stale_count,
                 min(versions), max(versions), newest, self.config_hash, row.position, row.recorded_at,
+                len(payload) if payload else None, hashlib.sha256(payload).digest() if payload else None,
             )
         )  # fmt: skip
-        if kept:
-            payload = encode_packed(
-                batch_id, policy, self.config_hash, newest, headers, [s.arrays for s in kept]
-            )
+        if payload:
             self.writes.outbox.append((batch_id, f"batches.{policy}", payload, row.recorded_at))
 
     def _update_sample(self, sample_id: str, changes: dict[int, Any]) -> None:
@@ -938,6 +945,13 @@ class Materializer:
             )
         if writes.batches:
             await copy("batches", BATCH_COLUMNS, writes.batches)
+            # A batched sample's arrays live in its batch's payload (and in the log): the row keeps the rest.
+            await connection.execute(
+                sql.SQL("UPDATE {} SET arrays = NULL WHERE batch_id = ANY(%s)").format(
+                    self._table("samples")
+                ),
+                ([batch[0] for batch in writes.batches],),
+            )
         if writes.outbox:
             await copy("batch_outbox", ("batch_id", "subject", "payload", "created_at"), writes.outbox)
         if writes.skipped:

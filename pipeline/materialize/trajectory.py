@@ -31,6 +31,9 @@ class Turn:
     completion_logprobs: tuple[float, ...]
     policy_version: int
     reward: float = 0.0
+    extends: uuid.UUID | None = None
+    """An earlier turn whose prompt + completion begin this turn's prompt, as recorded (a turn that records
+    what it adds to its parent): ``parents`` then looks only for a longer one, never token by token."""
 
     def __post_init__(self) -> None:
         if len(self.completion_logprobs) != len(self.completion_token_ids):
@@ -96,13 +99,25 @@ def parents(turns: Iterable[Turn]) -> dict[uuid.UUID, uuid.UUID | None]:
     """Each turn's parent: the earlier turn of its episode whose tokens start its prompt.
 
     Token level, never text. Where several earlier turns qualify, the longest prefix wins, then the latest.
-    A turn that extends none is a root. Cost is quadratic in the turns of an episode.
+    A turn that extends none is a root. A turn that names the turn it extends (``Turn.extends``) is compared
+    only with earlier turns at least as long as that one (none, in a linear conversation): the cost of a
+    recorded episode grows with its tokens, not with its turns times its tokens.
     """
     ordered = sorted(turns, key=_order)
+    by_id = {turn.turn_id: turn for turn in ordered}
     result: dict[uuid.UUID, uuid.UUID | None] = {}
     for i, turn in enumerate(ordered):
-        same_episode = (e for e in ordered[:i] if e.episode_id == turn.episode_id and e.index < turn.index)
-        extended = (e for e in same_episode if _extends(turn, e))
+        named = by_id.get(turn.extends) if turn.extends is not None else None
+        floor = _length(named) if named is not None else 0
+        same_episode = (
+            e
+            for e in ordered[:i]
+            if e.episode_id == turn.episode_id and e.index < turn.index and e is not named
+            and floor <= _length(e) <= len(turn.prompt_token_ids)
+        )  # fmt: skip
+        extended = [e for e in same_episode if _extends(turn, e)]
+        if named is not None:
+            extended.append(named)
         best = max(extended, key=lambda e: (_length(e), e.index), default=None)
         result[turn.turn_id] = None if best is None else best.turn_id
     return result
