@@ -112,6 +112,8 @@ GLUE = (10, 40)
 CHARS_PER_TOKEN = 4
 GROUPS_PER_VERSION = 200
 POLICY = "bench"
+LAYOUT = "delta"
+"""How turns are recorded: ``delta`` (today: what a turn adds to its parent) or ``whole`` (version 1)."""
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 TICK = timedelta(milliseconds=2)
 COLUMNS = (*COPY_COLUMNS, "recorded_at")
@@ -247,6 +249,7 @@ def episode_events(seed: int, episode: int, turns: int, wanted: Container[int]) 
         ChatMessage(role="system", content=text(rng, 600)),
         ChatMessage(role="user", content=text(rng, CHARS_PER_TOKEN * len(prompt) - 600)),
     ]
+    parent: tuple[uuid.UUID, int, int] | None = None  # the previous turn: id, messages + reply, ids
     for index in range(1, turns + 1):
         completion = token_ids(rng, rng.randint(*COMPLETION))
         logprobs = [-rng.expovariate(2.0) for _ in completion]
@@ -259,15 +262,23 @@ def episode_events(seed: int, episode: int, turns: int, wanted: Container[int]) 
         queued, first, total = rng.uniform(0, 50), rng.uniform(20, 200), rng.uniform(300, 3000)
         turn_id = random_uuid(rng)
         if index in wanted:
+            # today's writer records what a turn adds to its parent; --layout whole, every turn whole (v1)
+            delta = parent is not None and LAYOUT == "delta"
             events[index] = TurnCompleted(
-                event_id=event_ids[index], turn_id=turn_id, request=TurnRequest(messages=list(messages)),
+                event_id=event_ids[index], turn_id=turn_id,
+                parent_turn_id=parent[0] if parent is not None else None,
+                prefix_messages=parent[1] if delta and parent else 0,
+                prefix_tokens=parent[2] if delta and parent else 0,
+                request=TurnRequest(messages=messages[parent[1]:] if delta and parent else list(messages)),
                 reply=TurnReply(
                     text=reply_text, tool_calls=calls, finish_reason="tool_calls" if calls else "stop"
                 ),
-                prompt_token_ids=prompt, completion_token_ids=completion, completion_logprobs=logprobs,
+                prompt_token_ids=prompt[parent[2]:] if delta and parent else prompt,
+                completion_token_ids=completion, completion_logprobs=logprobs,
                 policy_version=group // GROUPS_PER_VERSION, engine_id="bench-engine-0",
                 timings=Timings(queued_ms=queued, first_token_ms=first, total_ms=queued + total),
             )  # fmt: skip
+        parent = (turn_id, len(messages) + 1, len(prompt) + len(completion))
         glue = token_ids(rng, rng.randint(*GLUE))
         messages += [
             ChatMessage(role="assistant", content=reply_text, tool_calls=calls or None),
@@ -341,7 +352,10 @@ def write_log(url: str, schedule: Schedule, args: argparse.Namespace) -> LogStat
     started = time.perf_counter()
     statement = f"COPY events ({', '.join(COLUMNS)}) FROM STDIN (FORMAT BINARY)"
     work = chunks(schedule, args.seed, args.chunk_events)
-    with ProcessPoolExecutor(args.workers) as pool, psycopg.connect(url) as connection:
+    with (
+        ProcessPoolExecutor(args.workers, initializer=_set_layout, initargs=(args.layout,)) as pool,
+        psycopg.connect(url) as connection,
+    ):
         connection.adapters.register_dumper(JsonText, JsonTextBinaryDumper)
         # At most two chunks a worker in flight: the encoded rows of the whole log would not fit in memory.
         pending: deque[Future[list[tuple[Any, ...]]]] = deque(
@@ -762,6 +776,11 @@ def parse_steps(text: str) -> list[int]:
     return steps
 
 
+def _set_layout(layout: str) -> None:
+    global LAYOUT
+    LAYOUT = layout
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     add = parser.add_argument
@@ -781,6 +800,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--profile", type=Path, default=None, help="one more rebuild under cProfile; its stats go to FILE")
     add("--profile-top", type=int, default=15, help="functions to print from the profile (default 15)")
     add("--seed", type=int, default=1234, help="seed of the log (default 1234)")
+    add(
+        "--layout",
+        choices=("delta", "whole"),
+        default="delta",
+        help="turns as recorded today (delta: what each adds to its parent) or whole (version 1)",
+    )
     add("--tmp-dir", type=Path, default=None, help="parent of the embedded server's temporary directory")
     args = parser.parse_args(argv)
     if args.quick:

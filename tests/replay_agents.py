@@ -54,3 +54,21 @@ class TerseOpenAIAgent(OpenAIAgent):
             max_tokens=16,
         )
         return score(completion.choices[0].message.content or "", task["answer"])
+
+
+class LongAgent:
+    """A hundred turns, each extending the last with a follow-up of a few hundred characters: a long
+    conversation whose turns record only what they add."""
+
+    turns = 100
+
+    async def run(self, task: dict[str, Any], llm: EpisodeLLM) -> float:
+        messages = [
+            ChatMessage(role="system", content="You are thorough."),
+            ChatMessage(role="user", content="go"),
+        ]
+        for n in range(self.turns):
+            reply = await llm.chat(messages, max_tokens=64)
+            follow = f"observation {n}: " + "the build log says nothing new; " * 8
+            messages += [reply.message, ChatMessage(role="user", content=follow)]
+        return 1.0

@@ -20,7 +20,8 @@ import psycopg
 import pytest
 
 from consumers.inference import InferenceConfig
-from pipeline.episodes import Agent, EpisodeSession, fold_episode, run_episode
+from pipeline.batches.format import unpack_arrays
+from pipeline.episodes import Agent, EpisodeSession, expand_turns, fold_episode, run_episode
 from pipeline.episodes.fold import whole_events
 from pipeline.errors import WrongExpectedVersion
 from pipeline.examples.calculator import CalculatorAgent
@@ -52,12 +53,13 @@ from schemas import (
 )
 from tests.backends import RuleBackend, calculator_rule, echo_rule
 from tests.conftest import Servers
-from tests.replay_agents import CountingAgent, RewordedCountingAgent
+from tests.replay_agents import CountingAgent, LongAgent, RewordedCountingAgent
 from tests.serving import serving
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 CALCULATOR = "pipeline.examples.calculator:CalculatorAgent"
 COUNTING = "tests.replay_agents:CountingAgent"
+LONG = "tests.replay_agents:LongAgent"
 OPENAI_AGENT = "pipeline.examples.openai_agent:OpenAIAgent"
 
 
@@ -511,3 +513,49 @@ async def test_parse_since_and_the_rerun_store() -> None:
     with pytest.raises(WrongExpectedVersion, match="expected 0, actual 1"):
         await scratch.append("episode-e", [again], 0)
     assert (first.version, first.positions, len(await scratch.read_stream("episode-e"))) == (1, (1,), 1)
+
+
+async def test_a_100_turn_episode_folds_replays_reruns_and_samples_token_exactly(
+    store: EventStore, llm: NatsLLMClient, policy: str, database_url: str
+) -> None:
+    episode_id = await record(store, llm, policy, LongAgent(), agent_name=LONG, task={"id": "long"})
+    recorded = [r for r in await store.read_stream(f"episode-{episode_id}")]
+    turns = [r.event for r in recorded if isinstance(r.event, TurnCompleted)]
+    assert len(turns) == 100
+    assert all(t.prefix_tokens > 0 and len(t.request.messages) == 1 for t in turns[1:])
+    whole = expand_turns(turns)
+    assert len(whole[-1].prompt_token_ids) > 20_000
+    sizes = [len(r.event.model_dump_json()) for r in recorded if isinstance(r.event, TurnCompleted)]
+    assert max(sizes[1:]) < 1.5 * min(sizes[1:])  # a turn's record does not grow with the history
+
+    shown = turnstile(database_url, "replay", episode_id)
+    assert shown.returncode == 0, shown.stderr
+    assert "Turn 100 of 100" in shown.stdout
+    assert "continues turn 99" in shown.stdout
+    rerun = turnstile(database_url, "replay", episode_id, "--rerun")
+    assert rerun.stdout.startswith(f"identical  {episode_id}  100 of 100 recorded turns replayed"), (
+        rerun.stdout
+    )
+
+    for style in ("individual", "concat"):
+        config = MaterializerConfig(name=f"long_{style}", style=style, batch_samples=10**6)
+        materializer = Materializer(database_url, config)
+        await materializer.open(create=True)
+        await materializer.catch_up()
+        await materializer.close()
+        with psycopg.connect(libpq_url(database_url)) as connection:
+            rows = connection.execute(
+                f"SELECT turn_ids, arrays FROM {config.schema}.samples WHERE episode_id = %s", (episode_id,)
+            ).fetchall()
+        samples = {tuple(str(t) for t in ids): unpack_arrays(bytes(arrays))[:2] for ids, arrays in rows}
+        if style == "concat":
+            path = tuple(str(t.turn_id) for t in whole)
+            ids = [*whole[-1].prompt_token_ids, *whole[-1].completion_token_ids]
+            assert list(samples) == [path]
+            assert samples[path][0] == ids
+        else:
+            assert len(samples) == 100
+            for turn in whole:
+                ids, mask = samples[(str(turn.turn_id),)]
+                assert ids == [*turn.prompt_token_ids, *turn.completion_token_ids]
+                assert mask == [0] * len(turn.prompt_token_ids) + [1] * len(turn.completion_token_ids)

@@ -291,7 +291,22 @@ async def test_a_log_mixing_version_1_and_version_2_materializes_each_episode_as
         assert sorted(samples[episode_id]) == sorted(samples[f"v2-{episode_id}"])
         wanted = sorted((s["input_ids"], s["loss_mask"]) for s in want[episode_id]["individual"])
         assert sorted((s[0], s[1]) for s in samples[episode_id]) == wanted
+    again = MaterializerConfig(
+        name="again", discount=DISCOUNT, style="individual", batch_samples=4, step_events=3
+    )
+    first = MaterializerConfig(name="first", discount=DISCOUNT, style="individual", batch_samples=4)
+    for rebuild in (first, again):
+        materializer = Materializer(database_url, rebuild)
+        await materializer.open(create=True)
+        await materializer.catch_up()
+        await materializer.close()
     with psycopg.connect(libpq_url(database_url)) as connection:
         skipped = connection.execute(f"SELECT count(*) FROM {config.schema}.skipped_events").fetchone()
+        payloads = [
+            connection.execute(f"SELECT batch_id, payload FROM {c.schema}.batch_outbox ORDER BY 1").fetchall()
+            for c in (first, again)
+        ]
     assert skipped == (0,)
+    assert payloads[0]
+    assert payloads[0] == payloads[1]  # a rebuild of the mixed log is byte-identical
     assert fold_episode(legacy_events()["legacy-1"]).turns[3].parent_turn_id is not None

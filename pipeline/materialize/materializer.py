@@ -226,8 +226,8 @@ FINISHED_COLUMNS: Final = (
     "min_policy_version", "max_policy_version", "finished_at", "duration_s", "finished_position",
 )  # fmt: skip
 _FINISHED_INDEXES: Final = tuple(EPISODE_COLUMNS.index(c) for c in FINISHED_COLUMNS)
-_S_ADVANTAGE, _S_STALE, _S_READY, _S_BATCH = (
-    SAMPLE_COLUMNS.index(column) for column in ("advantage", "stale", "ready_position", "batch_id")
+_S_ADVANTAGE, _S_STALE, _S_READY, _S_BATCH, _S_ARRAYS = (
+    SAMPLE_COLUMNS.index(column) for column in ("advantage", "stale", "ready_position", "batch_id", "arrays")
 )
 
 
@@ -607,6 +607,8 @@ class Fold:
         if inserted is not None:
             for index, value in changes.items():
                 inserted[index] = value
+            if _S_BATCH in changes:
+                inserted[_S_ARRAYS] = None  # batched in the step that made it: its payload holds the arrays
         elif _S_ADVANTAGE in changes:
             self.writes.ready.append((changes[_S_ADVANTAGE], changes[_S_READY], sample_id))
         else:
@@ -945,12 +947,14 @@ class Materializer:
             )
         if writes.batches:
             await copy("batches", BATCH_COLUMNS, writes.batches)
+        if writes.batched:
             # A batched sample's arrays live in its batch's payload (and in the log): the row keeps the rest.
+            # (Samples batched in the step that made them were written without them.)
             await connection.execute(
                 sql.SQL("UPDATE {} SET arrays = NULL WHERE batch_id = ANY(%s)").format(
                     self._table("samples")
                 ),
-                ([batch[0] for batch in writes.batches],),
+                (sorted({batch_id for _, batch_id, _ in writes.batched}),),
             )
         if writes.outbox:
             await copy("batch_outbox", ("batch_id", "subject", "payload", "created_at"), writes.outbox)
