@@ -44,7 +44,7 @@ from pipeline.episodes import EpisodeSession, expand_turn
 from pipeline.inference import InferenceService, raise_for_error
 from pipeline.inference.backends import Generation
 from pipeline.log import EventStore, encode_event
-from pipeline.materialize.materializer import Fold, LogRow, MaterializerConfig
+from pipeline.materialize.materializer import Fold, LogRow, Materializer, MaterializerConfig
 from schemas import ChatMessage, Event, LLMError, LLMRequest, LLMResponse, TurnCompleted, parse_wire
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
@@ -157,9 +157,33 @@ class WholeTurns:
         return getattr(self.store, name)
 
 
+async def read_model_bytes(url: str, episode_id: str, name: str) -> int:
+    """Bytes of the episode's read-model rows (its episode, turns and samples rows) once materialized and
+    batched, with the published payloads gone from the outbox (a relay with ``--outbox-retention 0``
+    deletes them): what the episode leaves beside the log. A ``batches`` row (~150 bytes) is per batch of
+    many episodes' samples, not counted here."""
+    config = MaterializerConfig(name=name, batch_samples=1)
+    materializer = Materializer(url, config)
+    await materializer.open(create=True)
+    await materializer.catch_up()
+    await materializer.close()
+    schema = config.schema
+    with psycopg.connect(url) as connection:
+        row = connection.execute(
+            " + ".join(
+                f"(SELECT coalesce(sum(pg_column_size(r.*)), 0) FROM {schema}.{table} r "
+                "WHERE episode_id = %s)"
+                for table in ("episodes", "turns", "samples")
+            ).join(("SELECT ", "")),
+            (episode_id,) * 3,
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
 @dataclass
 class Result:
     stored: int
+    models: int
     new_content: int
     wire_ratio: float
     session_ratio: float
@@ -216,6 +240,7 @@ async def episode(url: str, turns: int, args: argparse.Namespace, *, whole: bool
             (session.stream,),
         ).fetchone()
     await store.close()
+    models = await read_model_bytes(url, session.episode_id, f"b{turns}{'w' if whole else 'd'}")
     tenth = max(1, turns // 10)
     continued = wire.bytes_per_call[1:] or wire.bytes_per_call
 
@@ -225,6 +250,7 @@ async def episode(url: str, turns: int, args: argparse.Namespace, *, whole: bool
 
     return Result(
         stored=int(row[0]) if row else 0,
+        models=models,
         new_content=new_content,
         wire_ratio=statistics.median(continued) / first_new,
         session_ratio=growth(session_cpu),
@@ -236,7 +262,8 @@ async def episode(url: str, turns: int, args: argparse.Namespace, *, whole: bool
 
 async def run(url: str, args: argparse.Namespace) -> Table:
     table = Table(title="bytes and CPU per episode: turns recorded as deltas vs whole (version 1)")
-    columns = ("turns", "prompt ids at the end", "writer", "stored ÷ new content", "wire ÷ new content",
+    columns = ("turns", "prompt ids at the end", "writer", "log ÷ new content",
+               "log + read models ÷ new content", "wire ÷ new content",
                "session CPU/turn last ÷ first tenth", "consumer CPU/turn last ÷ first tenth",
                "fold ms/turn concat | individual", "stored, delta ÷ whole")  # fmt: skip
     for column in columns:
@@ -247,6 +274,7 @@ async def run(url: str, args: argparse.Namespace) -> Table:
         for name, result in (("whole (v1)", whole), ("delta", delta)):
             table.add_row(
                 str(turns), f"{result.prompt_tokens:,}", name, f"{result.stored / result.new_content:.2f}",
+                f"{(result.stored + result.models) / result.new_content:.2f}",
                 f"{result.wire_ratio:.2f}", f"{result.session_ratio:.2f}", f"{result.consumer_ratio:.2f}",
                 f"{result.fold_ms['concat']:.2f} | {result.fold_ms['individual']:.2f}",
                 f"{delta.stored / whole.stored:.3f}" if name == "delta" else "",

@@ -67,8 +67,10 @@ def encode_event(event: Event) -> EncodedEvent:
     """Split an event into its JSON data and its packed token arrays, with a hash of the content."""
     try:
         if isinstance(event, TurnCompleted):
-            # A turn is the bulk of the log: its None fields (all defaults) are left out.
-            data = event.model_dump_json(exclude=set(TOKEN_FIELDS), exclude_none=True)
+            # A turn is the bulk of the log: fields at their defaults are left out (readers fill them in), the
+            # type is the row's own column, and the schema version is always written.
+            data = event.model_dump_json(exclude=set(TOKEN_FIELDS), exclude_defaults=True)
+            data = f'{{"schema_version":{event.schema_version},{data[1:]}'  # a turn always has fields
             if event.request.tools:
                 data = _parameters_as_text(data)
             tokens: bytes | None = pack_tokens(
@@ -119,6 +121,7 @@ def decode_event(type_: str, data: Mapping[str, Any], tokens: bytes | None) -> E
     if type_ not in EVENT_TYPES:
         return None
     fields = dict(data)
+    fields.setdefault("type", type_)  # a turn's data leaves it to the row's type column
     if type_ == "TurnCompleted":
         _parameters_from_text(fields)
     if tokens is not None:
