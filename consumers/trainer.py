@@ -5,7 +5,8 @@ Wiring only: the store and NATS through the service runtime, the durable batch s
 (``pipeline.training.train``): every ``version_every`` batches a checkpoint, the batches recorded as trained
 into it, a new policy version published for the inference consumers. Batches more than ``max_staleness``
 versions behind are skipped and counted. On restart it resumes from the newest version it recorded
-(weights and optimizer state), so every batch counts exactly once.
+(weights and optimizer state), so every batch counts exactly once. Only the newest ``keep_checkpoints``
+version directories stay; ``log_steps`` writes a JSON line per step (the loop's ``on_step`` hook).
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ from pathlib import Path
 
 from consumers.runtime import connect_nats, connect_store, running
 from pipeline.errors import ConfigError
-from pipeline.training import BatchSubscription, PolicyGradient, TrainerStats, TrainingPlan, resume, train
+from pipeline.training import (
+    BatchSubscription,
+    JsonlStepLog,
+    PolicyGradient,
+    TrainerStats,
+    TrainingPlan,
+    resume,
+    train,
+)
+from pipeline.training.trainer import StepHook
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +48,21 @@ class TrainerConfig:
     ack_wait: float = 120.0
     seed: int = 0
     threads: int = 1
+    keep_checkpoints: int = 3
+    log_steps: Path | None = None  # a JSON line per learner step (the on_step hook); off by default
 
     def __post_init__(self) -> None:
         if self.version_every < 1:
             raise ConfigError(f"--version-every must be at least 1, got {self.version_every}")
+        if self.keep_checkpoints < 0:
+            raise ConfigError(f"--keep-checkpoints must be 0 (keep all) or more, got {self.keep_checkpoints}")
         if not (self.model / "config.json").is_file():
             raise ConfigError(
                 f"--model {self.model}: not a model directory (no config.json); build one with "
                 "`turnstile model init-tiny DIR`"
             )
 
-    def plan(self) -> TrainingPlan:
+    def plan(self, on_step: StepHook | None = None) -> TrainingPlan:
         return TrainingPlan(
             policy=self.policy,
             model=self.model,
@@ -56,12 +70,15 @@ class TrainerConfig:
             durable=self.durable,
             version_every=self.version_every,
             max_staleness=self.max_staleness,
+            keep_checkpoints=self.keep_checkpoints,
+            on_step=on_step,
         )
 
 
 async def serve_trainer(config: TrainerConfig, *, stop: asyncio.Event | None = None) -> TrainerStats:
     """Train until Ctrl-C, SIGTERM or ``stop``; the trainer's figures at the end."""
-    plan = config.plan()
+    step_log = JsonlStepLog(config.log_steps) if config.log_steps is not None else None
+    plan = config.plan(step_log)
     async with running(f"trainer {config.durable}", stop=stop) as runtime:
         store = await connect_store(config.database_url)
         assert store is not None
@@ -96,4 +113,6 @@ async def serve_trainer(config: TrainerConfig, *, stop: asyncio.Event | None = N
                     await connection.drain()
         finally:
             await store.close()
+            if step_log is not None:
+                step_log.close()
     return stats

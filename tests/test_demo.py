@@ -45,6 +45,8 @@ def test_the_demo_learns_and_every_trained_batch_traces_back_to_its_turns(server
     assert first["improved"] is True
     assert int(first["batches_trained"]) >= 40  # type: ignore[call-overload]
     assert (data_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("reward_by_version", "staleness", "throughput"):  # drawn through the reader login
+        assert (data_dir / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     second = run_demo(data_dir, 5)  # the same data directory: everything resumes
     with EmbeddedServers(data_dir) as servers, psycopg.connect(servers.postgres.url) as connection:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -120,6 +121,7 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
     config = TrainerConfig(
         database_url=database_url, nats_url=servers.nats_url, policy=policy, model=tiny_model_dir,
         checkpoints=tmp_path / "checkpoints", durable=f"t{uuid.uuid4().hex[:8]}", version_every=1,
+        keep_checkpoints=2, log_steps=tmp_path / "steps.jsonl",
     )  # fmt: skip
     inference = InferenceConfig(servers.nats_url, policy, backend="torch", model=tiny_model_dir)
     async with serving(inference) as service:
@@ -153,6 +155,16 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
     )[0]
     assert traced[0] == published
     assert traced[1] == rows(database_url, "SELECT count(*) FROM samples WHERE batch_id IS NOT NULL")[0][0]
+    # --keep-checkpoints 2: only the newest two version directories stay
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == [f"v{v:06d}" for v in (published - 1, published)]
+    # --log-steps: the on_step hook heard of every step, with the loss the trainer recorded
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [step["step"] for step in steps] == list(range(1, published + 1))
+    assert [step["policy_version"] for step in steps] == list(range(published))
+    recorded = dict(rows(database_url, "SELECT batch_id, loss FROM trained_batches"))
+    assert {step["batch_id"]: step["loss"] for step in steps} == pytest.approx(recorded)
+    assert all(step["samples"] > 0 and step["tokens"] > 0 for step in steps)
 
 
 async def test_a_trainer_killed_mid_batch_trains_each_batch_once(

@@ -351,3 +351,52 @@ def episodes(
         Console(width=None if sys.stdout.isatty() else 100_000).print(episodes_table(rows))
     shown = f"{len(rows)} episode{'' if len(rows) == 1 else 's'}, newest first"
     console.print(f"{shown} (more: --limit {limit * 2})" if more else shown)
+
+
+def plot(
+    charts: list[str] = typer.Argument(
+        None,
+        help="which: reward_curve, reward_by_version, staleness, throughput \\[default: all four]",
+        show_default=False,
+    ),
+    policy: str = typer.Option("demo", help="the policy whose runs are drawn"),
+    out: Path = typer.Option(Path("plots"), help="the directory the PNG files go to (NAME.png)"),
+    schema: str | None = typer.Option(None, help="read the tables of the rebuild NAME (schema rm_NAME)"),
+    plain: bool = typer.Option(False, help="the plain PNG writer even when matplotlib is installed"),
+    allow_superuser: bool = typer.Option(
+        False, help="run even when the login is a superuser (see turnstile sql)"
+    ),
+) -> None:
+    """Draw the standard plots of a policy from the read models, at any time (read-only, as role
+    turnstile_reader, like turnstile sql): reward while training and per policy version with 95% bands,
+    staleness of batches, throughput. matplotlib draws them (pip install 'turnstile-rl[plots]'); without it
+    a plain writer draws the first line of each, with tick numbers only."""
+    from rich.markup import escape
+
+    from pipeline.dev.charts import CHART_NAMES, draw, have_matplotlib, read_charts
+    from pipeline.materialize import rebuild_schema
+    from pipeline.sql import SqlError
+
+    names = charts or list(CHART_NAMES)
+    unknown = sorted(set(names) - set(CHART_NAMES))
+    if unknown:
+        raise ConfigError(f"unknown plot {', '.join(unknown)}; plots: {', '.join(CHART_NAMES)}")
+    search_path = None if schema in (None, "main", "public") else rebuild_schema(schema)
+    try:
+        drawn = read_charts(
+            Settings().require_reader_url(),
+            policy,
+            names,
+            search_path=search_path,
+            allow_superuser=allow_superuser,
+        )
+    except SqlError as error:
+        raise TurnstileError(escape(str(error))) from None
+    if not plain and not have_matplotlib():
+        console.print(
+            "[yellow]matplotlib is not installed: plain plots (no title, axis names or legend); "
+            "pip install 'turnstile-rl\\[plots]'[/yellow]"
+        )
+    for chart in drawn:
+        path = draw(chart, out / f"{chart.name}.png", backend="plain" if plain else "auto")
+        console.print(f"{chart.title}: {path}" + (" (no data yet)" if chart.empty else ""))

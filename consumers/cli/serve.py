@@ -209,6 +209,12 @@ def trainer(
     ack_wait: float = typer.Option(120.0, help="seconds before an unfinished batch is delivered again"),
     seed: int = typer.Option(0, help="torch seed"),
     threads: int = typer.Option(1, help="torch CPU threads"),
+    keep_checkpoints: int = typer.Option(
+        3, help="version directories kept under --checkpoints, the newest (0: keep all)"
+    ),
+    log_steps: Path = typer.Option(
+        None, help="append a JSON line per learner step (loss, staleness, reward ...) to this file"
+    ),
 ) -> None:
     """PPO-clip on the batch stream; checkpoints and publishes new policy versions (exactly once)."""
     import asyncio
@@ -232,6 +238,8 @@ def trainer(
         ack_wait=ack_wait,
         seed=seed,
         threads=threads,
+        keep_checkpoints=keep_checkpoints,
+        log_steps=log_steps,
     )
     stats = asyncio.run(serve_trainer(config))
     console.print(f"trainer stopped at policy version {stats.version} ({stats.trained} batches trained)")

@@ -1,5 +1,5 @@
-"""Training batches: the deterministic binary batch format, the outbox relay to JetStream ``BATCHES`` and
-reading batches back (inline or from the object store)."""
+"""Training batches: the deterministic batch format (safetensors), the outbox relay to JetStream
+``BATCHES`` and reading batches back (inline or from the object store)."""
 
 from pipeline.batches.format import (
     BATCHES_CHANNEL,
@@ -8,6 +8,7 @@ from pipeline.batches.format import (
     decode_batch,
     encode_batch,
     encode_packed,
+    read_metadata,
 )
 from pipeline.batches.relay import (
     BATCH_PAYLOADS_BUCKET,
@@ -18,6 +19,7 @@ from pipeline.batches.relay import (
     batch_subject,
     ensure_batches_stream,
     ensure_payload_store,
+    fetch_batch_payload,
     fetch_training_batch,
     read_batch_message,
 )
@@ -37,6 +39,8 @@ __all__ = [
     "encode_packed",
     "ensure_batches_stream",
     "ensure_payload_store",
+    "fetch_batch_payload",
     "fetch_training_batch",
     "read_batch_message",
+    "read_metadata",
 ]

@@ -413,9 +413,14 @@ async def read_batch_message(connection_or_js: Any, message: Any) -> bytes:
 async def fetch_training_batch(connection_or_js: Any, message: Any) -> TrainingBatch:
     """The ``TrainingBatch`` a delivered ``BATCHES`` message carries; ``BatchPayloadError`` when it carries
     something else (not a batch, truncated, a payload gone from the object store)."""
+    return (await fetch_batch_payload(connection_or_js, message))[1]
+
+
+async def fetch_batch_payload(connection_or_js: Any, message: Any) -> tuple[bytes, TrainingBatch]:
+    """``fetch_training_batch`` and the payload's bytes (safetensors: tensors load from them directly)."""
     data = await read_batch_message(connection_or_js, message)
     try:
-        return decode_batch(data)
+        return data, decode_batch(data)
     except (ValueError, KeyError, TypeError, IndexError, struct.error) as error:
         subject = getattr(message, "subject", "?")
         raise BatchPayloadError(

@@ -1,7 +1,8 @@
 """Development tooling: embedded PostgreSQL and nats-server from PyPI packages (``embedded``), the demo's
-process supervisor and statistics (``demo``), a small PNG line chart (``plot``)."""
+process supervisor and statistics (``demo``), plots (``charts``: matplotlib, else the PNG writer ``plot``)."""
 
-from pipeline.dev.demo import ServiceProcesses, Summary, mean_ci, summarize
+from pipeline.dev.charts import Chart, Series, draw, mean_ci, read_charts
+from pipeline.dev.demo import ServiceProcesses, Summary, summarize
 from pipeline.dev.embedded import (
     EmbeddedNats,
     EmbeddedPostgres,
@@ -12,14 +13,18 @@ from pipeline.dev.embedded import (
 from pipeline.dev.plot import line_chart
 
 __all__ = [
+    "Chart",
     "EmbeddedNats",
     "EmbeddedPostgres",
     "EmbeddedServerError",
     "EmbeddedServers",
+    "Series",
     "ServiceProcesses",
     "Summary",
+    "draw",
     "free_port",
     "line_chart",
     "mean_ci",
+    "read_charts",
     "summarize",
 ]

@@ -3,7 +3,6 @@ of the closed loop read back from the database (rewards per episode, status, the
 
 from __future__ import annotations
 
-import math
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from typing import Any, Final
 
 import psycopg
 
+from pipeline.dev.charts import curve_points, mean_ci
 from pipeline.settings import libpq_url
 
 POLICY: Final = "demo"
@@ -30,21 +30,12 @@ class Summary:
     first_window: tuple[float, float, int] = (0.0, 0.0, 0)
     last_window: tuple[float, float, int] = (0.0, 0.0, 0)
     curve: list[tuple[int, float, float]] = field(default_factory=list)
+    plots: str | None = None  # the directory of the standard plots
 
     @property
     def improved(self) -> bool:
         (first, first_ci, _), (last, last_ci, _) = self.first_window, self.last_window
         return last - last_ci > first + first_ci
-
-
-def mean_ci(values: list[float]) -> tuple[float, float, int]:
-    """Mean, 95% confidence half-width (normal approximation) and count."""
-    n = len(values)
-    if n == 0:
-        return 0.0, 0.0, 0
-    mean = sum(values) / n
-    variance = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
-    return mean, 1.96 * math.sqrt(variance / n), n
 
 
 class ServiceProcesses:
@@ -142,10 +133,7 @@ def summarize(database_url: str, since: int, started_wall: float, window: int) -
     window = min(window, max(len(rewards) // 3, 1))
     summary.first_window = mean_ci(rewards[:window])
     summary.last_window = mean_ci(rewards[-window:])
-    bucket = max(len(rewards) // 30, 1)
-    for start in range(0, len(rewards), bucket):
-        mean, ci, _ = mean_ci(rewards[start : start + bucket])
-        summary.curve.append((start + bucket, mean, ci))
+    summary.curve = curve_points(rewards)
     summary.batches_trained = int(
         query(
             database_url,

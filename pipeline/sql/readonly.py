@@ -27,6 +27,7 @@ import json
 import math
 import re
 import uuid
+from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from decimal import Decimal
@@ -83,8 +84,10 @@ def run_readonly(
     limit_rows: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     allow_superuser: bool = False,
+    params: Mapping[str, Any] | None = None,
 ) -> QueryResult:
-    """Run one query read-only as ``turnstile_reader``; ``search_path`` is a schema searched before public.
+    """Run one query read-only as ``turnstile_reader``; ``search_path`` is a schema searched before public;
+    ``params`` fill ``%(name)s`` placeholders (without them the text is sent as it is, ``%`` included).
 
     Refuses to run when the login is a superuser unless ``allow_superuser``: a query can switch back from
     the reader role to its login (``set_config('role', ...)``), and a superuser can then read server files
@@ -109,7 +112,7 @@ def run_readonly(
             # prepare=True sends Parse/Bind/Execute (the extended protocol), which takes one statement
             # only; without it psycopg uses the simple protocol, which runs every statement of the string.
             # (bytes: the query is the user's text, not a literal of ours.)
-            cursor.execute(query.encode(), prepare=True)
+            cursor.execute(query.encode(), params, prepare=True)
             return _fetch(cursor, limit_rows)
     except psycopg.Error as error:
         raise _translate(error, query, timeout_s) from None

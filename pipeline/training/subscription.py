@@ -36,13 +36,13 @@ from nats.aio.client import Client as NatsConnection
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from pipeline.batches.format import TrainingBatch
+from pipeline.batches.format import TrainingBatch, is_safetensors
 from pipeline.batches.relay import (
     BATCHES_STREAM,
     BatchPayloadError,
     batch_subject,
     ensure_batches_stream,
-    fetch_training_batch,
+    fetch_batch_payload,
 )
 from pipeline.errors import DuplicateEventConflict, TurnstileError
 from pipeline.inference.client import versions_subject
@@ -100,10 +100,46 @@ def to_tensors(batch: TrainingBatch, pad_id: int = 0) -> BatchTensors:
     )
 
 
+def payload_tensors(payload: bytes, pad_id: int = 0) -> BatchTensors:
+    """``to_tensors`` straight from a safetensors payload: the flat token tensors cut by ``cu_seqlens`` and
+    right-padded, without making Python objects of every token. The same tensors as ``to_tensors``."""
+    import torch
+    from safetensors.torch import load
+
+    from pipeline.batches.format import read_metadata
+
+    samples = read_metadata(payload)["samples"]
+    flat = load(payload)
+    lengths = flat["cu_seqlens"].diff()
+    sizes = lengths.tolist()
+
+    def padded(name: str, dtype: torch.dtype, value: float) -> torch.Tensor:
+        rows = list(torch.split(flat[name].to(dtype), sizes))
+        if not rows:
+            return torch.zeros((0, 0), dtype=dtype)
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
+
+    input_ids = padded("input_ids", torch.long, pad_id)
+    filled = torch.arange(input_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    mask = padded("loss_mask", torch.float32, 0.0)
+    logprobs = padded("logprobs", torch.float32, 0.0)
+    return BatchTensors(
+        input_ids=input_ids,
+        attention_mask=filled.long(),
+        loss_mask=mask,
+        logprobs=logprobs,
+        advantages=flat["advantages"],
+        rewards=flat["rewards"],
+        policy_versions=flat["policy_versions"],
+        sample_ids=[sample["sample_id"] for sample in samples],
+    )
+
+
 @dataclass
 class DeliveredBatch:
     batch: TrainingBatch
     message: Any = field(repr=False)
+    payload: bytes | None = field(default=None, repr=False)  # as delivered: tensors load from it directly
 
     @property
     def batch_id(self) -> str:
@@ -114,6 +150,8 @@ class DeliveredBatch:
         return min((s.policy_version for s in self.batch.samples), default=0)
 
     def tensors(self, pad_id: int = 0) -> BatchTensors:
+        if self.payload is not None and is_safetensors(self.payload):
+            return payload_tensors(self.payload, pad_id)
         return to_tensors(self.batch, pad_id)
 
 
@@ -192,7 +230,7 @@ class BatchSubscription:
                 continue
             for message in messages:
                 try:
-                    batch = await fetch_training_batch(self.connection, message)
+                    payload, batch = await fetch_batch_payload(self.connection, message)
                     if batch.policy != self.policy:
                         raise BatchPayloadError(f"batch {batch.batch_id} is for policy {batch.policy!r}")
                 except BatchPayloadError as error:
@@ -202,7 +240,7 @@ class BatchSubscription:
                     self.duplicates += 1
                     await message.ack_sync(timeout=10.0)
                     continue
-                delivered = DeliveredBatch(batch, message)
+                delivered = DeliveredBatch(batch, message, payload)
                 self._waiting[batch.batch_id] = delivered
                 yield delivered
 

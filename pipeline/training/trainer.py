@@ -1,13 +1,20 @@
 """The training loop: batches from the stream, one learner step each, a policy version every
 ``version_every`` batches — checkpoint written, then the batches recorded as trained into it, then acked,
-then the version published — so after a crash each batch counts exactly once."""
+then the version published — so after a crash each batch counts exactly once. Checkpoints older than the
+newest ``keep_checkpoints`` are removed after each publication; ``on_step`` (off by default) hears of each
+step, for an experiment logger."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from dataclasses import dataclass
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Final, TextIO
 
 from nats.aio.client import Client as NatsConnection
 
@@ -28,6 +35,57 @@ class TrainerStats:
 
 
 @dataclass(frozen=True)
+class StepRecord:
+    """What a learner step tells an experiment logger (``TrainingPlan.on_step``)."""
+
+    step: int  # batches trained by this trainer, this one included
+    batch_id: str
+    policy_version: int  # the version the step starts from (its update goes into the next one)
+    loss: float
+    samples: int
+    tokens: int
+    staleness: int  # versions between the batch's oldest sample and the version trained
+    mean_reward: float
+    mean_advantage: float
+
+
+StepHook = Callable[[StepRecord], None]
+_CHECKPOINT: Final = re.compile(r"v(\d{6,})")
+
+
+class JsonlStepLog:
+    """An ``on_step`` hook writing a JSON line per step (``turnstile serve trainer --log-steps FILE``); W&B
+    or MLflow fit the same hook: ``on_step=lambda r: wandb.log(dataclasses.asdict(r), step=r.step)``."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file: TextIO = path.open("a", encoding="utf-8")
+
+    def __call__(self, record: StepRecord) -> None:
+        self.file.write(json.dumps(asdict(record), sort_keys=True) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` version directories under ``root`` (``keep`` 0: keep all); the
+    directories removed. Partial directories (a save in progress) are not versions and stay."""
+    if keep <= 0 or not root.is_dir():
+        return []
+    versions = sorted(
+        (int(match.group(1)), entry)
+        for entry in root.iterdir()
+        if entry.is_dir() and (match := _CHECKPOINT.fullmatch(entry.name))
+    )
+    removed = [entry for _, entry in versions[:-keep]]
+    for entry in removed:
+        shutil.rmtree(entry, ignore_errors=True)
+    return removed
+
+
+@dataclass(frozen=True)
 class TrainingPlan:
     """What the loop does with the batches of ``policy``."""
 
@@ -38,6 +96,10 @@ class TrainingPlan:
     durable: str = "trainer"
     version_every: int = 1
     max_staleness: int | None = None
+    keep_checkpoints: int = 3
+    """Version directories kept (the newest; 0 keeps all): resuming needs only the newest, an inference
+    consumer that lags further behind fails to load an older one, says so and keeps its weights."""
+    on_step: StepHook | None = None
 
 
 async def resume(
@@ -81,6 +143,8 @@ async def train(
         stats.last_loss = loss
         pending.append(delivered)
         losses.append(loss)
+        if plan.on_step is not None:
+            _tell(plan.on_step, _record(stats.trained + len(pending), delivered, stats.version, loss, behind))
         if len(pending) < plan.version_every:
             continue
         version = stats.version + 1
@@ -95,3 +159,29 @@ async def train(
         log.info("policy version %d published (%d batches trained, loss %.4f)", version, stats.trained, loss)
         pending.clear()
         losses.clear()
+        for removed in await asyncio.to_thread(prune_checkpoints, plan.checkpoints, plan.keep_checkpoints):
+            log.info("removed checkpoint %s (keeping the newest %d)", removed, plan.keep_checkpoints)
+
+
+def _record(step: int, delivered: DeliveredBatch, version: int, loss: float, behind: int) -> StepRecord:
+    samples = delivered.batch.samples
+    n = max(len(samples), 1)
+    return StepRecord(
+        step=step,
+        batch_id=delivered.batch_id,
+        policy_version=version,
+        loss=loss,
+        samples=len(samples),
+        tokens=delivered.batch.tokens,
+        staleness=behind,
+        mean_reward=sum(s.reward for s in samples) / n,
+        mean_advantage=sum(s.advantage for s in samples) / n,
+    )
+
+
+def _tell(hook: StepHook, record: StepRecord) -> None:
+    """A logger that fails (a network hiccup of a tracking server) must not stop training."""
+    try:
+        hook(record)
+    except Exception:
+        log.exception("the on_step hook failed on batch %s; training goes on", record.batch_id)
