@@ -515,7 +515,10 @@ async def _run_figures(connection: Any, policy: str) -> dict[str, Any]:
             "WHERE policy = :policy AND status = 'finished'"
         )
     )[0]
-    throughput_chart, bucket_s = charts.bar_chart([], [], xlabel="", ylabel="", title=""), 0.0
+    throughput_chart, bucket_s = (
+        charts.bar_chart([], slots=1, x_low=0, x_high=1, xlabel="", ylabel="", title=""),
+        0.0,
+    )
     if span["first"] is not None:
         bucket_s = max((span["last"] - span["first"]).total_seconds() / 40, 1.0)
         buckets = await rows(
@@ -526,8 +529,10 @@ async def _run_figures(connection: Any, policy: str) -> dict[str, Any]:
             width=bucket_s,
         )
         throughput_chart = charts.bar_chart(
-            [row["bucket"] * bucket_s for row in buckets],
-            [float(row["turns"]) / bucket_s for row in buckets],
+            [(int(row["bucket"]), float(row["turns"]) / bucket_s) for row in buckets],
+            slots=int(buckets[-1]["bucket"]) + 1 if buckets else 1,
+            x_low=0.0,
+            x_high=(int(buckets[-1]["bucket"]) + 1 if buckets else 1) * bucket_s,
             xlabel=f"seconds since the first finished episode (buckets of {bucket_s:.0f} s)",
             ylabel="turns/s",
             title="turns per second of finished episodes",
@@ -562,8 +567,10 @@ async def _run_figures(connection: Any, policy: str) -> dict[str, Any]:
         top=float(spread["max_stddev"] or 0.0) + 1e-9,
     )
     spread_chart = charts.bar_chart(
-        [float(row["bucket"]) for row in histogram],
-        [float(row["groups"]) for row in histogram],
+        [(min(int(row["bucket"]), 10) - 1, float(row["groups"])) for row in histogram],
+        slots=10,
+        x_low=0.0,
+        x_high=float(spread["max_stddev"] or 0.0),
         xlabel=f"reward std within a group (10 buckets up to {_number(spread['max_stddev'])})",
         ylabel="groups",
         title="group reward spread",

@@ -79,16 +79,27 @@ def line_chart(
     return _frame(x, y, xlabel, ylabel, body, title)
 
 
-def bar_chart(xs: Sequence[float], heights: Sequence[float], *, xlabel: str, ylabel: str, title: str) -> str:
-    """Bars of ``heights`` at ``xs`` (evenly spaced buckets)."""
-    if not xs:
+def bar_chart(
+    bars: Sequence[tuple[int, float]],
+    *,
+    slots: int,
+    x_low: float,
+    x_high: float,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+) -> str:
+    """Bars of (slot, height) among ``slots`` evenly spaced buckets that span ``x_low`` to ``x_high``."""
+    if not bars:
         return '<p class="empty">nothing to plot yet</p>'
-    y = Scale(0.0, max(max(heights), 1e-12), HEIGHT - BOTTOM, TOP)
-    x = Scale(min(xs), max(xs), LEFT + 6, WIDTH - RIGHT - 6)
-    width = max(1.0, (WIDTH - LEFT - RIGHT - 12) / max(len(xs), 1) - 1)
+    slots = max(slots, 1)
+    y = Scale(0.0, max(max(height for _, height in bars), 1e-12), HEIGHT - BOTTOM, TOP)
+    x = Scale(x_low, x_high, LEFT + 2, WIDTH - RIGHT - 2)
+    step = (WIDTH - LEFT - RIGHT - 4) / slots
     body = [
-        f'<rect class="bar" x="{x(a) - width / 2:.1f}" y="{y(b):.1f}" width="{width:.1f}" '
-        f'height="{y.start - y(b):.1f}"><title>{_label(a)}: {_label(b)}</title></rect>'
-        for a, b in zip(xs, heights, strict=True)
+        f'<rect class="bar" x="{LEFT + 2 + slot * step + 0.5:.1f}" y="{y(height):.1f}" '
+        f'width="{max(step - 1, 0.5):.1f}" height="{y.start - y(height):.1f}">'
+        f"<title>{_label(height)}</title></rect>"
+        for slot, height in bars
     ]
     return _frame(x, y, xlabel, ylabel, body, title)
