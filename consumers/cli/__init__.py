@@ -1,8 +1,8 @@
 """The ``turnstile`` command: the composition root, one module per command group.
 
 ``servers`` (up, migrate, export-schemas, model init-tiny), ``runs`` (run, submit, demo), ``serve`` (the
-services), ``data`` (rematerialize, sql, replay, episodes, plot); shared option types are in ``common``. A
-command imports the services and library pieces it runs when it runs: importing all of them takes seconds,
+services), ``data`` (rematerialize, sql, replay, episodes, plot, ui); shared option types are in ``common``.
+A command imports the services and library pieces it runs when it runs: importing all of them takes seconds,
 which ``turnstile --help`` and every quick command would otherwise pay.
 """
 
@@ -31,6 +31,7 @@ app.command(context_settings={"ignore_unknown_options": True})(data.sql)
 app.command()(data.replay)
 app.command()(data.episodes)
 app.command()(data.plot)
+app.command()(data.ui)
 
 app.add_typer(serve_app, name="serve")
 serve_app.command("inference")(serve.inference)

@@ -400,3 +400,44 @@ def plot(
     for chart in drawn:
         path = draw(chart, out / f"{chart.name}.png", backend="plain" if plain else "auto")
         console.print(f"{chart.title}: {path}" + (" (no data yet)" if chart.empty else ""))
+
+
+def ui(
+    host: str = typer.Option("127.0.0.1", help="the address to listen on (0.0.0.0: every interface)"),
+    port: int = typer.Option(8080, help="the port to listen on (0: a free one)"),
+    model: list[str] = typer.Option(
+        None,
+        "--model",
+        help="a local tokenizer directory to decode completion tokens: DIR for every policy, or POLICY=DIR "
+        "(repeatable)",
+    ),
+    allow_superuser: bool = typer.Option(
+        False, help="run even when the login is a superuser (a query could then act as that superuser)"
+    ),
+) -> None:
+    """Serve the episode browser: find, read and compare episodes, runs and batches in a web browser.
+
+    Read-only: connects with TURNSTILE_READER_URL (else TURNSTILE_DATABASE_URL), as role turnstile_reader
+    in read-only transactions; refuses a superuser login. Deep links: /episodes?FILTERS, /episodes/ID,
+    /turns/TURN_ID, /runs/POLICY, /batches/BATCH_ID.
+    """
+    import asyncio
+
+    from consumers.runtime import setup_logging
+    from consumers.ui import UiConfig, serve_ui
+
+    tokenizer_dirs: dict[str, Path] = {}
+    for given in model or []:
+        policy, equals, directory = given.rpartition("=")
+        if equals and not policy:
+            raise ConfigError(f"--model {given!r}: give DIR or POLICY=DIR")
+        tokenizer_dirs[policy or "*"] = Path(directory)
+    setup_logging()
+    config = UiConfig(
+        reader_url=Settings().require_reader_url(),
+        host=host,
+        port=port,
+        allow_superuser=allow_superuser,
+        tokenizer_dirs=tokenizer_dirs,
+    )
+    asyncio.run(serve_ui(config, console=console))

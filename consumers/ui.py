@@ -1,0 +1,70 @@
+"""Episode browser service: ``turnstile ui`` (read-only web pages over the log and the read models).
+
+Wiring only: the app (``pipeline.ui``) on uvicorn in this process, until Ctrl-C or SIGTERM. The login is
+checked before it listens, so a wrong URL or a superuser login fails at start with what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+from consumers.runtime import running
+from pipeline.errors import ConfigError
+from pipeline.gateway import HttpServer
+from pipeline.ui import create_app, reader_engine
+from pipeline.ui.db import check_login
+
+
+@dataclass(frozen=True)
+class UiConfig:
+    reader_url: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    allow_superuser: bool = False
+    tokenizer_dirs: Mapping[str, Path] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port must be within 0..65535, got {self.port}")
+        for policy, directory in self.tokenizer_dirs.items():
+            if not directory.is_dir():
+                raise ConfigError(f"--model {policy}={directory}: not a directory")
+
+
+async def serve_ui(
+    config: UiConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    ready: Callable[[str], object] | None = None,
+    console: Console | None = None,
+) -> None:
+    """Serve until Ctrl-C, SIGTERM or ``stop``; ``ready(url)`` once it listens."""
+    console = console or Console(stderr=True)
+    engine = reader_engine(config.reader_url, pool_size=1)
+    try:
+        await check_login(engine, allow_superuser=config.allow_superuser)
+    finally:
+        await engine.dispose()
+    app = create_app(
+        config.reader_url, allow_superuser=config.allow_superuser, tokenizer_dirs=config.tokenizer_dirs
+    )
+    async with running("ui", stop=stop) as runtime:
+        server = HttpServer(app, host=config.host, port=config.port)
+        url = await server.start()
+        console.print(f"episode browser on {url}/episodes (read-only; Ctrl-C stops it)")
+        if ready is not None:
+            ready(url)
+        stopping = asyncio.create_task(runtime.stop.wait())
+        serving = asyncio.create_task(server.wait())
+        try:
+            await asyncio.wait({stopping, serving}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in (stopping, serving):
+                waiting.cancel()
+            await asyncio.gather(stopping, serving, return_exceptions=True)
+            await server.stop()

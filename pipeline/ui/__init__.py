@@ -1,0 +1,8 @@
+"""The episode browser (``turnstile ui``): a read-only web app over the log and the read models, served
+alone or mounted in another app (the gateway's ``--ui``)."""
+
+from pipeline.ui.app import create_app
+from pipeline.ui.db import DatabaseUnavailable, reader_engine
+from pipeline.ui.filters import BadRequest, EpisodeQuery, parse_query
+
+__all__ = ["BadRequest", "DatabaseUnavailable", "EpisodeQuery", "create_app", "parse_query", "reader_engine"]

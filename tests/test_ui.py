@@ -1,0 +1,198 @@
+"""The episode browser's pages over real PostgreSQL (the app in process over httpx; the browser tests drive
+``turnstile ui`` in Chromium: tests/test_ui_browser.py): lists with filters, sorts and pages, an episode with
+its tree and shaded tokens, a run, a batch, deep links, and a clear error page for every bad input."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from pipeline.log import EventStore
+from pipeline.ui import create_app, parse_query
+from pipeline.ui.filters import BadRequest
+from tests.conftest import login_url
+from tests.ui_episodes import Recorded, record_episodes
+
+
+@dataclass
+class Browsing:
+    client: httpx.AsyncClient
+    recorded: Recorded
+
+
+@pytest.fixture
+async def browsing(
+    store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
+) -> AsyncIterator[Browsing]:
+    recorded = await record_episodes(store)
+    app = create_app(login_url(database_url, logins["turnstile_reader"]))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://ui") as client:
+        yield Browsing(client, recorded)
+    await app.state.browser.close()
+
+
+def listed(html: str) -> list[str]:
+    return re.findall(r'<tr data-episode="([^"]+)">', html)
+
+
+async def test_the_list_filters_sorts_and_pages_on_the_server(browsing: Browsing) -> None:
+    client, recorded = browsing.client, browsing.recorded
+    everything = listed((await client.get("/episodes")).text)
+    assert len(everything) == 8  # 4 in the group, branching, failed, broken, running
+    by_reward = listed((await client.get("/episodes?policy=main&sort=reward&order=desc")).text)
+    assert by_reward[-1] == recorded.broken  # no reward: last whichever way
+    assert set(by_reward[:2]) == {recorded.group[2], recorded.group[3]} or recorded.branching in by_reward[:3]
+    assert listed((await client.get("/episodes?min_reward=0.4&max_reward=0.6")).text) == [recorded.group[1]]
+    assert listed((await client.get("/episodes?termination=error")).text) == [recorded.failed]
+    assert listed((await client.get("/episodes?errors=1")).text) == [recorded.failed]
+    assert listed((await client.get("/episodes?status=running")).text) == [recorded.running]
+    assert listed((await client.get("/episodes?policy=other")).text) == [recorded.running]
+    assert listed((await client.get("/episodes?prefix_break=1")).text) == [recorded.broken]
+    assert sorted(listed((await client.get("/episodes?tag=split%3Dtrain")).text)) == sorted(
+        recorded.group[:3]
+    )
+    assert sorted(listed((await client.get("/episodes?version=1")).text)) == sorted(recorded.group[2:])
+    assert listed((await client.get("/episodes?agent=tests.ui:GreetAgent")).text) == [recorded.broken]
+    assert len(listed((await client.get("/episodes?group=g-arith&task=arith-1")).text)) == 4
+    assert listed((await client.get("/episodes?since=2000-01-01&until=2000-01-02")).text) == []
+    first = await client.get("/episodes?per=3&sort=started&order=asc")
+    second = await client.get("/episodes?per=3&sort=started&order=asc&page=2")
+    pages = listed(first.text) + listed(second.text)
+    assert len(pages) == 6
+    assert len(set(pages)) == 6
+    assert 'id="next"' in first.text
+    assert "page=2" in first.text
+    assert "8 episodes" in (await client.get("/episodes")).text
+
+
+@pytest.mark.parametrize(
+    ("query", "said"),
+    [
+        ("min_reward=lots", "min_reward: 'lots' is not a number"),
+        ("min_reward=2&max_reward=1", "min_reward 2 is more than max_reward 1"),
+        ("status=sleeping", "status: 'sleeping' is not one of running, finished"),
+        ("termination=exploded", "termination: 'exploded' is not one of"),
+        ("version=-1", "version: -1 is out of range"),
+        ("page=0", "page: 0 is out of range"),
+        ("sort=colour", "sort: 'colour' is not one of"),
+        ("since=yesterday-ish", "since: 'yesterday-ish' is neither a duration ago"),
+        ("tag=nokey", "tag: 'nokey' is not key=value"),
+        ("prefix_break=maybe", "prefix_break: 'maybe' is not a yes/no value"),
+        ("polcy=main", "unknown parameter 'polcy'"),
+        ("policy=a&policy=b", "policy: given 2 times"),
+    ],
+)
+async def test_a_bad_filter_gets_a_400_page_naming_it(browsing: Browsing, query: str, said: str) -> None:
+    response = await browsing.client.get(f"/episodes?{query}")
+    assert response.status_code == 400
+    assert "text/html" in response.headers["content-type"]
+    assert said.replace("'", "&#39;") in response.text
+
+
+async def test_unknown_ambiguous_and_malformed_ids_get_clear_pages(browsing: Browsing) -> None:
+    client, recorded = browsing.client, browsing.recorded
+    missing = await client.get("/episodes/nosuchepisode")
+    assert missing.status_code == 404
+    assert "no episode &#39;nosuchepisode&#39; in the log" in missing.text
+    ambiguous = await client.get("/episodes/group")
+    assert ambiguous.status_code == 400
+    assert "begins several episode ids" in ambiguous.text
+    assert all(f"/episodes/{episode}" in ambiguous.text for episode in recorded.group)
+    malformed = await client.get("/episodes/bad%20id%3B")
+    assert malformed.status_code == 400
+    assert "is not an episode id" in malformed.text
+    turn = await client.get("/turns/not-a-uuid")
+    assert turn.status_code == 400
+    assert "is not a UUID" in turn.text
+    unknown_turn = await client.get("/turns/00000000-0000-0000-0000-000000000000")
+    assert unknown_turn.status_code == 404
+    assert "no turn" in unknown_turn.text
+    assert (await client.get("/batches/nosuchbatch")).status_code == 404
+    assert (await client.get("/runs/nosuchpolicy")).status_code == 404
+    assert (await client.get("/batches?page=x")).status_code == 400
+    assert (await client.get("/nowhere")).status_code == 404
+
+
+async def test_nothing_can_write(browsing: Browsing) -> None:
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        response = await browsing.client.request(method, "/episodes")
+        assert response.status_code == 405
+        assert "read-only" in response.text
+
+
+async def test_an_episode_page_shows_its_tree_messages_numbers_and_shaded_tokens(browsing: Browsing) -> None:
+    client, recorded = browsing.client, browsing.recorded
+    page = (await client.get(f"/episodes/{recorded.branching}")).text
+    a, b, c, d = recorded.branching_turns
+    assert "2 lineages, branching" in page
+    assert "<b>2 branches</b>" in page
+    for turn in (a, b, c, d):
+        assert f'id="turn-{turn.turn_id}"' in page
+    assert page.count('class="tok"') == 4 * 5
+    # by hand: p = e^-0.01 = 0.990 -> red 255 * 2 * 0.010 = 5, green 200; p = e^-4 = 0.018 -> 255, 7
+    assert "background:rgb(5,200,0)" in page  # a likely token: green
+    assert "background:rgb(255,7,0)" in page  # an unlikely one: red
+    assert 'title="token ' in page
+    assert "logprob -4.0000" in page
+    assert "I should use the calculator tool." in page
+    assert 'class="reasoning"' in page
+    assert "calculate({&#34;expression&#34;: &#34;17 * 3&#34;})" in page
+    assert "The answer is 51." in page
+    assert "17 * 3 = 51, so 51." in page
+    assert "advantage" in page
+    assert "policy version <b>v0</b>" in page
+    failed = (await client.get(f"/episodes/{recorded.failed}")).text
+    assert 'id="traceback"' in failed
+    assert "ZeroDivisionError: division by zero" in failed
+    prefix = await client.get(f"/episodes/{recorded.branching[:12]}", follow_redirects=False)
+    assert prefix.status_code == 307
+    assert prefix.headers["location"] == f"/episodes/{recorded.branching}"
+    deep = await client.get(f"/turns/{b.turn_id}", follow_redirects=False)
+    assert deep.headers["location"] == f"/episodes/{recorded.branching}#turn-{b.turn_id}"
+
+
+async def test_a_run_and_a_batch_lead_to_their_samples_and_episodes(browsing: Browsing) -> None:
+    client, recorded = browsing.client, browsing.recorded
+    run = (await client.get("/runs/main")).text
+    assert "95% confidence band" in run
+    assert "<polygon" in run
+    assert "turns/s" in run
+    assert "done" in run
+    assert "error" in run
+    batches = (await client.get("/batches")).text
+    batch_ids = re.findall(r'href="/batches/([0-9a-zA-Z_-]+)"', batches)
+    assert batch_ids
+    shown = ""
+    for batch_id in batch_ids:
+        shown += (await client.get(f"/batches/{batch_id}")).text
+    for episode_id in recorded.group:
+        assert f"/episodes/{episode_id}" in shown
+    assert "/turns/" in shown
+
+
+def test_a_filter_is_a_deep_link_that_parses_back() -> None:
+    query = parse_query({"policy": ["main"], "tag": ["a=b", "c=d"], "errors": ["1"], "page": ["3"]})
+    link = query.link()
+    assert link == "?policy=main&tag=a%3Db&tag=c%3Dd&errors=1&page=3"
+    assert query.link(page=1) == "?policy=main&tag=a%3Db&tag=c%3Dd&errors=1"
+    with pytest.raises(BadRequest, match="per: 500 is out of range"):
+        parse_query({"per": ["500"]})
+
+
+async def test_a_superuser_login_is_refused_unless_allowed(store: EventStore, database_url: str) -> None:
+    app = create_app(database_url)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ui") as client:
+        response = await client.get("/episodes")
+    assert response.status_code == 503
+    assert "superuser" in response.text
+    allowed = create_app(database_url, allow_superuser=True)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=allowed), base_url="http://ui") as client:
+        response = await client.get("/episodes")
+    assert response.status_code == 200
+    assert "no episodes in the episodes read model yet" in response.text
+    await allowed.state.browser.close()
