@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import statistics
@@ -210,6 +211,7 @@ def fold_ms_per_turn(stream: str, events: list[Event], turns: int) -> dict[str, 
 
 
 async def episode(url: str, turns: int, args: argparse.Namespace, *, whole: bool) -> Result:
+    gc.collect()
     store = await EventStore.connect(url)
     service = InferenceService(
         SyntheticBackend(args.reply_tokens), policy="p", consumer_id="c", publish=Published()
@@ -245,8 +247,9 @@ async def episode(url: str, turns: int, args: argparse.Namespace, *, whole: bool
     continued = wire.bytes_per_call[1:] or wire.bytes_per_call
 
     def growth(cpu: list[float]) -> float:
-        """Mean CPU of the last tenth of the turns ÷ the first tenth (turn 1, the root, left out)."""
-        return statistics.fmean(cpu[-tenth:]) / statistics.fmean(cpu[1 : 1 + tenth] or cpu)
+        """Median CPU of the last tenth of the turns ÷ the first tenth (turn 1, the root, left out): the
+        median, so a garbage collection or a scheduler hiccup in one turn does not decide it."""
+        return statistics.median(cpu[-tenth:]) / statistics.median(cpu[1 : 1 + tenth] or cpu)
 
     return Result(
         stored=int(row[0]) if row else 0,

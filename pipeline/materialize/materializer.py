@@ -907,7 +907,13 @@ class Materializer:
         # Rows inserted by earlier steps change through one set-based UPDATE per table: the changes are
         # COPYed into a temporary table (dropped at commit) and joined, instead of one UPDATE per row.
         # A NULL in a change means "unchanged" (coalesce): no change ever sets a column back to NULL.
-        async def update(table: str, key: str, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
+        async def update(
+            table: str,
+            key: str,
+            columns: Sequence[str],
+            rows: list[tuple[Any, ...]],
+            also: sql.Composable | None = None,
+        ) -> None:
             changes = sql.Identifier(f"changed_{table}")
             await connection.execute(
                 sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} LIMIT 0").format(
@@ -919,10 +925,15 @@ class Materializer:
                 for row in rows:
                     await out.write_row(row)
             assignments = sql.SQL(", ").join(
-                sql.SQL("{} = coalesce(c.{}, t.{})").format(
-                    sql.Identifier(c), sql.Identifier(c), sql.Identifier(c)
-                )
-                for c in columns
+                [
+                    *(
+                        sql.SQL("{} = coalesce(c.{}, t.{})").format(
+                            sql.Identifier(c), sql.Identifier(c), sql.Identifier(c)
+                        )
+                        for c in columns
+                    ),
+                    *([also] if also is not None else []),
+                ]
             )
             await connection.execute(
                 sql.SQL("UPDATE {} t SET {} FROM {} c WHERE t.{} = c.{}").format(
@@ -939,23 +950,17 @@ class Materializer:
                 merged.setdefault(sample_id, [None, None, None, None])[0:2] = [advantage, ready_position]
             for stale, batch_id, sample_id in writes.batched:
                 merged.setdefault(sample_id, [None, None, None, None])[2:4] = [stale, batch_id]
+            # A batched sample's arrays live in its batch's payload (and in the log): the row keeps the rest,
+            # in the same UPDATE. (Samples batched in the step that made them were written without them.)
             await update(
                 "samples",
                 "sample_id",
                 ("advantage", "ready_position", "stale", "batch_id"),
                 [(*values, sample_id) for sample_id, values in merged.items()],
+                also=sql.SQL("arrays = CASE WHEN c.batch_id IS NULL THEN t.arrays END"),
             )
         if writes.batches:
             await copy("batches", BATCH_COLUMNS, writes.batches)
-        if writes.batched:
-            # A batched sample's arrays live in its batch's payload (and in the log): the row keeps the rest.
-            # (Samples batched in the step that made them were written without them.)
-            await connection.execute(
-                sql.SQL("UPDATE {} SET arrays = NULL WHERE batch_id = ANY(%s)").format(
-                    self._table("samples")
-                ),
-                (sorted({batch_id for _, batch_id, _ in writes.batched}),),
-            )
         if writes.outbox:
             await copy("batch_outbox", ("batch_id", "subject", "payload", "created_at"), writes.outbox)
         if writes.skipped:
