@@ -190,7 +190,8 @@ def replay(
 ) -> None:
     """Show a recorded episode as a transcript, or rerun its agent on the recorded replies.
 
-    Reads the log itself (no materializer needed). --rerun writes nothing and exits 1 when one diverged.
+    Reads the log itself (no materializer needed), as TURNSTILE_READER_URL (the reader login, or a read
+    replica's URL) else TURNSTILE_DATABASE_URL. --rerun writes nothing and exits 1 when one diverged.
 
     --all --where selects the episodes from the episodes read model (read-only SQL).
     """
@@ -226,7 +227,7 @@ def replay(
         raise ConfigError(f"--discount must be within [0, 1], got {discount}")
     if timeout <= 0:
         raise ConfigError(f"--timeout must be more than 0 seconds, got {timeout:g}")
-    database_url = Settings().require_database_url()
+    database_url = Settings().require_reader_url()  # reads only: a read replica will do
     # In a terminal the output fits its width; piped (a file, CI) it is 120 columns, without colour.
     out = Console(width=None if sys.stdout.isatty() else 120)
     tokenizer = load_tokenizer(model_dir) if model_dir else None
@@ -310,7 +311,8 @@ def episodes(
     limit: int = typer.Option(20, help="show at most N episodes"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON array with an object per episode"),
 ) -> None:
-    """List recorded episodes, newest first, from the log itself (no materializer needed)."""
+    """List recorded episodes, newest first, from the log itself (no materializer needed), as
+    TURNSTILE_READER_URL (the reader login, or a read replica's URL) else TURNSTILE_DATABASE_URL."""
     import asyncio
 
     from pipeline.log import EventStore
@@ -335,7 +337,7 @@ def episodes(
         since=parse_since(since) if since else None,
         limit=limit,
     )
-    database_url = Settings().require_database_url()
+    database_url = Settings().require_reader_url()  # reads only: a read replica will do
 
     async def fetch() -> tuple[list[EpisodeRow], bool]:
         store = await EventStore.connect(database_url)

@@ -152,30 +152,34 @@ class EmbeddedPostgres(_ServerProcess):
         os.chown(pgdata, uid, gid)
         return pgdata, bin_dir, {"user": uid, "group": gid}
 
+    def _initialize(self, pgdata: Path, bin_dir: Path, run_as: dict[str, int]) -> None:
+        """A new cluster in the empty ``pgdata``."""
+        result = subprocess.run(
+            [
+                str(bin_dir / "initdb"),
+                "-D",
+                str(pgdata),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--no-locale",
+                "--no-instructions",
+            ],
+            capture_output=True,
+            text=True,
+            **run_as,  # type: ignore[call-overload]
+        )
+        if result.returncode != 0:
+            raise EmbeddedServerError(f"initdb failed in {pgdata}:\n{result.stdout}\n{result.stderr}")
+
     def start(self, timeout: float = 60.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         pgdata, bin_dir, run_as = self._layout()
         if not (pgdata / "PG_VERSION").exists():
             for leftover in pgdata.iterdir() if pgdata.exists() else []:  # from an interrupted initdb
                 shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-            result = subprocess.run(
-                [
-                    str(bin_dir / "initdb"),
-                    "-D",
-                    str(pgdata),
-                    "-U",
-                    "postgres",
-                    "--auth=trust",
-                    "--encoding=UTF8",
-                    "--no-locale",
-                    "--no-instructions",
-                ],
-                capture_output=True,
-                text=True,
-                **run_as,  # type: ignore[call-overload]
-            )
-            if result.returncode != 0:
-                raise EmbeddedServerError(f"initdb failed in {pgdata}:\n{result.stdout}\n{result.stderr}")
+            self._initialize(pgdata, bin_dir, run_as)
         log_path = self.data_dir / "postgres.log"
         with open(log_path, "ab") as log_file:
             if run_as:
@@ -219,6 +223,44 @@ class EmbeddedPostgres(_ServerProcess):
                         f"PostgreSQL did not accept connections in {timeout:.0f} s; log:\n{log_tail}"
                     ) from None
                 time.sleep(0.1)
+
+
+class EmbeddedReplica(EmbeddedPostgres):
+    """A streaming replica (hot standby) of a PostgreSQL server, for readers off the primary: made by
+    ``pg_basebackup`` from ``primary_url`` the first time it starts, then it follows the primary's WAL and
+    answers read-only queries. The primary needs a replication connection allowed for its URL's user
+    (an embedded primary allows it: initdb's trust lines cover replication on loopback)."""
+
+    def __init__(self, data_dir: Path, primary_url: str, *, port: int | None = None) -> None:
+        super().__init__(data_dir, port=port)
+        self.primary_url = primary_url
+
+    def _initialize(self, pgdata: Path, bin_dir: Path, run_as: dict[str, int]) -> None:
+        result = subprocess.run(
+            [
+                str(bin_dir / "pg_basebackup"),
+                "--pgdata", str(pgdata), "--dbname", self.primary_url,
+                "--write-recovery-conf",  # standby.signal + primary_conninfo: it follows the primary
+                "--wal-method=stream", "--checkpoint=fast", "--no-password",
+            ],
+            capture_output=True,
+            text=True,
+            **run_as,  # type: ignore[call-overload]
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise EmbeddedServerError(
+                f"pg_basebackup from {self.primary_url} failed in {pgdata}:\n{result.stdout}\n{result.stderr}"
+            )
+
+    def caught_up(self, primary_url: str | None = None) -> bool:
+        """Whether the replica has replayed everything the primary had written when asked."""
+        with psycopg.connect(primary_url or self.primary_url, autocommit=True) as primary:
+            row = primary.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+        with psycopg.connect(self.url, autocommit=True) as replica:
+            done = replica.execute(
+                "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (row[0] if row else "0/0",)
+            ).fetchone()
+        return bool(done and done[0])
 
 
 @contextlib.contextmanager
