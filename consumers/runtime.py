@@ -32,7 +32,7 @@ from pipeline.episodes import RunnerLease, close_abandoned_episodes, recover_aba
 from pipeline.errors import ConfigError
 from pipeline.inference import NatsLLMClient
 from pipeline.log import EventStore, is_connection_error
-from pipeline.settings import nats_inbox_prefix
+from pipeline.settings import nats_inbox_prefix, nats_servers
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ async def connect_nats(
         # nats-py's own first connect never gives up when reconnects are unlimited (and has no jitter), so
         # each attempt allows one reconnect only; once connected, reconnecting is unlimited.
         connection = await nats.connect(
-            url,
+            nats_servers(url),
             max_reconnect_attempts=1,
             reconnect_time_wait=0.1,
             error_cb=_log_nats_error,

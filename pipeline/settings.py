@@ -94,6 +94,16 @@ def libpq_url(url: str) -> str:
     return "postgresql://" + sqlalchemy_url(url)[len("postgresql+psycopg://") :]
 
 
+def nats_servers(url: str) -> list[str]:
+    """The servers of a NATS URL: one, or several separated by commas (the nodes of a cluster, as the
+    ``nats`` CLI takes them). A client connects to one and moves to another when that one goes away; once
+    connected it also learns the cluster's other nodes from the server."""
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    if not servers:
+        raise ConfigError(f"no NATS server in {url!r}: give nats://host:port, or several separated by commas")
+    return servers
+
+
 def nats_inbox_prefix(url: str) -> str:
     """The inbox prefix for connections made with ``url``: ``_INBOX_<user>`` when the URL logs in with a user
     and password, else NATS's default ``_INBOX``.

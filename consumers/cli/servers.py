@@ -19,9 +19,18 @@ def up(
     data_dir: Path = typer.Option(
         None, help="where the servers keep their data \\[default: $TURNSTILE_DATA_DIR or .turnstile]"
     ),
+    nats_cluster: int = typer.Option(
+        1,
+        min=1,
+        max=9,
+        help="NATS servers joined in a cluster (3: TASKS and BATCHES replicated x3, a node may go down); "
+        "TURNSTILE_NATS_URL then names every node",
+    ),
 ) -> None:
     """Start embedded PostgreSQL and NATS (JetStream) on free ports, migrate, run until Ctrl-C or SIGTERM."""
-    from pipeline.dev.embedded import EmbeddedServers
+    import asyncio
+
+    from pipeline.dev.embedded import EmbeddedNatsCluster, EmbeddedServers
     from pipeline.log.db import make_logins, migrate
 
     directory = data_dir or Settings().data_dir
@@ -29,7 +38,9 @@ def up(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     console.print(f"starting PostgreSQL and NATS in {directory.absolute()} ...")
-    with EmbeddedServers(directory) as servers:
+    with EmbeddedServers(directory, nats_nodes=nats_cluster) as servers:
+        if isinstance(servers.nats, EmbeddedNatsCluster):
+            asyncio.run(servers.nats.replicate_streams())
         migrate(servers.postgres.url)
         # Everyday commands log in as users that are not superusers (a superuser's query can read server
         # files or stop other sessions); the superuser stays for migrations.

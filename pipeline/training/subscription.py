@@ -33,8 +33,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 import sqlalchemy as sa
 from nats.aio.client import Client as NatsConnection
+from nats.errors import ConnectionClosedError, NoServersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import ServiceUnavailableError
 
 from pipeline.batches.format import TrainingBatch, is_safetensors
 from pipeline.batches.relay import (
@@ -227,6 +229,11 @@ class BatchSubscription:
             try:
                 messages = await self._subscription.fetch(1, timeout=self.fetch_timeout)
             except (NatsTimeoutError, TimeoutError):
+                continue
+            except (ConnectionClosedError, NoServersError, ServiceUnavailableError) as error:
+                # a server gone, or (on a cluster) the stream's or consumer's leader moving: it passes
+                log.warning("batch stream: %s; trying again", error or type(error).__name__)
+                await asyncio.sleep(0.5)
                 continue
             for message in messages:
                 try:
