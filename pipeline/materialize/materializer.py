@@ -472,7 +472,8 @@ class Fold:
                     extends = parent.turn_id
             if len(logprobs) != len(completion):
                 raise ValueError(f"it has {len(logprobs)} logprobs for {len(completion)} completion tokens")
-            if not all(-math.inf < lp <= 0.0 for lp in logprobs):
+            # max() finds one above 0 (or +inf); the sum is NaN with a NaN and -inf with a -inf: C loops
+            if logprobs and not (max(logprobs) <= 0.0 and -math.inf < sum(logprobs)):
                 raise ValueError("a logprob is not a finite number <= 0")
             data = event.data
             if not isinstance(data["reply"]["finish_reason"], str) or not isinstance(data["engine_id"], str):
