@@ -2,10 +2,10 @@
 
 A session is an episode. An admin (``Authorization: Bearer <admin key>``) starts one with
 ``POST /admin/sessions`` and gets a per-session API key; an agent written for any framework points its
-OpenAI or Anthropic client at the gateway with that key, and each ``POST /v1/chat/completions`` or
-``POST /v1/messages`` goes through ``EpisodeSession.chat``: over NATS to the inference consumers, appended
-to the log as a ``TurnCompleted`` before the reply is sent, token-exact when the conversation extends an
-earlier turn. Rewards and the end of the session are posted by the admin
+OpenAI or Anthropic client at the gateway with that key, and each ``POST /v1/chat/completions``,
+``POST /v1/responses`` or ``POST /v1/messages`` goes through ``EpisodeSession.chat``: over NATS to the
+inference consumers, appended to the log as a ``TurnCompleted`` before the reply is sent, token-exact when
+the conversation extends an earlier turn. Rewards and the end of the session are posted by the admin
 (``/admin/sessions/{id}/reward|end``) or by the session's own key (``/v1/session/reward|end``); once a
 session has ended its key gets 401, like any unknown key, and nothing in a 401 says whether a session
 exists.
@@ -13,6 +13,10 @@ exists.
 The chat routes are made from the dialect registry (``pipeline.dialects.DIALECTS``): each dialect's paths,
 parsed, recorded and answered in that API's shape, errors included. Keys and sessions are in
 ``sessions``, admission and the session lifecycle in ``service``, the HTTP server in ``server``.
+
+A retry of a call already taken (``Idempotency-Key``, ``x-stainless-retry-count``, or the same body: see
+``SessionEntry.prior``) is answered from that call; a turn recorded when every client that asked has gone
+is marked never delivered (``Gateway.answer``).
 
 Streaming (``stream: true``) sends the finished reply as the events of a stream: the consumers do not
 generate incrementally, so the first byte comes when the turn is recorded. The recorded turn is the same
