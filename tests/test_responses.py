@@ -331,3 +331,13 @@ async def test_openai_agents_sdk_default_model_runs_a_tool_loop(
         pass
     assert streamed.final_output == "The answer is 56."
     assert len(await turns_of(store, session["session_id"])) == 4
+
+    # the Agents SDK's server-side conversation: only the new input travels, the gateway has the rest
+    again = await agents.Runner.run(
+        agent, "Once more: what is 7 * 8?", run_config=config, previous_response_id=result.last_response_id
+    )
+    assert again.final_output == "The answer is 56."
+    turns = await turns_of(store, session["session_id"])
+    assert len(turns) == 6
+    assert_token_exact_child(turns[1], turns[4])
+    assert_token_exact_child(turns[4], turns[5])
