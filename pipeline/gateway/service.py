@@ -299,21 +299,20 @@ class Gateway:
                 return result
             finally:
                 prior.listeners.remove(listener)
-        answer: Answer | None = None
+        answers: list[Answer] = []  # the one this call makes, once made
 
         async def listening() -> bool:
-            assert answer is not None
-            connected = await answer.listening()
-            answer.undelivered = answer.undelivered or not connected
+            connected = await answers[0].listening()
+            answers[0].undelivered = answers[0].undelivered or not connected
             return connected
 
         answer = Answer(asyncio.create_task(self.chat(entry, call, listening)), [listener])
+        answers.append(answer)
 
         def forget_failed(task: asyncio.Task[Any]) -> None:
             if task.cancelled() or task.exception() is not None:
-                entry.forget(task_answer)
+                entry.forget(answer)
 
-        task_answer = answer
         answer.task.add_done_callback(forget_failed)
         entry.remember(keys, answer)
         try:

@@ -21,8 +21,9 @@ from pipeline.gateway.errors import GatewayError
 
 _T = TypeVar("_T")
 
-ANSWERS_KEPT: Final = 256
-"""Calls remembered per session for answering retries (newest first)."""
+ANSWERS_KEPT: Final = 8
+"""Calls remembered per session for answering retries, newest first (each holds its reply and prompt ids:
+a retry comes within seconds of its call, and a long conversation's ids are large)."""
 ENDED_KEPT: Final = 100_000
 """Ended sessions remembered (newest first), so that their keys get 409 "has ended", not 401 "invalid key"."""
 
