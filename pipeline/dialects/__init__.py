@@ -30,7 +30,7 @@ DIALECTS: Final[Sequence[Dialect]] = (OPENAI, ANTHROPIC, RESPONSES)
 def dialect_for_path(path: str) -> Dialect:
     """The dialect whose routes end like ``path`` (``.../messages``: Anthropic's), for answering a request
     to an unknown route in the shape its client expects; OpenAI's otherwise."""
-    last = path.rstrip("/").rsplit("/", 1)[-1]
+    last = path.rstrip("/").removesuffix("/count_tokens").rsplit("/", 1)[-1]  # Anthropic's token count
     for dialect in DIALECTS:
         if any(route.rsplit("/", 1)[-1] == last for route in dialect.paths):
             return dialect
