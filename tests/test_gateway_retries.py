@@ -27,8 +27,10 @@ QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
 
 
 @pytest.fixture
-async def slow() -> RuleBackend:
-    return RuleBackend(calculator_rule, delay=1.0)
+async def slow(request: pytest.FixtureRequest) -> RuleBackend:
+    """A consumer that takes 1 s per call (``delay`` by indirect parameter): longer than a 0.3 s timeout,
+    shorter than the openai SDK's third attempt begins (after about 0.3 + 0.5 + 0.3 + 1 s)."""
+    return RuleBackend(calculator_rule, delay=getattr(request, "param", 1.0))
 
 
 @pytest.fixture
@@ -61,6 +63,7 @@ async def test_sdk_retries_after_timeouts_get_the_one_recorded_turn(
     assert response.id == "resp_" + turns[1].turn_id.hex
 
 
+@pytest.mark.parametrize("slow", [5.0], indirect=True)  # the retry comes well before the reply
 async def test_a_retry_while_the_call_runs_joins_it_and_the_turn_counts_as_delivered(
     slow_gateway: Gateway, store: EventStore, slow: RuleBackend
 ) -> None:
