@@ -341,3 +341,84 @@ async def test_openai_agents_sdk_default_model_runs_a_tool_loop(
     assert len(turns) == 6
     assert_token_exact_child(turns[1], turns[4])
     assert_token_exact_child(turns[4], turns[5])
+
+
+# ---- a request shaped like Codex CLI's -------------------------------------------------------------
+
+
+def sse_events(raw: str) -> list[dict[str, Any]]:
+    """The JSON of each ``data:`` line of a server-sent event stream."""
+    return [json.loads(line.removeprefix("data: ")) for line in raw.splitlines() if line.startswith("data: ")]
+
+
+async def test_a_codex_shaped_stream_continues_token_exact_from_encrypted_reasoning(
+    thinking_gateway: Gateway, store: EventStore
+) -> None:
+    session = await thinking_gateway.session()
+    headers = {"Authorization": f"Bearer {session['api_key']}"}
+    tools = [{**RESPONSES_CALCULATOR, "strict": False}, {"type": "web_search"}, {"type": "local_shell"}]
+    items: list[Any] = [
+        {
+            "type": "message",
+            "role": "developer",
+            "content": [{"type": "input_text", "text": "Use the tool."}],
+        },
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is 9 * 9?"}]},
+    ]
+
+    def codex(input_items: list[Any]) -> dict[str, Any]:
+        return {
+            "model": "gpt-5-codex",
+            "instructions": "You are Codex.",
+            "input": input_items,
+            "tools": tools,
+            "tool_choice": "auto",
+            "parallel_tool_calls": False,
+            "reasoning": {"effort": "medium", "summary": "auto"},
+            "store": False,
+            "stream": True,
+            "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": str(uuid.uuid4()),
+            "text": {"verbosity": "medium"},
+        }
+
+    async with httpx.AsyncClient(base_url=thinking_gateway.url, headers=headers, timeout=30) as http:
+        first = sse_events((await http.post("/v1/responses", json=codex(items))).text)
+        done = [e["item"] for e in first if e["type"] == "response.output_item.done"]
+        assert [item["type"] for item in done] == ["reasoning", "function_call"]
+        assert first[-1]["type"] == "response.completed"
+        assert first[-1]["response"]["usage"]["output_tokens"] > 0
+        # Codex keeps only the opaque reasoning and the call, then sends the tool's output
+        reasoning = {"type": "reasoning", "summary": [], "encrypted_content": done[0]["encrypted_content"]}
+        call = {key: done[1][key] for key in ("type", "call_id", "name", "arguments")}
+        output = {"type": "function_call_output", "call_id": call["call_id"], "output": "81"}
+        second = sse_events(
+            (await http.post("/v1/responses", json=codex([*items, reasoning, call, output]))).text
+        )
+    text = "".join(e["delta"] for e in second if e["type"] == "response.output_text.delta")
+    assert text == "The answer is 81."
+    turns = await turns_of(store, session["session_id"])
+    assert len(turns) == 2
+    assert_token_exact_child(turns[0], turns[1])
+    assert turns[1].request.messages[-1] == ChatMessage(
+        role="tool", tool_call_id=call["call_id"], content="81"
+    )
+    assert [tool.function.name for tool in turns[0].request.tools] == ["calculate"]
+
+
+def test_a_cut_reply_is_incomplete_and_its_stream_ends_with_response_incomplete() -> None:
+    call = parse_responses_request({"input": "q", "max_output_tokens": 2})
+    choice = ChoiceData(
+        text="ab",
+        tool_calls=[],
+        finish_reason="length",
+        completion_token_ids=[1, 2],
+        completion_logprobs=[-0.1, -0.1],
+    )
+    result = ChatResult([choice], prompt_tokens=3, extra={"turnstile": {"turn_ids": [str(uuid.uuid4())]}})
+    body = response_body(call, result, model="main", created_at=1)
+    assert body["status"] == "incomplete"
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    events = response_events(call, result, model="main", created_at=1)
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"] == body
