@@ -110,6 +110,11 @@ class TurnCompleted(Contract):
         "(re-tokenizing the conversation would have changed what the policy saw); None: not checked",
     )
     chat_template: str | None = Field(default=None, description="sha256 of the chat template, 12 hex digits")
+    delivered: bool | None = Field(
+        default=None,
+        description="False: the reply reached no client (it disconnected before the turn was recorded), so "
+        "the agent never saw it and it is no training sample; None: delivered, or not known (older turns)",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -368,7 +368,7 @@ def test_anthropic_translation_keeps_block_order_and_reads_stop_reasons() -> Non
     assert stop_reason(choice("x END y ###"), ["###", "END"]) == ("stop_sequence", "END")
     assert stop_reason(choice("cut", "length"), []) == ("max_tokens", None)
     with pytest.raises(AnthropicRequestError, match=r"messages\[0\]\.role"):
-        parse_messages_request({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]})
+        parse_messages_request({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]})
 
 
 async def test_a_call_over_max_turns_is_refused_and_the_session_ends_max_turns(

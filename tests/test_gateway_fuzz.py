@@ -65,6 +65,8 @@ def test_the_gateway_answers_anything_with_a_2xx_or_a_4xx_and_records_only_what_
     assert response.status_code < 500, (case.method, case.path, case.body, response.text)
     if response.status_code >= 400:
         body = response.json()
-        if case.path == "/v1/messages":
+        if case.path in ("/v1/messages", "/v1/messages/count_tokens"):
             assert body["type"] == "error"
+        elif case.path == "/v1/responses":
+            assert body["error"]["type"] in ("invalid_request_error", "server_error")
         assert body["error"]["message"]

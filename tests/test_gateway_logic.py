@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from pipeline.dialects.anthropic import signature
 from pipeline.gateway import create_gateway
 from pipeline.log import InMemoryStore
 from schemas import ToolChoice, TurnCompleted
@@ -250,7 +251,11 @@ async def test_reasoning_comes_back_in_each_apis_field_and_continues_whether_sen
                 "/v1/messages", json={"model": "m", "max_tokens": 8, "messages": [question]}, headers=key
             )
         ).json()
-        assert anthropic["content"][0] == {"type": "thinking", "thinking": "Think first.", "signature": ""}
+        assert anthropic["content"][0] == {
+            "type": "thinking",
+            "thinking": "Think first.",
+            "signature": signature("Think first."),  # the reasoning's text, restorable
+        }
         history = [question, {"role": "assistant", "content": anthropic["content"]}, follow_up]
         body = {"model": "m", "max_tokens": 8, "messages": history}
         assert (await client.post("/v1/messages", json=body, headers=key)).status_code == 200

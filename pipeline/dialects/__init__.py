@@ -1,6 +1,7 @@
-"""Wire APIs (OpenAI chat completions, Anthropic messages), one dialect module each: a request parsed into
-Turnstile's terms, a reply rendered as that API's JSON or stream events, errors in its shape. ``DIALECTS``
-is the registry the gateway makes its chat routes from; ``inprocess`` serves the OpenAI SDK in process."""
+"""Wire APIs (OpenAI chat completions, OpenAI responses, Anthropic messages), one dialect module each: a
+request parsed into Turnstile's terms, a reply rendered as that API's JSON or stream events, errors in its
+shape. ``DIALECTS`` is the registry the gateway makes its chat routes from; ``inprocess`` serves the OpenAI
+SDK in process."""
 
 from collections.abc import Sequence
 from typing import Final
@@ -17,17 +18,19 @@ from pipeline.dialects.base import (
 )
 from pipeline.dialects.inprocess import InProcessTransport, openai_client
 from pipeline.dialects.openai import OpenAIChat, OpenAIRequestError, model_object
+from pipeline.dialects.responses import OpenAIResponses, ResponsesCall, ResponsesRequestError
 
 OPENAI: Final = OpenAIChat()
 ANTHROPIC: Final = AnthropicMessages()
-DIALECTS: Final[Sequence[Dialect]] = (OPENAI, ANTHROPIC)
+RESPONSES: Final = OpenAIResponses()
+DIALECTS: Final[Sequence[Dialect]] = (OPENAI, ANTHROPIC, RESPONSES)
 """Every wire API the gateway serves; a new one is a module with a ``Dialect`` and an entry here."""
 
 
 def dialect_for_path(path: str) -> Dialect:
     """The dialect whose routes end like ``path`` (``.../messages``: Anthropic's), for answering a request
     to an unknown route in the shape its client expects; OpenAI's otherwise."""
-    last = path.rstrip("/").rsplit("/", 1)[-1]
+    last = path.rstrip("/").removesuffix("/count_tokens").rsplit("/", 1)[-1]  # Anthropic's token count
     for dialect in DIALECTS:
         if any(route.rsplit("/", 1)[-1] == last for route in dialect.paths):
             return dialect
@@ -38,6 +41,7 @@ __all__ = [
     "ANTHROPIC",
     "DIALECTS",
     "OPENAI",
+    "RESPONSES",
     "AnthropicMessages",
     "AnthropicRequestError",
     "ChatCall",
@@ -48,7 +52,10 @@ __all__ = [
     "InProcessTransport",
     "OpenAIChat",
     "OpenAIRequestError",
+    "OpenAIResponses",
     "RequestError",
+    "ResponsesCall",
+    "ResponsesRequestError",
     "WireReply",
     "dialect_for_path",
     "model_object",

@@ -7,19 +7,27 @@ renders those events.
 
 How the two shapes meet:
 
-- ``system`` (a string or text blocks) becomes a leading ``system`` message. A user message's ``tool_result``
-  blocks become ``tool`` messages (``tool_call_id`` = ``tool_use_id``) and its text blocks a user message, in
-  block order; an assistant message's text blocks are joined into its content and its ``tool_use`` blocks
-  become tool calls whose id is the block's id, its ``thinking`` block its ``reasoning_content``
-  (``redacted_thinking`` is ignored). Text blocks are joined with ``"\\n"``; other block kinds (images,
-  documents) are refused. A reply's reasoning comes back as a ``thinking`` block.
+- ``system`` (a string or text blocks) and the text of any ``system``-role message inside ``messages`` (Claude
+  Code sends them) are joined with ``"\n"``, in that order, into one leading ``system`` message. A user
+  message's ``tool_result`` blocks become ``tool`` messages (``tool_call_id`` = ``tool_use_id``) and its text
+  blocks a user message, in block order; an assistant message's text blocks are joined into its content and
+  its ``tool_use`` blocks become tool calls whose id is the block's id, its ``thinking`` block its
+  ``reasoning_content`` (``redacted_thinking`` is ignored: opaque, and the recorded tokens hold what the
+  model wrote). Text blocks are joined with ``"\n"``; other block kinds (images, documents) are refused.
+  A reply's reasoning comes back as a ``thinking`` block whose ``signature`` is the reasoning's text
+  (``turnstile:`` + base64), so a block sent back with its text emptied still restores it.
 - A ``tool_use`` block carries parsed ``input``; the turn recorded the arguments as the model wrote them.
   ``known_arguments`` (tool call id -> the recorded arguments text) lets the parser send back the exact text
   when the input still equals it, so a conversation that returns the reply it got continues token-exact.
-- ``tools`` (``name``, ``description``, ``input_schema``) are function tools; server tools are refused.
+- ``tools`` (``name``, ``description``, ``input_schema``) are function tools; server tools (a ``type`` such
+  as ``web_search_20250305``) are accepted and not offered to the policy.
   ``tool_choice`` is checked (``auto``, ``any``, ``tool`` with a known name, ``none``) and recorded with the
-  turn like the OpenAI one (``schemas.ToolChoice``: ``none`` is enforced, the others are not). ``metadata``
-  and unknown top-level keys are ignored; ``seed`` (not in Anthropic's API) is read when given.
+  turn like the OpenAI one (``schemas.ToolChoice``: ``none`` is enforced, the others are not).
+- Accepted and ignored: ``metadata``, ``cache_control`` on any block or tool, ``context_management``,
+  ``output_config`` (but ``output_config.format``, structured output, is refused), ``thinking``
+  (``enabled``, ``adaptive`` or ``disabled``: the policy reasons as it does; another type is refused),
+  ``service_tier``, ``container``, ``mcp_servers``, ``top_k`` off values and unknown top-level keys; ``seed``
+  (not in Anthropic's API) is read when given.
 - ``stop_reason``: ``tool_use`` when the reply holds tool calls, ``max_tokens`` when it was cut short
   (Turnstile's ``length``, ``abort`` and ``error``), ``stop_sequence`` when it stopped and one of the
   request's stop sequences is in its text (``stop_sequence`` names the first one found), else ``end_turn``.
@@ -28,6 +36,8 @@ How the two shapes meet:
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -62,6 +72,8 @@ ERROR_TYPES: Final[Mapping[int, str]] = {
     529: "overloaded_error",
 }
 _TOP_K_OFF: Final = (-1, 0)
+THINKING_TYPES: Final = ("enabled", "adaptive", "disabled")
+SIGNATURE_PREFIX: Final = "turnstile:"
 
 
 class AnthropicRequestError(RequestError):
@@ -107,8 +119,12 @@ def parse_messages_request(
     stream = given.get("stream", False)
     if not isinstance(stream, bool):
         raise _invalid("stream", "must be true or false", stream)
+    _refuse_unserved(given)
     tools = _parse_tools(given.get("tools", []))
-    messages = _parse_system(given.get("system")) + _parse_messages(given.get("messages"), known_arguments)
+    system, conversation = _parse_messages(given.get("messages"), known_arguments)
+    system_texts = ([_text_of(given["system"], "system")] if "system" in given else []) + system
+    messages = [ChatMessage(role="system", content="\n".join(system_texts))] if system_texts else []
+    messages += conversation
     return ChatCall(
         messages=messages,
         tools=tools,
@@ -123,10 +139,40 @@ def parse_messages_request(
     )
 
 
-def _parse_system(raw: object) -> list[ChatMessage]:
-    if raw is None:
-        return []
-    return [ChatMessage(role="system", content=_text_of(raw, "system"))]
+def count_tokens_estimate(body: object) -> int:
+    """``POST /v1/messages/count_tokens``: an estimate of the prompt's tokens, not the consumer's count (no
+    tokenizer is reachable from the gateway): one token per 4 UTF-8 bytes, rounded up, of each message's
+    text, reasoning and tool calls and of each tool's JSON, plus 4 per message. The body is checked like
+    a Messages request (``max_tokens`` is not needed)."""
+    if isinstance(body, dict) and "max_tokens" not in body:
+        body = {**body, "max_tokens": 1}
+    call = parse_messages_request(body)
+
+    def tokens(text: str) -> int:
+        return -(-len(text.encode()) // 4)
+
+    total = 0
+    for message in call.messages:
+        total += 4 + tokens(message.content or "") + tokens(message.reasoning_content or "")
+        for tool_call in message.tool_calls or []:
+            total += tokens(tool_call.function.name) + tokens(tool_call.function.arguments)
+    return total + sum(tokens(json.dumps(tool.model_dump(mode="json"))) for tool in call.tools)
+
+
+def _refuse_unserved(given: Mapping[str, Any]) -> None:
+    """400 for what would change the output and is not served; ``thinking`` is checked, not enforced."""
+    thinking = given.get("thinking")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else thinking
+        if kind not in THINKING_TYPES:
+            raise _invalid("thinking.type", f"must be one of {', '.join(THINKING_TYPES)}", kind)
+    output_config = given.get("output_config", {})
+    if not isinstance(output_config, dict):
+        raise _invalid("output_config", "must be an object", output_config)
+    if output_config.get("format") is not None:
+        raise _invalid("output_config.format", "structured output is not served", output_config["format"])
+    if given.get("output_format") is not None:
+        raise _invalid("output_format", "structured output is not served", given["output_format"])
 
 
 def _text_of(raw: object, path: str) -> str:
@@ -145,25 +191,31 @@ def _text_of(raw: object, path: str) -> str:
     return "\n".join(texts)
 
 
-def _parse_messages(raw: object, known_arguments: Mapping[str, str] | None) -> list[ChatMessage]:
+def _parse_messages(
+    raw: object, known_arguments: Mapping[str, str] | None
+) -> tuple[list[str], list[ChatMessage]]:
+    """The text of the ``system`` messages (merged into the system prompt), and the other messages."""
     if not isinstance(raw, list) or not raw:
         raise _invalid("messages", "must be a non-empty list of message objects", raw)
+    system: list[str] = []
     messages: list[ChatMessage] = []
     for index, item in enumerate(raw):
         path = f"messages[{index}]"
         if not isinstance(item, dict):
             raise _invalid(path, "must be a message object", item)
         role = item.get("role")
-        if role not in ("user", "assistant"):
-            raise _invalid(
-                f"{path}.role", "must be 'user' or 'assistant' (put system text in 'system')", role
-            )
+        if role not in ("user", "assistant", "system"):
+            raise _invalid(f"{path}.role", "must be 'user', 'assistant' or 'system'", role)
         content = item.get("content")
-        if role == "user":
+        if role == "system":
+            system.append(_text_of(content, f"{path}.content"))
+        elif role == "user":
             messages += _user_messages(content, f"{path}.content")
         else:
             messages.append(_assistant_message(content, f"{path}.content", known_arguments or {}))
-    return messages
+    if not messages:
+        raise _invalid("messages", "must hold a user or assistant message besides system ones", raw)
+    return system, messages
 
 
 def _blocks(content: object, path: str) -> list[dict[str, Any]]:
@@ -220,7 +272,7 @@ def _assistant_message(content: object, path: str, known_arguments: Mapping[str,
         if kind == "text":
             texts.append(_string(block, "text", block_path))
         elif kind == "thinking":
-            reasoning = _string(block, "thinking", block_path)
+            reasoning = _string(block, "thinking", block_path) or _signed(block.get("signature"))
         elif kind == "redacted_thinking":
             continue  # opaque to us; the recorded tokens hold what the model wrote
         elif kind == "tool_use":
@@ -250,6 +302,22 @@ def _assistant_message(content: object, path: str, known_arguments: Mapping[str,
     )
 
 
+def _signed(signature: object) -> str | None:
+    """The reasoning a thinking block's ``signature`` carries (this gateway's: base64 of the text)."""
+    if isinstance(signature, str) and signature.startswith(SIGNATURE_PREFIX):
+        try:
+            return base64.b64decode(signature.removeprefix(SIGNATURE_PREFIX), validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+    return None
+
+
+def signature(reasoning: str) -> str:
+    """A thinking block's ``signature``: the reasoning's text (base64), so a client that sends the block back
+    with its text emptied still restores it."""
+    return SIGNATURE_PREFIX + base64.b64encode(reasoning.encode()).decode()
+
+
 def _arguments_text(call_id: str, arguments: dict[str, Any], known: Mapping[str, str]) -> str:
     """The recorded arguments text when ``arguments`` still equal it, else the arguments as JSON."""
     recorded = known.get(call_id)
@@ -271,11 +339,9 @@ def _parse_tools(raw: object) -> list[ToolSpec]:
         if not isinstance(tool, dict):
             raise _invalid(path, "must be a tool object", tool)
         if tool.get("type") not in (None, "custom"):
-            raise _invalid(
-                f"{path}.type",
-                "only client tools (name, description, input_schema) are served",
-                tool.get("type"),
-            )
+            if not isinstance(tool.get("type"), str):
+                raise _invalid(f"{path}.type", "must be a string", tool.get("type"))
+            continue  # a server tool (web_search_..., bash_..., ...): accepted, not offered to the policy
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise _invalid(f"{path}.input_schema", "is required: a JSON Schema object", schema)
@@ -344,10 +410,12 @@ def stop_reason(choice: ChoiceData, stop_sequences: Sequence[str]) -> tuple[str,
 
 def content_blocks(choice: ChoiceData) -> list[dict[str, Any]]:
     """A ``thinking`` block (when the model reasoned), a text block (when there is text), then a ``tool_use``
-    block per tool call. The thinking block's ``signature`` is empty: nothing here signs it."""
+    block per tool call. The thinking block's ``signature`` carries its text (``signature``)."""
     blocks: list[dict[str, Any]] = []
     if choice.reasoning is not None:
-        blocks.append({"type": "thinking", "thinking": choice.reasoning, "signature": ""})
+        blocks.append(
+            {"type": "thinking", "thinking": choice.reasoning, "signature": signature(choice.reasoning)}
+        )
     if choice.text:
         blocks.append({"type": "text", "text": choice.text})
     for call in choice.tool_calls:
@@ -424,7 +492,7 @@ def message_events(
         elif block["type"] == "thinking":
             opening = {"type": "thinking", "thinking": "", "signature": ""}
             delta = {"type": "thinking_delta", "thinking": block["thinking"]}
-            deltas = [{"type": "signature_delta", "signature": ""}]
+            deltas = [{"type": "signature_delta", "signature": block["signature"]}]
         else:
             opening = {**block, "input": {}}
             delta = {

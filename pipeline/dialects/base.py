@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
+from uuid import UUID
 
 from pydantic import BaseModel, ValidationError
 
@@ -36,6 +37,9 @@ class ChatCall:
     include_usage: bool
     model: str
     tool_choice: ToolChoice | None
+    previous_turn: UUID | None = None
+    """A recorded turn of the session whose conversation and reply come before ``messages`` (the Responses
+    API's ``previous_response_id``); the gateway resolves it."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -172,11 +172,14 @@ class EpisodeSession:
         sampling: SamplingParams | Mapping[str, Any] | None = None,
         tool_choice: ToolChoice | None = None,
         top_logprobs: int | None = None,
+        listening: Callable[[], Awaitable[bool]] | None = None,
     ) -> ChatReply:
         """One LLM turn: the request goes to inference, the turn is recorded, then the reply returns.
 
         ``top_logprobs`` (0-20): the reply carries each completion token's text and bytes and its most
-        likely alternatives (``ChatReply.token_logprobs``, ``top_logprobs``); they are not recorded."""
+        likely alternatives (``ChatReply.token_logprobs``, ``top_logprobs``); they are not recorded.
+        ``listening``: asked once the reply is generated; False records the turn as never delivered (the
+        gateway's client disconnected)."""
         if self.finished:
             raise TurnstileError(f"episode {self.episode_id} is finished; start a new episode")
         if self.max_turns is not None and self._calls >= self.max_turns:
@@ -194,6 +197,7 @@ class EpisodeSession:
                 f"the request's was {parent.length if parent is not None else 0}"
             )
         shared = shared_messages(request.messages, [*parent.messages, parent.reply]) if parent else 0
+        delivered = None if listening is None or await listening() else False
         tools_from_parent = parent is not None and bool(request.tools)
         turn = TurnCompleted(
             parent_turn_id=parent.turn.turn_id if parent else None,
@@ -221,6 +225,7 @@ class EpisodeSession:
             prefix_break=response.prefix_break,
             render_drift=response.render_drift,
             chat_template=response.chat_template,
+            delivered=delivered,
         )
         await self._append([turn])
         context = _Context(
@@ -253,6 +258,14 @@ class EpisodeSession:
         self.turns.append(reply)
         self._contexts.append(context)
         return reply
+
+    def conversation_of(self, turn_id: uuid.UUID) -> list[ChatMessage] | None:
+        """A recorded turn of this session as a whole conversation: its messages, then its reply (what a
+        turn that continues it begins with); None when the session recorded no such turn."""
+        for context in reversed(self._contexts):
+            if context.turn.turn_id == turn_id:
+                return [*context.messages, context.reply]
+        return None
 
     async def _call(self, request: LLMRequest, parent: _Context | None) -> LLMResponse:
         """Send the request: continuing a turn, by naming the tokens its consumer holds (only the new

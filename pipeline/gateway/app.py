@@ -2,10 +2,10 @@
 
 A session is an episode. An admin (``Authorization: Bearer <admin key>``) starts one with
 ``POST /admin/sessions`` and gets a per-session API key; an agent written for any framework points its
-OpenAI or Anthropic client at the gateway with that key, and each ``POST /v1/chat/completions`` or
-``POST /v1/messages`` goes through ``EpisodeSession.chat``: over NATS to the inference consumers, appended
-to the log as a ``TurnCompleted`` before the reply is sent, token-exact when the conversation extends an
-earlier turn. Rewards and the end of the session are posted by the admin
+OpenAI or Anthropic client at the gateway with that key, and each ``POST /v1/chat/completions``,
+``POST /v1/responses`` or ``POST /v1/messages`` goes through ``EpisodeSession.chat``: over NATS to the
+inference consumers, appended to the log as a ``TurnCompleted`` before the reply is sent, token-exact when
+the conversation extends an earlier turn. Rewards and the end of the session are posted by the admin
 (``/admin/sessions/{id}/reward|end``) or by the session's own key (``/v1/session/reward|end``); once a
 session has ended its key gets 401, like any unknown key, and nothing in a 401 says whether a session
 exists.
@@ -13,6 +13,10 @@ exists.
 The chat routes are made from the dialect registry (``pipeline.dialects.DIALECTS``): each dialect's paths,
 parsed, recorded and answered in that API's shape, errors included. Keys and sessions are in
 ``sessions``, admission and the session lifecycle in ``service``, the HTTP server in ``server``.
+
+A retry of a call already taken (``Idempotency-Key``, ``x-stainless-retry-count``, or the same body: see
+``SessionEntry.prior``) is answered from that call; a turn recorded when every client that asked has gone
+is marked never delivered (``Gateway.answer``).
 
 Streaming (``stream: true``) sends the finished reply as the events of a stream: the consumers do not
 generate incrementally, so the first byte comes when the turn is recorded. The recorded turn is the same
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -34,6 +39,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.dialects import (
+    ANTHROPIC,
     DIALECTS,
     OPENAI,
     Dialect,
@@ -42,17 +48,29 @@ from pipeline.dialects import (
     dialect_for_path,
     model_object,
 )
+from pipeline.dialects.anthropic import count_tokens_estimate
 from pipeline.errors import TurnstileError, describe_validation_error
 from pipeline.gateway.errors import GatewayError
-from pipeline.gateway.openapi import ANTHROPIC_MESSAGES, OPENAI_CHAT, model_schema, openapi_body
+from pipeline.gateway.openapi import (
+    ANTHROPIC_COUNT_TOKENS,
+    ANTHROPIC_MESSAGES,
+    OPENAI_CHAT,
+    OPENAI_RESPONSES,
+    model_schema,
+    openapi_body,
+)
 from pipeline.gateway.service import AFTER_END, EndSpec, Gateway, RewardSpec, SessionSpec, describe
-from pipeline.gateway.sessions import SessionEntry, SessionRegistry
+from pipeline.gateway.sessions import RetryKeys, SessionEntry, SessionRegistry
 from pipeline.inference import LLMClient
 from pipeline.log import Store
 
 log = logging.getLogger(__name__)
 
-REQUEST_SCHEMAS: Final = {"openai": OPENAI_CHAT, "anthropic": ANTHROPIC_MESSAGES}
+REQUEST_SCHEMAS: Final = {
+    "openai": OPENAI_CHAT,
+    "anthropic": ANTHROPIC_MESSAGES,
+    "responses": OPENAI_RESPONSES,
+}
 """The request body of each dialect's chat route in ``/openapi.json``, by ``Dialect.name``."""
 
 _Spec = TypeVar("_Spec", bound=BaseModel)
@@ -123,7 +141,12 @@ def create_gateway(
                     defaults=entry.session.started.sampling,
                     known_arguments=entry.tool_arguments,
                 )
-                result = await gateway.chat(entry, call)
+
+                async def listening() -> bool:
+                    return not await request.is_disconnected()
+
+                keys = retry_keys(request, await request.body())
+                result = await gateway.answer(entry, call, keys, listening)
                 return wire_response(dialect.render(call, result, model=entry.session.policy))
 
             return await respond(dialect, answer)
@@ -139,6 +162,24 @@ def create_gateway(
                 include_in_schema=index == 0,
                 openapi_extra=openapi_body(REQUEST_SCHEMAS[dialect.name]),
             )
+
+    # -- Anthropic's token count (an estimate: see count_tokens_estimate) --
+
+    async def count_tokens(request: Request) -> Response:
+        async def answer() -> Response:
+            gateway.session_of(request)
+            return JSONResponse({"input_tokens": count_tokens_estimate(await json_body(request))})
+
+        return await respond(ANTHROPIC, answer)
+
+    for index, path in enumerate(("/v1/messages/count_tokens", "/v1/v1/messages/count_tokens")):
+        app.add_api_route(
+            path,
+            count_tokens,
+            methods=["POST"],
+            include_in_schema=index == 0,
+            openapi_extra=openapi_body(ANTHROPIC_COUNT_TOKENS),
+        )
 
     # -- models (OpenAI's listing: each policy is a model) --
 
@@ -257,6 +298,18 @@ def create_gateway(
 
     app.add_api_route("/health", health, methods=["GET"])
     return app
+
+
+def retry_keys(request: Request, body: bytes) -> RetryKeys:
+    """What tells a retry from a new call: ``Idempotency-Key``, the route and body, and the SDKs'
+    ``x-stainless-retry-count`` (a count that is not a number reads as not sent)."""
+    count = request.headers.get("x-stainless-retry-count")
+    digest = hashlib.sha256(request.url.path.encode() + b"\n" + body).digest()
+    return RetryKeys(
+        idempotency_key=request.headers.get("idempotency-key") or None,
+        body=digest,
+        retry_count=int(count) if count is not None and count.strip().isdigit() else None,
+    )
 
 
 def gateway_of(app: FastAPI) -> Gateway:

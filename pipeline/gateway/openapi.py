@@ -127,7 +127,7 @@ ANTHROPIC_MESSAGES: Final[dict[str, Any]] = {
                 "type": "object",
                 "required": ["role", "content"],
                 "properties": {
-                    "role": {"enum": ["user", "assistant"]},
+                    "role": {"enum": ["user", "assistant", "system"]},
                     "content": {"anyOf": [_STRING, {"type": "array", "items": _ANTHROPIC_BLOCK}]},
                 },
             },
@@ -146,6 +146,92 @@ ANTHROPIC_MESSAGES: Final[dict[str, Any]] = {
         "top_k": {"type": "integer", "minimum": 1},
         "stop_sequences": {"type": "array", "items": _STRING},
         "stream": {"type": "boolean"},
+    },
+}
+
+
+ANTHROPIC_COUNT_TOKENS: Final[dict[str, Any]] = {
+    **ANTHROPIC_MESSAGES,
+    "required": ["model", "messages"],
+}
+
+_RESPONSES_TEXT: Final = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": _STRING},
+}
+_RESPONSES_ITEM: Final = {
+    "anyOf": [
+        {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {
+                "type": {"const": "message"},
+                "role": {"enum": ["user", "system", "developer", "assistant"]},
+                "content": {"anyOf": [_STRING, {"type": "array", "items": _RESPONSES_TEXT}]},
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type", "call_id", "name", "arguments"],
+            "properties": {
+                "type": {"const": "function_call"},
+                "call_id": _STRING,
+                "name": _STRING,
+                "arguments": _STRING,
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type", "call_id", "output"],
+            "properties": {"type": {"const": "function_call_output"}, "call_id": _STRING, "output": _STRING},
+        },
+        {
+            "type": "object",
+            "required": ["type", "summary"],
+            "properties": {
+                "type": {"const": "reasoning"},
+                "summary": {"type": "array", "items": {"type": "object"}},
+                "encrypted_content": _STRING,
+            },
+        },
+    ]
+}
+
+OPENAI_RESPONSES: Final[dict[str, Any]] = {
+    "type": "object",
+    "required": ["input"],
+    "properties": {
+        "model": _STRING,
+        "input": {"anyOf": [_STRING, {"type": "array", "minItems": 1, "items": _RESPONSES_ITEM}]},
+        "instructions": _STRING,
+        "previous_response_id": _STRING,
+        "tools": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type"],
+                "properties": {
+                    "type": _STRING,
+                    "name": _STRING,
+                    "description": _STRING,
+                    "parameters": {"type": "object"},
+                    "strict": {"type": "boolean"},
+                },
+            },
+        },
+        "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
+        "parallel_tool_calls": {"type": "boolean"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "max_output_tokens": {"type": "integer", "minimum": 1},
+        "stream": {"type": "boolean"},
+        "store": {"type": "boolean"},
+        "include": {"type": "array", "items": _STRING},
+        "prompt_cache_key": _STRING,
+        "metadata": {"type": "object", "additionalProperties": _STRING},
+        "reasoning": {"type": "object"},
+        "truncation": {"const": "disabled"},
     },
 }
 

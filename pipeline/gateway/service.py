@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,7 +28,7 @@ from pipeline.episodes import ChatReply, EpisodeSession, InvalidLLMCall, MaxTurn
 from pipeline.episodes.openai_client import wanted_detail
 from pipeline.errors import InvalidEvent, StoreUnavailable, WrongExpectedVersion
 from pipeline.gateway.errors import GatewayError
-from pipeline.gateway.sessions import SessionEntry, SessionRegistry, key_digest
+from pipeline.gateway.sessions import Answer, Listener, RetryKeys, SessionEntry, SessionRegistry, key_digest
 from pipeline.inference import (
     InferenceError,
     InferenceTimeout,
@@ -36,7 +37,7 @@ from pipeline.inference import (
     RequestRejected,
 )
 from pipeline.log import Store
-from schemas import PolicyVersionPublished, SamplingParams
+from schemas import ChatMessage, PolicyVersionPublished, SamplingParams
 from schemas.episode import Termination
 
 BAD_KEY: Final = (
@@ -283,16 +284,66 @@ class Gateway:
 
     # -- turns --
 
-    async def chat(self, entry: SessionEntry, call: ChatCall) -> ChatResult:
-        """``call.n`` turns of the session (siblings when ``n`` > 1), each recorded before it returns."""
+    async def answer(
+        self, entry: SessionEntry, call: ChatCall, keys: RetryKeys, listener: Listener
+    ) -> ChatResult:
+        """The call's result: the recorded one when the call retries an earlier call of the session
+        (``SessionEntry.prior``: joined while it runs, else answered from its recorded turn, never generated
+        and recorded again), else ``chat``. A turn recorded when no client that asked is connected any more
+        is marked never delivered."""
+        prior = entry.prior(keys)
+        if prior is not None:
+            prior.listeners.append(listener)
+            try:
+                result: ChatResult = await asyncio.shield(prior.task)
+                return result
+            finally:
+                prior.listeners.remove(listener)
+        answers: list[Answer] = []  # the one this call makes, once made
+
+        async def listening() -> bool:
+            connected = await answers[0].listening()
+            answers[0].undelivered = answers[0].undelivered or not connected
+            return connected
+
+        answer = Answer(asyncio.create_task(self.chat(entry, call, listening)), [listener])
+        answers.append(answer)
+
+        def forget_failed(task: asyncio.Task[Any]) -> None:
+            if task.cancelled() or task.exception() is not None:
+                entry.forget(answer)
+
+        answer.task.add_done_callback(forget_failed)
+        entry.remember(keys, answer)
+        try:
+            result = await asyncio.shield(answer.task)
+            return result
+        finally:
+            answer.listeners.remove(listener)
+
+    async def chat(
+        self,
+        entry: SessionEntry,
+        call: ChatCall,
+        listening: Callable[[], Awaitable[bool]] | None = None,
+    ) -> ChatResult:
+        """``call.n`` turns of the session (siblings when ``n`` > 1), each recorded before it returns;
+        ``call.previous_turn`` (a recorded turn of the session) is the conversation the call continues."""
         session = entry.session
+        if call.previous_turn is not None:
+            call = continued(call, session.conversation_of(call.previous_turn))
 
         async def turns() -> list[ChatReply]:
             return list(
                 await asyncio.gather(
                     *(
                         session.chat(
-                            call.messages, call.tools, call.sampling, call.tool_choice, wanted_detail(call)
+                            call.messages,
+                            call.tools,
+                            call.sampling,
+                            call.tool_choice,
+                            wanted_detail(call),
+                            listening,
                         )
                         for _ in range(call.n)
                     )
@@ -318,6 +369,23 @@ class Gateway:
             self.served_versions[session.policy] = max(known, reply.policy_version)
             entry.tool_arguments.update((call.id, call.function.arguments) for call in reply.tool_calls)
         return chat_result(session.episode_id, replies)
+
+
+def continued(call: ChatCall, history: list[ChatMessage] | None) -> ChatCall:
+    """``call`` with the conversation it continues before its messages; new ``instructions`` (a leading
+    system message of the call) replace the conversation's leading system message."""
+    if history is None:
+        raise GatewayError(
+            400,
+            f"Previous response with id 'resp_{call.previous_turn.hex if call.previous_turn else ''}' not "
+            "found: it names no turn of this session",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    messages = call.messages
+    if messages and messages[0].role == "system" and history and history[0].role == "system":
+        history, messages = [messages[0], *history[1:]], messages[1:]
+    return dataclasses.replace(call, messages=[*history, *messages], previous_turn=None)
 
 
 def describe(entry: SessionEntry) -> dict[str, Any]:

@@ -11,8 +11,8 @@ import hmac
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
 from pipeline.episodes import EpisodeSession
@@ -21,6 +21,9 @@ from pipeline.gateway.errors import GatewayError
 
 _T = TypeVar("_T")
 
+ANSWERS_KEPT: Final = 8
+"""Calls remembered per session for answering retries, newest first (each holds its reply and prompt ids:
+a retry comes within seconds of its call, and a long conversation's ids are large)."""
 ENDED_KEPT: Final = 100_000
 """Ended sessions remembered (newest first), so that their keys get 409 "has ended", not 401 "invalid key"."""
 
@@ -44,6 +47,38 @@ def key_digest(api_key: str) -> bytes:
     return hashlib.sha256(api_key.encode()).digest()
 
 
+Listener = Callable[[], Awaitable[bool]]
+"""Whether a client that asked is still connected (``starlette.Request.is_disconnected``, negated)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetryKeys:
+    """What marks a call as a retry of an earlier one: its ``Idempotency-Key``, the hash of its route and
+    body, and whether the client says it retries (``x-stainless-retry-count``: None when not sent)."""
+
+    idempotency_key: str | None
+    body: bytes
+    retry_count: int | None
+
+
+@dataclass
+class Answer:
+    """A call of the session and its result (a task: retries that come while it runs wait for it), and the
+    clients waiting for it."""
+
+    task: asyncio.Task[Any]
+    listeners: list[Listener] = field(default_factory=list)
+    undelivered: bool = False
+    """The turn was recorded when no client was there to get it (``TurnCompleted.delivered`` False)."""
+
+    async def listening(self) -> bool:
+        """Whether any client that asked (the call, or a retry of it) is still there to get the reply."""
+        for connected in list(self.listeners):
+            if await connected():
+                return True
+        return False
+
+
 class SessionEntry:
     """An open session as the gateway holds it: whose it is, when it was last used, its calls in flight."""
 
@@ -56,6 +91,39 @@ class SessionEntry:
         self.tool_arguments: dict[str, str] = {}
         """Tool call id -> the arguments text the model wrote, for every turn served here: an API that
         sends arguments back parsed (Anthropic's ``tool_use.input``) gets the exact text restored."""
+        self.answers: OrderedDict[bytes | str, Answer] = OrderedDict()
+        """The latest calls by body hash and by ``Idempotency-Key``, for answering retries."""
+
+    def prior(self, keys: RetryKeys) -> Answer | None:
+        """The earlier call ``keys`` retry, if any: the same ``Idempotency-Key``; or the same body when the
+        client says it retries (``x-stainless-retry-count`` > 0), or, from a client that does not say
+        (no such header), while the earlier call runs or when its reply reached nobody. A body sent again
+        after its reply was delivered, or with retry count 0, is a new call (an agent sampling again)."""
+        if keys.idempotency_key is not None:
+            answer = self.answers.get("idempotency:" + keys.idempotency_key)
+            if answer is not None:
+                return answer
+        answer = self.answers.get(keys.body)
+        if answer is None or keys.retry_count == 0:
+            return None
+        if keys.retry_count is not None or not answer.task.done():
+            return answer
+        return answer if answer.undelivered else None
+
+    def remember(self, keys: RetryKeys, answer: Answer) -> None:
+        names: Iterable[bytes | str] = [keys.body]
+        if keys.idempotency_key is not None:
+            names = [keys.body, "idempotency:" + keys.idempotency_key]
+        for name in names:
+            self.answers[name] = answer
+            self.answers.move_to_end(name)
+        while len(self.answers) > ANSWERS_KEPT:
+            self.answers.popitem(last=False)
+
+    def forget(self, answer: Answer) -> None:
+        """Drop a call that failed: a retry of it runs again."""
+        for name in [name for name, known in self.answers.items() if known is answer]:
+            del self.answers[name]
 
     @property
     def session_id(self) -> str:

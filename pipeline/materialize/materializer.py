@@ -345,10 +345,12 @@ class Fold:
             (row.recorded_at - events[0].recorded_at).total_seconds(), row.position,
         ]  # fmt: skip
         usable = termination in USABLE and bool(turns)
+        unseen = _never_delivered(events, tree)
+        trained = [turn for turn in turns if turn.turn_id not in unseen]
         if usable and self.config.style == "concat":
-            samples = concat_samples(turns, tree, values)
+            samples = concat_samples(trained, {t: p for t, p in tree.items() if t not in unseen}, values)
         elif usable:
-            samples = individual_samples(turns, values)
+            samples = individual_samples(trained, values)
         del self.open[row.stream]
         self._record_finished(episode_id, finished)
         self.writes.turns.extend(turn_rows)
@@ -996,3 +998,15 @@ class Materializer:
                         pass
         finally:
             await listener.close()
+
+
+def _never_delivered(events: list[LogRow], tree: dict[uuid.UUID, uuid.UUID | None]) -> set[uuid.UUID]:
+    """Turns recorded as never delivered (``TurnCompleted.delivered`` False: the client disconnected) that
+    no later turn continues: the agent never saw them, so they are no training samples. A marked turn that
+    has a child was seen after all (a retry was answered with it)."""
+    marked = {
+        uuid.UUID(str(e.data["turn_id"]))
+        for e in events
+        if e.type == "TurnCompleted" and e.data.get("delivered") is False
+    }
+    return marked - set(tree.values()) if marked else marked
