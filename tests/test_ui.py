@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from consumers.gateway import mount_browser
+from pipeline.gateway import create_gateway
 from pipeline.log import EventStore
 from pipeline.ui import create_app, parse_query
 from pipeline.ui.filters import BadRequest
@@ -196,3 +198,27 @@ async def test_a_superuser_login_is_refused_unless_allowed(store: EventStore, da
     assert response.status_code == 200
     assert "no episodes in the episodes read model yet" in response.text
     await allowed.state.browser.close()
+
+
+async def test_mounted_in_the_gateway_it_asks_for_the_admin_key_and_links_under_its_path(
+    store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    recorded = await record_episodes(store)
+    gateway = create_gateway(None, None, admin_key="the-admin-key")
+    browser = mount_browser(gateway, login_url(database_url, logins["turnstile_reader"]), "the-admin-key")
+    transport = httpx.ASGITransport(app=gateway)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        refused = await client.get("/ui/episodes")
+        assert refused.status_code == 401
+        assert refused.headers["www-authenticate"].startswith("Basic ")
+        wrong = await client.get("/ui/episodes", auth=("me", "not-the-key"))
+        assert wrong.status_code == 401
+        page = await client.get("/ui/episodes", auth=("me", "the-admin-key"))
+        assert page.status_code == 200
+        assert f'href="/ui/episodes/{recorded.branching}"' in page.text
+        bearer = await client.get(
+            f"/ui/episodes/{recorded.branching}", headers={"Authorization": "Bearer the-admin-key"}
+        )
+        assert bearer.status_code == 200
+        assert "2 lineages, branching" in bearer.text
+    await browser.state.browser.close()
