@@ -57,6 +57,7 @@ from pipeline.ui.filters import (
     STATUSES,
     TERMINATIONS,
     BadRequest,
+    EpisodeQuery,
     count_query,
     page_query,
     parse_query,
@@ -65,6 +66,7 @@ from pipeline.ui.filters import (
 log = logging.getLogger(__name__)
 
 BATCH_PAGE: Final = 50
+COUNT_TIMEOUT_MS: Final = 100
 # The policies for the filter's menu: a skip scan over the index on (policy, started_at), one probe per
 # policy, where SELECT DISTINCT would read every episode.
 POLICIES_QUERY: Final = """
@@ -258,8 +260,8 @@ def create_app(
         now = dt.datetime.now(dt.UTC)
         async with engine.connect() as connection:
             rows = (await connection.execute(page_query(query, now))).mappings().all()
-            total = int(await connection.scalar(count_query(query, now)) or 0)
             policies = list((await connection.scalars(sa.text(POLICIES_QUERY))).all())
+            total = await _count(connection, query, now)
         return page(
             request,
             "episodes.html",
@@ -267,7 +269,7 @@ def create_app(
             rows=rows[: query.per],
             more=len(rows) > query.per,
             total=total,
-            capped=total > COUNT_CAP,
+            capped=total is not None and total > COUNT_CAP,
             sorts=list(SORTS),
             statuses=STATUSES,
             terminations=TERMINATIONS,
@@ -486,6 +488,19 @@ def create_app(
         )
 
     return app
+
+
+async def _count(connection: Any, query: EpisodeQuery, now: dt.datetime) -> int | None:
+    """How many episodes match (up to COUNT_CAP + 1), or None when counting takes longer than
+    COUNT_TIMEOUT_MS: a rare filter over a million episodes reads them all, and the page must not wait."""
+    try:
+        # SET LOCAL: this transaction only (the page's queries ran before it; it ends with the connection).
+        await connection.execute(sa.text(f"SET LOCAL statement_timeout = {COUNT_TIMEOUT_MS}"))
+        return int(await connection.scalar(count_query(query, now)) or 0)
+    except sqlalchemy.exc.DBAPIError as error:
+        if isinstance(error.orig, psycopg.errors.QueryCanceled):
+            return None
+        raise
 
 
 async def _run_figures(connection: Any, policy: str) -> dict[str, Any]:
