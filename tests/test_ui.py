@@ -10,11 +10,13 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+import sqlalchemy as sa
+import sqlalchemy.exc
 
 from consumers.gateway import mount_browser
 from pipeline.gateway import create_gateway
 from pipeline.log import EventStore
-from pipeline.ui import charts, create_app, parse_query
+from pipeline.ui import charts, create_app, parse_query, reader_engine
 from pipeline.ui.filters import BadRequest
 from tests.conftest import login_url
 from tests.ui_episodes import Recorded, record_episodes
@@ -244,3 +246,28 @@ def test_charts_place_points_bands_and_bars_by_hand() -> None:
         charts.line_chart([], [], xlabel="", ylabel="", title="")
         == '<p class="empty">nothing to plot yet</p>'
     )
+
+
+async def test_the_reader_engine_cannot_write_even_what_its_login_could(
+    store: EventStore, database_url: str
+) -> None:
+    engine = reader_engine(
+        database_url
+    )  # the owner's login: the connection is still read-only, as the reader
+    try:
+        async with engine.connect() as connection:
+            role = await connection.scalar(sa.text("SELECT current_user"))
+            assert role == "turnstile_reader"
+            assert await connection.scalar(sa.text("SHOW transaction_read_only")) == "on"
+        async with engine.connect() as connection:
+            with pytest.raises(sqlalchemy.exc.DBAPIError, match="read-only transaction"):
+                await connection.execute(sa.text("DELETE FROM episodes"))
+    finally:
+        await engine.dispose()
+
+
+async def test_several_tags_stay_in_the_form(browsing: Browsing) -> None:
+    page = (await browsing.client.get("/episodes?tag=split%3Dtrain&tag=suite%3Da")).text
+    assert 'name="tag" value="split=train"' in page
+    assert 'name="tag" value="suite=a"' in page
+    assert listed(page) == []  # no episode has both
