@@ -18,6 +18,16 @@ from pipeline.gateway import create_gateway
 from pipeline.log import EventStore
 from pipeline.ui import charts, create_app, parse_query, reader_engine
 from pipeline.ui.filters import BadRequest
+from schemas import (
+    ChatMessage,
+    EpisodeFinished,
+    EpisodeStarted,
+    RewardAssigned,
+    SamplingParams,
+    TurnCompleted,
+    TurnReply,
+    TurnRequest,
+)
 from tests.conftest import login_url
 from tests.ui_episodes import Recorded, record_episodes
 
@@ -271,3 +281,60 @@ async def test_several_tags_stay_in_the_form(browsing: Browsing) -> None:
     assert 'name="tag" value="split=train"' in page
     assert 'name="tag" value="suite=a"' in page
     assert listed(page) == []  # no episode has both
+
+
+def counting_turn(messages: list[ChatMessage], text: str) -> TurnCompleted:
+    return TurnCompleted(
+        request=TurnRequest(messages=messages, sampling=SamplingParams(max_tokens=8)),
+        reply=TurnReply(text=text, finish_reason="stop"),
+        prompt_token_ids=[1, 2],
+        completion_token_ids=[3],
+        completion_logprobs=[-0.5],
+        policy_version=0,
+        engine_id="e",
+    )
+
+
+async def test_a_rerun_shows_the_divergence_beside_the_recorded_turn(
+    store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    """CountingAgent's three turns recorded by hand; RewordedCountingAgent asks otherwise at turn 2."""
+    started = EpisodeStarted(
+        episode_id="counting-1",
+        task={"id": 7},
+        task_id="7",
+        agent="tests.replay_agents:CountingAgent",
+        policy="p",
+    )
+    turns = [counting_turn([ChatMessage(role="user", content="task 7: count to three")], "one")]
+    for n in (2, 3):
+        previous = turns[-1]
+        reply = ChatMessage(role="assistant", content=previous.reply.text)
+        follow_up = ChatMessage(role="user", content=f"now say {n}")
+        turns.append(counting_turn([*previous.request.messages, reply, follow_up], f"say {n}"))
+    events = [started, *turns, RewardAssigned(value=1.0), EpisodeFinished(termination="done")]
+    await store.append("episode-counting-1", events, expected_version=0)
+    before = await store.head()
+    reader = login_url(database_url, logins["turnstile_reader"])
+    apps = {
+        "off": create_app(reader),
+        "same": create_app(reader, reruns=True),
+        "changed": create_app(reader, reruns=True, rerun_agent="tests.replay_agents:RewordedCountingAgent"),
+    }
+    pages = {}
+    for name, app in apps.items():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ui") as client:
+            pages[name] = await client.get("/episodes/counting-1/rerun")
+        await app.state.browser.close()
+    assert pages["off"].status_code == 404
+    assert "turnstile ui --rerun" in pages["off"].text
+    assert pages["same"].status_code == 200
+    assert "identical" in pages["same"].text
+    assert "3 of 3 recorded turns replayed" in pages["same"].text
+    changed = pages["changed"].text
+    assert "diverged at" in changed
+    assert f'id="turn-{turns[1].turn_id}"' in changed
+    assert "the rerun diverged here" in changed
+    assert '<span class="del">-  now say 2</span>' in changed
+    assert '<span class="add">+  now please say 2</span>' in changed
+    assert await store.head() == before  # nothing written

@@ -44,6 +44,7 @@ from pipeline.replay import (
     EpisodeNotFound,
     load_episode,
     load_tokenizer,
+    rerun_by_id,
     resolve_episode_id,
 )
 from pipeline.replay.lookup import UnreadableEpisode
@@ -88,6 +89,10 @@ class Browser:
     reader_url: str
     allow_superuser: bool = False
     tokenizer_dirs: Mapping[str, Path] = field(default_factory=dict)  # policy -> directory; "*": any
+    reruns: bool = False  # /episodes/ID/rerun runs agent code (the recorded agent, or rerun_agent)
+    rerun_agent: str | None = None
+    rerun_timeout: float = 60.0
+    agents: dict[str, Any] = field(default_factory=dict)
     engine: AsyncEngine | None = None
     store: EventStore | None = None
     tokenizers: dict[Path, Any] = field(default_factory=dict)
@@ -161,9 +166,18 @@ def create_app(
     *,
     allow_superuser: bool = False,
     tokenizer_dirs: Mapping[str, Path] | None = None,
+    reruns: bool = False,
+    rerun_agent: str | None = None,
 ) -> FastAPI:
-    """The episode browser as an ASGI app (serve it, or mount it under a path of another app)."""
-    browser = Browser(reader_url, allow_superuser, dict(tokenizer_dirs or {}))
+    """The episode browser as an ASGI app (serve it, or mount it under a path of another app).
+
+    ``reruns``: serve ``/episodes/ID/rerun``, which runs the episode's agent (or ``rerun_agent``) in this
+    process on the recorded replies (``turnstile replay --rerun``; nothing is written) and shows where it
+    diverged beside the recorded turn. Off by default: it runs code.
+    """
+    browser = Browser(
+        reader_url, allow_superuser, dict(tokenizer_dirs or {}), reruns=reruns, rerun_agent=rerun_agent
+    )
     templates = _templates()
 
     @asynccontextmanager
@@ -277,13 +291,13 @@ def create_app(
             policies=sorted(policies),
         )
 
-    @app.get("/episodes/{episode_id}", response_class=HTMLResponse)
-    async def episode(request: Request, episode_id: str) -> Response:
+    async def episode_page(request: Request, episode_id: str, rerun: bool) -> Response:
         engine, store = await browser.open()
         found = await resolve_episode_id(store, episode_id)
         if found != episode_id:
             base = request.scope.get("root_path", "").rstrip("/")
-            return RedirectResponse(f"{base}/episodes/{quote(found, safe='')}", status_code=307)
+            tail = "/rerun" if rerun else ""
+            return RedirectResponse(f"{base}/episodes/{quote(found, safe='')}{tail}", status_code=307)
         replayed = await load_episode(store, found)
         t, s, e = turns_table, samples_table, episodes_table
         async with engine.connect() as connection:
@@ -317,7 +331,30 @@ def create_app(
             tokenizer=tokenizer,
             tokenizer_name=tokenizer_name,
         )
-        return page(request, "episode.html", view=view, samples=sample_rows, read_model=row)
+        result = None
+        if rerun:
+            result = await rerun_by_id(
+                store, found, agent=browser.rerun_agent, timeout=browser.rerun_timeout, agents=browser.agents
+            )
+        return page(
+            request, "episode.html", view=view, samples=sample_rows, read_model=row, rerun=result,
+            reruns=browser.reruns, rerun_agent=browser.rerun_agent,
+        )  # fmt: skip
+
+    @app.get("/episodes/{episode_id}", response_class=HTMLResponse)
+    async def episode(request: Request, episode_id: str) -> Response:
+        return await episode_page(request, episode_id, rerun=False)
+
+    @app.get("/episodes/{episode_id}/rerun", response_class=HTMLResponse)
+    async def rerun(request: Request, episode_id: str) -> Response:
+        if not browser.reruns:
+            return error_page(
+                request, 404, "Reruns are off",
+                "this browser runs no agent code: start it with `turnstile ui --rerun [--rerun-agent "
+                "pkg.mod:Agent]` to rerun an episode's agent on its recorded replies (nothing is written), "
+                f"or run `turnstile replay {episode_id} --rerun`",
+            )  # fmt: skip
+        return await episode_page(request, episode_id, rerun=True)
 
     @app.get("/turns/{turn_id}", include_in_schema=False)
     async def turn(request: Request, turn_id: str) -> Response:
