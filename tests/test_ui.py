@@ -18,18 +18,8 @@ from pipeline.gateway import create_gateway
 from pipeline.log import EventStore
 from pipeline.ui import charts, create_app, parse_query, reader_engine
 from pipeline.ui.filters import BadRequest
-from schemas import (
-    ChatMessage,
-    EpisodeFinished,
-    EpisodeStarted,
-    RewardAssigned,
-    SamplingParams,
-    TurnCompleted,
-    TurnReply,
-    TurnRequest,
-)
 from tests.conftest import login_url
-from tests.ui_episodes import Recorded, record_episodes
+from tests.ui_episodes import Recorded, record_counting_episode, record_episodes
 
 
 @dataclass
@@ -283,37 +273,11 @@ async def test_several_tags_stay_in_the_form(browsing: Browsing) -> None:
     assert listed(page) == []  # no episode has both
 
 
-def counting_turn(messages: list[ChatMessage], text: str) -> TurnCompleted:
-    return TurnCompleted(
-        request=TurnRequest(messages=messages, sampling=SamplingParams(max_tokens=8)),
-        reply=TurnReply(text=text, finish_reason="stop"),
-        prompt_token_ids=[1, 2],
-        completion_token_ids=[3],
-        completion_logprobs=[-0.5],
-        policy_version=0,
-        engine_id="e",
-    )
-
-
 async def test_a_rerun_shows_the_divergence_beside_the_recorded_turn(
     store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
 ) -> None:
     """CountingAgent's three turns recorded by hand; RewordedCountingAgent asks otherwise at turn 2."""
-    started = EpisodeStarted(
-        episode_id="counting-1",
-        task={"id": 7},
-        task_id="7",
-        agent="tests.replay_agents:CountingAgent",
-        policy="p",
-    )
-    turns = [counting_turn([ChatMessage(role="user", content="task 7: count to three")], "one")]
-    for n in (2, 3):
-        previous = turns[-1]
-        reply = ChatMessage(role="assistant", content=previous.reply.text)
-        follow_up = ChatMessage(role="user", content=f"now say {n}")
-        turns.append(counting_turn([*previous.request.messages, reply, follow_up], f"say {n}"))
-    events = [started, *turns, RewardAssigned(value=1.0), EpisodeFinished(termination="done")]
-    await store.append("episode-counting-1", events, expected_version=0)
+    turns = await record_counting_episode(store)
     before = await store.head()
     reader = login_url(database_url, logins["turnstile_reader"])
     apps = {
