@@ -168,6 +168,13 @@ async def test_a_run_and_a_batch_lead_to_their_samples_and_episodes(browsing: Br
     assert "turns/s" in run
     assert "done" in run
     assert "error" in run
+    live = (await client.get("/runs/main?refresh=30")).text
+    assert '<meta http-equiv="refresh" content="30">' in live
+    assert (await client.get("/runs/main?refresh=1")).status_code == 400
+    assert (await client.get("/runs/main?colour=red")).status_code == 400
+    running = await client.get(f"/episodes/{recorded.running}")
+    assert running.status_code == 200
+    assert '<span class="badge running">running</span>' in running.text
     batches = (await client.get("/batches")).text
     batch_ids = re.findall(r'href="/batches/([0-9a-zA-Z_-]+)"', batches)
     assert batch_ids

@@ -391,6 +391,15 @@ def create_app(
 
     @app.get("/runs/{policy}", response_class=HTMLResponse)
     async def run(request: Request, policy: str) -> HTMLResponse:
+        unknown = sorted(set(request.query_params) - {"refresh"})
+        if unknown:
+            raise BadRequest(f"unknown parameter {unknown[0]!r}: the run page takes refresh (seconds)")
+        refresh_text = request.query_params.get("refresh")
+        refresh = None
+        if refresh_text is not None:
+            if not refresh_text.isdigit() or not 5 <= int(refresh_text) <= 3600:
+                raise BadRequest(f"refresh: {refresh_text!r} is not a number of seconds from 5 to 3600")
+            refresh = int(refresh_text)
         engine, _ = await browser.open()
         async with engine.connect() as connection:
             figures = await _run_figures(connection, policy)
@@ -401,7 +410,7 @@ def create_app(
                 "No such run",
                 f"no episodes of policy {policy!r} in the episodes read model (is the materializer running?)",
             )
-        return page(request, "run.html", policy=policy, **figures)
+        return page(request, "run.html", policy=policy, refresh=refresh, **figures)
 
     @app.get("/batches", response_class=HTMLResponse)
     async def batches(request: Request) -> HTMLResponse:
