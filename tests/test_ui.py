@@ -4,7 +4,10 @@ its tree and shaded tokens, a run, a batch, deep links, and a clear error page f
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -309,3 +312,21 @@ async def test_a_rerun_shows_the_divergence_beside_the_recorded_turn(
     assert '<span class="del">-  now say 2</span>' in changed
     assert '<span class="add">+  now please say 2</span>' in changed
     assert await store.head() == before  # nothing written
+
+
+def test_turnstile_ui_refuses_to_start_on_a_superuser_login_or_a_bad_option(database_url: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    env["TURNSTILE_READER_URL"] = database_url  # the tests' server login is a superuser
+    done = subprocess.run(
+        [sys.executable, "-m", "consumers.cli", "ui", "--port", "0"], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "superuser" in done.stderr
+    assert "--allow-superuser" in done.stderr
+    lone = subprocess.run(
+        [sys.executable, "-m", "consumers.cli", "ui", "--rerun-agent", "a.b:C"], env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert lone.returncode == 2
+    assert "add --rerun" in lone.stderr

@@ -386,6 +386,8 @@ def ui(
     from consumers.runtime import setup_logging
     from consumers.ui import UiConfig, serve_ui
 
+    if rerun_agent and not rerun:
+        raise ConfigError("--rerun-agent is the agent of --rerun: add --rerun")
     tokenizer_dirs: dict[str, Path] = {}
     for given in model or []:
         policy, equals, directory = given.rpartition("=")
@@ -402,6 +404,4 @@ def ui(
         reruns=rerun,
         rerun_agent=rerun_agent,
     )
-    if rerun_agent and not rerun:
-        raise ConfigError("--rerun-agent is the agent of --rerun: add --rerun")
     asyncio.run(serve_ui(config, console=console))
