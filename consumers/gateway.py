@@ -12,11 +12,13 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fastapi import FastAPI
 from rich.console import Console
 
 from consumers.runtime import Connections, episode_services, running
 from pipeline.errors import ConfigError
 from pipeline.gateway import HttpServer, create_gateway
+from pipeline.ui import KeyGuard, create_app
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class GatewayConfig:
     public_url: str | None = None
     heartbeat_timeout: float = 15.0
     lease_timeout: float = 30.0
+    ui_reader_url: str | None = None  # set: the episode browser at /ui, behind the admin key
 
     def __post_init__(self) -> None:
         if not self.admin_key:
@@ -45,6 +48,14 @@ class GatewayConfig:
             raise ConfigError(f"--max-staleness must be 0 or more, got {self.max_staleness}")
         if self.idle_timeout is not None and self.idle_timeout <= 0:
             raise ConfigError(f"--idle-timeout must be more than 0 seconds, got {self.idle_timeout:g}")
+
+
+def mount_browser(app: FastAPI, reader_url: str, admin_key: str) -> FastAPI:
+    """The episode browser (read-only, as ``reader_url``) at ``/ui`` of the gateway, behind the admin key:
+    the gateway's port is one that agents reach."""
+    browser = create_app(reader_url)
+    app.mount("/ui", KeyGuard(browser, admin_key))
+    return browser
 
 
 async def serve_gateway(
@@ -78,6 +89,9 @@ async def serve_gateway(
             runner_id=services.lease.runner_id,
             public_url=config.public_url,
         )
+        browser = None
+        if config.ui_reader_url is not None:
+            browser = mount_browser(app, config.ui_reader_url, config.admin_key)
         server = HttpServer(app, host=config.host, port=config.port)
         url = await server.start()
         runtime.check("nats", lambda: services.connection.is_connected)
@@ -97,3 +111,5 @@ async def serve_gateway(
             await asyncio.gather(stopping, serving, return_exceptions=True)
             # the app's shutdown ends the open sessions as cancelled; raises if the server crashed
             await server.stop()
+            if browser is not None:
+                await browser.state.browser.close()

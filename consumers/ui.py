@@ -27,6 +27,8 @@ class UiConfig:
     port: int = 8080
     allow_superuser: bool = False
     tokenizer_dirs: Mapping[str, Path] = field(default_factory=dict)
+    reruns: bool = False
+    rerun_agent: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -51,7 +53,11 @@ async def serve_ui(
     finally:
         await engine.dispose()
     app = create_app(
-        config.reader_url, allow_superuser=config.allow_superuser, tokenizer_dirs=config.tokenizer_dirs
+        config.reader_url,
+        allow_superuser=config.allow_superuser,
+        tokenizer_dirs=config.tokenizer_dirs,
+        reruns=config.reruns,
+        rerun_agent=config.rerun_agent,
     )
     async with running("ui", stop=stop) as runtime:
         server = HttpServer(app, host=config.host, port=config.port)

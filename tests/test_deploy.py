@@ -81,7 +81,7 @@ def test_every_compose_command_parses_with_the_turnstile_cli() -> None:
     }
     assert set(commands) == {
         "migrate", "model", "inference", "inference-gpu", "materializer", "relay", "trainer", "gateway",
-        "runner", "submit",
+        "runner", "submit", "ui",
     }  # fmt: skip
     assert commands["model"] == ["model", "init-tiny", "/models/.tiny-build"]
     for args in {tuple(args[: 2 if args[0] in ("serve", "model") else 1]) for args in commands.values()}:

@@ -4,18 +4,25 @@ its tree and shaded tokens, a run, a batch, deep links, and a clear error page f
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
+import sqlalchemy as sa
+import sqlalchemy.exc
 
+from consumers.gateway import mount_browser
+from pipeline.gateway import create_gateway
 from pipeline.log import EventStore
-from pipeline.ui import create_app, parse_query
+from pipeline.ui import charts, create_app, parse_query, reader_engine
 from pipeline.ui.filters import BadRequest
 from tests.conftest import login_url
-from tests.ui_episodes import Recorded, record_episodes
+from tests.ui_episodes import Recorded, record_counting_episode, record_episodes
 
 
 @dataclass
@@ -164,6 +171,13 @@ async def test_a_run_and_a_batch_lead_to_their_samples_and_episodes(browsing: Br
     assert "turns/s" in run
     assert "done" in run
     assert "error" in run
+    live = (await client.get("/runs/main?refresh=30")).text
+    assert '<meta http-equiv="refresh" content="30">' in live
+    assert (await client.get("/runs/main?refresh=1")).status_code == 400
+    assert (await client.get("/runs/main?colour=red")).status_code == 400
+    running = await client.get(f"/episodes/{recorded.running}")
+    assert running.status_code == 200
+    assert '<span class="badge running">running</span>' in running.text
     batches = (await client.get("/batches")).text
     batch_ids = re.findall(r'href="/batches/([0-9a-zA-Z_-]+)"', batches)
     assert batch_ids
@@ -196,3 +210,123 @@ async def test_a_superuser_login_is_refused_unless_allowed(store: EventStore, da
     assert response.status_code == 200
     assert "no episodes in the episodes read model yet" in response.text
     await allowed.state.browser.close()
+
+
+async def test_mounted_in_the_gateway_it_asks_for_the_admin_key_and_links_under_its_path(
+    store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    recorded = await record_episodes(store)
+    gateway = create_gateway(None, None, admin_key="the-admin-key")
+    browser = mount_browser(gateway, login_url(database_url, logins["turnstile_reader"]), "the-admin-key")
+    transport = httpx.ASGITransport(app=gateway)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        refused = await client.get("/ui/episodes")
+        assert refused.status_code == 401
+        assert refused.headers["www-authenticate"].startswith("Basic ")
+        wrong = await client.get("/ui/episodes", auth=("me", "not-the-key"))
+        assert wrong.status_code == 401
+        page = await client.get("/ui/episodes", auth=("me", "the-admin-key"))
+        assert page.status_code == 200
+        assert f'href="/ui/episodes/{recorded.branching}"' in page.text
+        bearer = await client.get(
+            f"/ui/episodes/{recorded.branching}", headers={"Authorization": "Bearer the-admin-key"}
+        )
+        assert bearer.status_code == 200
+        assert "2 lineages, branching" in bearer.text
+    await browser.state.browser.close()
+
+
+def test_charts_place_points_bands_and_bars_by_hand() -> None:
+    svg = charts.line_chart(
+        [0.0, 1.0, 2.0], [0.0, 0.5, 1.0], low=[-1.0, 0.0, 0.5], high=[1.0, 1.0, 2.0],
+        xlabel="version", ylabel="reward", title="t <b>",
+    )  # fmt: skip
+    # y spans -1..2 over pixels 166..12: 0.5 sits at 166 - 1.5/3 * 154 = 89; x 1 at (58 + 622) / 2 = 340
+    assert '<circle class="dot" cx="340.0" cy="89.0"' in svg
+    assert svg.count("<polygon") == 1
+    assert "t &lt;b&gt;" in svg
+    assert "<b>" not in svg
+    bars = charts.bar_chart(
+        [(0, 2.0), (3, 4.0)], slots=4, x_low=0, x_high=40, xlabel="s", ylabel="n", title="b"
+    )
+    assert bars.count('<rect class="bar"') == 2
+    # slot 3 of 4 over 640 - 52 - 12 - 4 = 572 pixels from 54: x = 54 + 3 * 143 + 0.5; 4 of 4 reaches the top
+    assert '<rect class="bar" x="483.5" y="12.0"' in bars
+    assert (
+        charts.line_chart([], [], xlabel="", ylabel="", title="")
+        == '<p class="empty">nothing to plot yet</p>'
+    )
+
+
+async def test_the_reader_engine_cannot_write_even_what_its_login_could(
+    store: EventStore, database_url: str
+) -> None:
+    engine = reader_engine(
+        database_url
+    )  # the owner's login: the connection is still read-only, as the reader
+    try:
+        async with engine.connect() as connection:
+            role = await connection.scalar(sa.text("SELECT current_user"))
+            assert role == "turnstile_reader"
+            assert await connection.scalar(sa.text("SHOW transaction_read_only")) == "on"
+        async with engine.connect() as connection:
+            with pytest.raises(sqlalchemy.exc.DBAPIError, match="read-only transaction"):
+                await connection.execute(sa.text("DELETE FROM episodes"))
+    finally:
+        await engine.dispose()
+
+
+async def test_several_tags_stay_in_the_form(browsing: Browsing) -> None:
+    page = (await browsing.client.get("/episodes?tag=split%3Dtrain&tag=suite%3Da")).text
+    assert 'name="tag" value="split=train"' in page
+    assert 'name="tag" value="suite=a"' in page
+    assert listed(page) == []  # no episode has both
+
+
+async def test_a_rerun_shows_the_divergence_beside_the_recorded_turn(
+    store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    """CountingAgent's three turns recorded by hand; RewordedCountingAgent asks otherwise at turn 2."""
+    turns = await record_counting_episode(store)
+    before = await store.head()
+    reader = login_url(database_url, logins["turnstile_reader"])
+    apps = {
+        "off": create_app(reader),
+        "same": create_app(reader, reruns=True),
+        "changed": create_app(reader, reruns=True, rerun_agent="tests.replay_agents:RewordedCountingAgent"),
+    }
+    pages = {}
+    for name, app in apps.items():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ui") as client:
+            pages[name] = await client.get("/episodes/counting-1/rerun")
+        await app.state.browser.close()
+    assert pages["off"].status_code == 404
+    assert "turnstile ui --rerun" in pages["off"].text
+    assert pages["same"].status_code == 200
+    assert "identical" in pages["same"].text
+    assert "3 of 3 recorded turns replayed" in pages["same"].text
+    changed = pages["changed"].text
+    assert "diverged at" in changed
+    assert f'id="turn-{turns[1].turn_id}"' in changed
+    assert "the rerun diverged here" in changed
+    assert '<span class="del">-  now say 2</span>' in changed
+    assert '<span class="add">+  now please say 2</span>' in changed
+    assert await store.head() == before  # nothing written
+
+
+def test_turnstile_ui_refuses_to_start_on_a_superuser_login_or_a_bad_option(database_url: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    env["TURNSTILE_READER_URL"] = database_url  # the tests' server login is a superuser
+    done = subprocess.run(
+        [sys.executable, "-m", "consumers.cli", "ui", "--port", "0"], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "superuser" in done.stderr
+    assert "--allow-superuser" in done.stderr
+    lone = subprocess.run(
+        [sys.executable, "-m", "consumers.cli", "ui", "--rerun-agent", "a.b:C"], env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert lone.returncode == 2
+    assert "add --rerun" in lone.stderr

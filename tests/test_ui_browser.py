@@ -9,6 +9,7 @@ their own (``pytest -m browser tests/test_ui_browser.py``). Screenshots go to ``
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -23,8 +24,9 @@ from typing import Any
 import pytest
 
 from pipeline.log import EventStore
+from schemas import TurnCompleted
 from tests.conftest import login_url
-from tests.ui_episodes import Recorded, record_episodes
+from tests.ui_episodes import Recorded, record_counting_episode, record_episodes
 
 pytestmark = pytest.mark.browser
 playwright_api = pytest.importorskip("playwright.async_api", reason="pip install -e '.[browser]'")
@@ -49,6 +51,7 @@ CHROMIUM_ARGS = [
 class Served:
     url: str
     recorded: Recorded
+    counting: list[TurnCompleted]
 
 
 async def _read_url(process: asyncio.subprocess.Process) -> str:
@@ -69,15 +72,17 @@ async def served(
     if not CHROMIUM_FOUND:
         pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install chromium (or set TURNSTILE_CHROMIUM)")
     recorded = await record_episodes(store)
+    recorded_counting = await record_counting_episode(store)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
     env["TURNSTILE_READER_URL"] = login_url(database_url, logins["turnstile_reader"])
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "consumers.cli", "ui", "--port", "0", "--model", f"main={tiny_model_dir}",
+        "--rerun", "--rerun-agent", "tests.replay_agents:RewordedCountingAgent",
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
         url = await asyncio.wait_for(_read_url(process), timeout=120)
-        yield Served(url, recorded)
+        yield Served(url, recorded, recorded_counting)
     finally:
         process.terminate()
         await process.wait()
@@ -176,7 +181,10 @@ async def test_a_branching_episode_its_tree_and_shaded_tokens(served: Served, pa
     assert title is not None
     assert "logprob -4.0000" in title
     # Decoded with the policy's tokenizer (--model main=DIR): the title quotes the text shown.
-    assert f'"{await tokens.nth(4).inner_text()}"'.strip() in title.replace("\\n", "\n") or "token " in title
+    shown = await tokens.nth(4).text_content()
+    assert shown
+    assert not shown.isdigit()  # a decoded text, not an id
+    assert json.dumps(shown, ensure_ascii=False) in title
     await turn.scroll_into_view_if_needed()
     await page.locator(f"#turn-{a.turn_id}").screenshot(path=str(SCREENSHOTS / "6-shaded-tokens.png"))
 
@@ -195,3 +203,14 @@ async def test_a_run_and_a_batch_down_to_its_episodes(served: Served, page: Any)
     await episode_links.first.click()
     await page.wait_for_url(re.compile(r"/episodes/[^/?]+$"))
     assert await page.locator("section.turn").count() >= 1
+
+
+async def test_a_rerun_beside_the_recording(served: Served, page: Any) -> None:
+    await page.goto(f"{served.url}/episodes/counting-1")
+    await page.click("#rerun-link")
+    await page.wait_for_url(re.compile(r"/episodes/counting-1/rerun$"))
+    assert "diverged" in await page.locator("#rerun").inner_text()
+    diverged = page.locator(f"#turn-{served.counting[1].turn_id}")
+    assert "now please say 2" in await diverged.locator("#divergence .add").inner_text()
+    assert "now say 2" in await diverged.locator(".side > div").first.inner_text()
+    await diverged.screenshot(path=str(SCREENSHOTS / "9-rerun-beside-the-recording.png"))

@@ -15,6 +15,7 @@ from schemas import (
     EpisodeStarted,
     FunctionCall,
     RewardAssigned,
+    SamplingParams,
     Timings,
     ToolCall,
     TurnCompleted,
@@ -201,3 +202,36 @@ async def record_episodes(store: EventStore, *, batch_samples: int = 4) -> Recor
     finally:
         await materializer.close()
     return recorded
+
+
+def _counting_turn(messages: list[ChatMessage], text: str) -> TurnCompleted:
+    return TurnCompleted(
+        request=TurnRequest(messages=messages, sampling=SamplingParams(max_tokens=8)),
+        reply=TurnReply(text=text, finish_reason="stop"),
+        prompt_token_ids=[1, 2],
+        completion_token_ids=[3],
+        completion_logprobs=[-0.5],
+        policy_version=0,
+        engine_id="e",
+    )
+
+
+async def record_counting_episode(store: EventStore, episode_id: str = "counting-1") -> list[TurnCompleted]:
+    """``tests.replay_agents:CountingAgent``'s three turns as it asks for them (not materialized): a rerun of
+    it is identical, and ``RewordedCountingAgent`` diverges at turn 2."""
+    started = EpisodeStarted(
+        episode_id=episode_id,
+        task={"id": 7},
+        task_id="7",
+        agent="tests.replay_agents:CountingAgent",
+        policy="p",
+    )
+    turns = [_counting_turn([ChatMessage(role="user", content="task 7: count to three")], "one")]
+    for n in (2, 3):
+        previous = turns[-1]
+        reply = ChatMessage(role="assistant", content=previous.reply.text)
+        follow_up = ChatMessage(role="user", content=f"now say {n}")
+        turns.append(_counting_turn([*previous.request.messages, reply, follow_up], f"say {n}"))
+    events = [started, *turns, RewardAssigned(value=1.0), EpisodeFinished(termination="done")]
+    await store.append(f"episode-{episode_id}", events, expected_version=0)
+    return turns

@@ -416,6 +416,15 @@ def ui(
     allow_superuser: bool = typer.Option(
         False, help="run even when the login is a superuser (a query could then act as that superuser)"
     ),
+    rerun: bool = typer.Option(
+        False,
+        "--rerun",
+        help="serve /episodes/ID/rerun: the episode's agent rerun in this process on its recorded replies "
+        "(turnstile replay --rerun; writes nothing), its divergence beside the recorded turn. Runs code",
+    ),
+    rerun_agent: str = typer.Option(
+        None, help="--rerun: this agent instead of the recorded one (pkg.mod:Name)"
+    ),
 ) -> None:
     """Serve the episode browser: find, read and compare episodes, runs and batches in a web browser.
 
@@ -428,6 +437,8 @@ def ui(
     from consumers.runtime import setup_logging
     from consumers.ui import UiConfig, serve_ui
 
+    if rerun_agent and not rerun:
+        raise ConfigError("--rerun-agent is the agent of --rerun: add --rerun")
     tokenizer_dirs: dict[str, Path] = {}
     for given in model or []:
         policy, equals, directory = given.rpartition("=")
@@ -441,5 +452,7 @@ def ui(
         port=port,
         allow_superuser=allow_superuser,
         tokenizer_dirs=tokenizer_dirs,
+        reruns=rerun,
+        rerun_agent=rerun_agent,
     )
     asyncio.run(serve_ui(config, console=console))

@@ -267,6 +267,12 @@ def gateway(
         None, help="the URL clients reach the gateway at, for the base_url it hands out \\[default: Host]"
     ),
     heartbeat_timeout: HeartbeatTimeout = 15.0,
+    ui: bool = typer.Option(
+        False,
+        "--ui",
+        help="also serve the episode browser at /ui (read-only, as TURNSTILE_READER_URL; HTTP Basic with the "
+        "admin key as password)",
+    ),
 ) -> None:
     """Serve the OpenAI- and Anthropic-compatible gateway: every call of a session is a recorded turn."""
     import asyncio
@@ -296,6 +302,7 @@ def gateway(
         idle_timeout=idle_timeout or None,
         public_url=public_url,
         heartbeat_timeout=heartbeat_timeout,
+        ui_reader_url=settings.require_reader_url() if ui else None,
     )
     asyncio.run(serve_gateway(config, console=console))
     console.print("gateway stopped")

@@ -24,17 +24,20 @@ down_revision: str | None = "0010"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+# A list page is the first rows of one of these, read forward (largest first, no value last) or backward.
+ORDER = "DESC NULLS LAST, episode_id DESC"
 INDEXES: dict[str, str] = {
-    "episodes_started": "episodes (started_at, episode_id)",
-    "episodes_finished": "episodes (finished_at, episode_id)",
-    "episodes_reward": "episodes (reward, episode_id)",
-    "episodes_turns": "episodes (turns, episode_id)",
-    "episodes_duration": "episodes (duration_s, episode_id)",
-    "episodes_completion_tokens": "episodes (completion_tokens, episode_id)",
-    "episodes_version": "episodes (max_policy_version, episode_id)",
-    "episodes_agent_started": "episodes (agent, started_at)",
-    "episodes_task_started": "episodes (task_id, started_at)",
-    "episodes_termination_started": "episodes (termination, started_at)",
+    "episodes_started": f"episodes (started_at {ORDER})",
+    "episodes_finished": f"episodes (finished_at {ORDER})",
+    "episodes_reward": f"episodes (reward {ORDER})",
+    "episodes_turns": f"episodes (turns {ORDER})",
+    "episodes_duration": f"episodes (duration_s {ORDER})",
+    "episodes_completion_tokens": f"episodes (completion_tokens {ORDER})",
+    "episodes_version": f"episodes (max_policy_version {ORDER})",
+    "episodes_policy_newest": f"episodes (policy, started_at {ORDER})",
+    "episodes_agent_newest": f"episodes (agent, started_at {ORDER})",
+    "episodes_task_newest": f"episodes (task_id, started_at {ORDER})",
+    "episodes_termination_newest": f"episodes (termination, started_at {ORDER})",
     "episodes_tags": "episodes USING gin (tags jsonb_path_ops)",
     "turns_prefix_break": "turns (episode_id) WHERE prefix_break",
     "turns_render_drift": "turns (episode_id) WHERE render_drift",

@@ -4,5 +4,14 @@ alone or mounted in another app (the gateway's ``--ui``)."""
 from pipeline.ui.app import create_app
 from pipeline.ui.db import DatabaseUnavailable, reader_engine
 from pipeline.ui.filters import BadRequest, EpisodeQuery, parse_query
+from pipeline.ui.guard import KeyGuard
 
-__all__ = ["BadRequest", "DatabaseUnavailable", "EpisodeQuery", "create_app", "parse_query", "reader_engine"]
+__all__ = [
+    "BadRequest",
+    "DatabaseUnavailable",
+    "EpisodeQuery",
+    "KeyGuard",
+    "create_app",
+    "parse_query",
+    "reader_engine",
+]

@@ -44,6 +44,7 @@ from pipeline.replay import (
     EpisodeNotFound,
     load_episode,
     load_tokenizer,
+    rerun_by_id,
     resolve_episode_id,
 )
 from pipeline.replay.lookup import UnreadableEpisode
@@ -57,6 +58,7 @@ from pipeline.ui.filters import (
     STATUSES,
     TERMINATIONS,
     BadRequest,
+    EpisodeQuery,
     count_query,
     page_query,
     parse_query,
@@ -65,6 +67,18 @@ from pipeline.ui.filters import (
 log = logging.getLogger(__name__)
 
 BATCH_PAGE: Final = 50
+COUNT_TIMEOUT_MS: Final = 100
+# The policies for the filter's menu: a skip scan over the index on (policy, started_at), one probe per
+# policy, where SELECT DISTINCT would read every episode.
+POLICIES_QUERY: Final = """
+    WITH RECURSIVE policies AS (
+        SELECT min(policy) AS policy FROM episodes
+        UNION ALL
+        SELECT (SELECT min(policy) FROM episodes WHERE policy > policies.policy)
+        FROM policies WHERE policies.policy IS NOT NULL
+    )
+    SELECT policy FROM policies WHERE policy IS NOT NULL LIMIT 200
+"""
 SAMPLE_LIMIT: Final = 2_000
 
 
@@ -75,6 +89,10 @@ class Browser:
     reader_url: str
     allow_superuser: bool = False
     tokenizer_dirs: Mapping[str, Path] = field(default_factory=dict)  # policy -> directory; "*": any
+    reruns: bool = False  # /episodes/ID/rerun runs agent code (the recorded agent, or rerun_agent)
+    rerun_agent: str | None = None
+    rerun_timeout: float = 60.0
+    agents: dict[str, Any] = field(default_factory=dict)
     engine: AsyncEngine | None = None
     store: EventStore | None = None
     tokenizers: dict[Path, Any] = field(default_factory=dict)
@@ -148,9 +166,18 @@ def create_app(
     *,
     allow_superuser: bool = False,
     tokenizer_dirs: Mapping[str, Path] | None = None,
+    reruns: bool = False,
+    rerun_agent: str | None = None,
 ) -> FastAPI:
-    """The episode browser as an ASGI app (serve it, or mount it under a path of another app)."""
-    browser = Browser(reader_url, allow_superuser, dict(tokenizer_dirs or {}))
+    """The episode browser as an ASGI app (serve it, or mount it under a path of another app).
+
+    ``reruns``: serve ``/episodes/ID/rerun``, which runs the episode's agent (or ``rerun_agent``) in this
+    process on the recorded replies (``turnstile replay --rerun``; nothing is written) and shows where it
+    diverged beside the recorded turn. Off by default: it runs code.
+    """
+    browser = Browser(
+        reader_url, allow_superuser, dict(tokenizer_dirs or {}), reruns=reruns, rerun_agent=rerun_agent
+    )
     templates = _templates()
 
     @asynccontextmanager
@@ -247,10 +274,8 @@ def create_app(
         now = dt.datetime.now(dt.UTC)
         async with engine.connect() as connection:
             rows = (await connection.execute(page_query(query, now))).mappings().all()
-            total = int(await connection.scalar(count_query(query, now)) or 0)
-            policies = list(
-                (await connection.scalars(sa.select(episodes_table.c.policy).distinct().limit(200))).all()
-            )
+            policies = list((await connection.scalars(sa.text(POLICIES_QUERY))).all())
+            total = await _count(connection, query, now)
         return page(
             request,
             "episodes.html",
@@ -258,7 +283,7 @@ def create_app(
             rows=rows[: query.per],
             more=len(rows) > query.per,
             total=total,
-            capped=total > COUNT_CAP,
+            capped=total is not None and total > COUNT_CAP,
             sorts=list(SORTS),
             statuses=STATUSES,
             terminations=TERMINATIONS,
@@ -266,13 +291,13 @@ def create_app(
             policies=sorted(policies),
         )
 
-    @app.get("/episodes/{episode_id}", response_class=HTMLResponse)
-    async def episode(request: Request, episode_id: str) -> Response:
+    async def episode_page(request: Request, episode_id: str, rerun: bool) -> Response:
         engine, store = await browser.open()
         found = await resolve_episode_id(store, episode_id)
         if found != episode_id:
             base = request.scope.get("root_path", "").rstrip("/")
-            return RedirectResponse(f"{base}/episodes/{quote(found, safe='')}", status_code=307)
+            tail = "/rerun" if rerun else ""
+            return RedirectResponse(f"{base}/episodes/{quote(found, safe='')}{tail}", status_code=307)
         replayed = await load_episode(store, found)
         t, s, e = turns_table, samples_table, episodes_table
         async with engine.connect() as connection:
@@ -306,7 +331,30 @@ def create_app(
             tokenizer=tokenizer,
             tokenizer_name=tokenizer_name,
         )
-        return page(request, "episode.html", view=view, samples=sample_rows, read_model=row)
+        result = None
+        if rerun:
+            result = await rerun_by_id(
+                store, found, agent=browser.rerun_agent, timeout=browser.rerun_timeout, agents=browser.agents
+            )
+        return page(
+            request, "episode.html", view=view, samples=sample_rows, read_model=row, rerun=result,
+            reruns=browser.reruns, rerun_agent=browser.rerun_agent,
+        )  # fmt: skip
+
+    @app.get("/episodes/{episode_id}", response_class=HTMLResponse)
+    async def episode(request: Request, episode_id: str) -> Response:
+        return await episode_page(request, episode_id, rerun=False)
+
+    @app.get("/episodes/{episode_id}/rerun", response_class=HTMLResponse)
+    async def rerun(request: Request, episode_id: str) -> Response:
+        if not browser.reruns:
+            return error_page(
+                request, 404, "Reruns are off",
+                "this browser runs no agent code: start it with `turnstile ui --rerun [--rerun-agent "
+                "pkg.mod:Agent]` to rerun an episode's agent on its recorded replies (nothing is written), "
+                f"or run `turnstile replay {episode_id} --rerun`",
+            )  # fmt: skip
+        return await episode_page(request, episode_id, rerun=True)
 
     @app.get("/turns/{turn_id}", include_in_schema=False)
     async def turn(request: Request, turn_id: str) -> Response:
@@ -343,6 +391,15 @@ def create_app(
 
     @app.get("/runs/{policy}", response_class=HTMLResponse)
     async def run(request: Request, policy: str) -> HTMLResponse:
+        unknown = sorted(set(request.query_params) - {"refresh"})
+        if unknown:
+            raise BadRequest(f"unknown parameter {unknown[0]!r}: the run page takes refresh (seconds)")
+        refresh_text = request.query_params.get("refresh")
+        refresh = None
+        if refresh_text is not None:
+            if not refresh_text.isdigit() or not 5 <= int(refresh_text) <= 3600:
+                raise BadRequest(f"refresh: {refresh_text!r} is not a number of seconds from 5 to 3600")
+            refresh = int(refresh_text)
         engine, _ = await browser.open()
         async with engine.connect() as connection:
             figures = await _run_figures(connection, policy)
@@ -353,7 +410,7 @@ def create_app(
                 "No such run",
                 f"no episodes of policy {policy!r} in the episodes read model (is the materializer running?)",
             )
-        return page(request, "run.html", policy=policy, **figures)
+        return page(request, "run.html", policy=policy, refresh=refresh, **figures)
 
     @app.get("/batches", response_class=HTMLResponse)
     async def batches(request: Request) -> HTMLResponse:
@@ -477,6 +534,19 @@ def create_app(
         )
 
     return app
+
+
+async def _count(connection: Any, query: EpisodeQuery, now: dt.datetime) -> int | None:
+    """How many episodes match (up to COUNT_CAP + 1), or None when counting takes longer than
+    COUNT_TIMEOUT_MS: a rare filter over a million episodes reads them all, and the page must not wait."""
+    try:
+        # SET LOCAL: this transaction only (the page's queries ran before it; it ends with the connection).
+        await connection.execute(sa.text(f"SET LOCAL statement_timeout = {COUNT_TIMEOUT_MS}"))
+        return int(await connection.scalar(count_query(query, now)) or 0)
+    except sqlalchemy.exc.DBAPIError as error:
+        if isinstance(error.orig, psycopg.errors.QueryCanceled):
+            return None
+        raise
 
 
 async def _run_figures(connection: Any, policy: str) -> dict[str, Any]:

@@ -253,7 +253,10 @@ def page_query(query: EpisodeQuery, now: dt.datetime | None = None) -> sa.Select
     """One page of episodes (one row more than a page: whether there is a next one)."""
     e = episodes_table
     column = SORTS[query.sort]
-    ordered = column.asc().nulls_last() if query.order == "asc" else column.desc().nulls_last()
+    # Episodes without a value (running, failed) come last largest-first and first smallest-first: either
+    # way the order is one index of migration 0012 (col DESC NULLS LAST, episode_id DESC) read forward or
+    # backward, never a sort of every matching row.
+    ordered = column.asc().nulls_first() if query.order == "asc" else column.desc().nulls_last()
     tiebreak = e.c.episode_id.asc() if query.order == "asc" else e.c.episode_id.desc()
     return (
         sa.select(*(e.c[name] for name in LIST_COLUMNS))

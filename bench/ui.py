@@ -1,0 +1,442 @@
+"""The episode browser under load: p50/p95 of its list page and its episode page on a log of many turns,
+beside the raw queries they rest on, measured in the same run.
+
+What it does, in one run on one PostgreSQL server (an embedded one, or ``TURNSTILE_DATABASE_URL``'s, in a
+scratch database dropped at the end):
+
+1. The log (not timed as a result). ``--turns`` turns (4 per episode: 250,000 episodes for a million)
+   in the read models the list reads: ``episodes`` and ``turns`` rows written with COPY, as the
+   materializer would have left them (policies, agents, tasks, groups of 8, tags, rewards, terminations
+   with 2% errors, policy versions rising over time, 0.5% of turns with a prefix break and 1% with render
+   drift). ``--with-events`` of those episodes (2,000 by default) are also recorded in the log through
+   ``EventStore.append`` (EpisodeStarted, four TurnCompleted extending each other's tokens, a reward, the
+   end): the episode page reads the log, and these are the episodes it is timed on. Then ``VACUUM ANALYZE``.
+2. ``turnstile ui`` in a process of its own (``--allow-superuser``: the bench logs in as the server's owner),
+   and sequential GETs from this process with httpx: each list view ``--repeat`` times, the episode page
+   on ``--repeat`` different episodes. The first request of each view is a warm-up, not counted.
+3. Baselines in the same run: for each list view, the page's own SELECT (as built by
+   ``pipeline.ui.filters.page_query``, run with SQLAlchemy over psycopg, synchronously); for the episode
+   page, the SELECT of one stream's events (what ``EventStore.read_stream`` sends); and ``GET /healthz``
+   (HTTP and the app, no query).
+   "x baseline" is the page's p95 over its baseline query's p95: what rendering, folding and HTTP add.
+
+The target (issue 20) is a p95 under 300 ms for both pages at a million turns.
+
+    python bench/ui.py                 # 1,000,000 turns
+    python bench/ui.py --quick         # 100,000 turns
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import io
+import json
+import os
+import random
+import re
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from pipeline.dev.embedded import EmbeddedPostgres, scratch_dir
+from pipeline.log import EventStore
+from pipeline.log.db import migrate
+from pipeline.settings import libpq_url, sqlalchemy_url
+from pipeline.ui.filters import page_query, parse_query
+from schemas import (
+    ChatMessage,
+    EpisodeFinished,
+    EpisodeStarted,
+    RewardAssigned,
+    TurnCompleted,
+    TurnReply,
+    TurnRequest,
+)
+from schemas.common import Timings
+
+TARGET_MS = 300.0
+TURNS_PER_EPISODE = 4
+GROUP = 8
+POLICIES = ("main", "main", "main", "eval")
+AGENTS = ("agents.calc:CalculatorAgent", "agents.web:BrowseAgent", "agents.code:CodeAgent")
+TERMINATIONS = ("done",) * 90 + ("max_turns",) * 4 + ("truncated",) * 3 + ("error",) * 2 + ("timeout",)
+EPOCH = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+LIST_VIEWS = {
+    "newest first": "",
+    "policy + finished": "policy=main&status=finished",
+    "by reward, desc": "sort=reward&order=desc",
+    "reward range + tag": "min_reward=0.5&max_reward=0.9&tag=split%3Dtrain",
+    "agent + version": "agent=agents.web:BrowseAgent&version=3",
+    "errors": "errors=1",
+    "prefix breaks": "prefix_break=1",
+    "render drift, by turns": "render_drift=1&sort=turns",
+    "page 40": "page=40",
+}
+
+
+def note(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+@contextmanager
+def postgres_server(tmp_dir: Path | None) -> Iterator[str]:
+    url = os.environ.get("TURNSTILE_DATABASE_URL")
+    if url:
+        yield url
+        return
+    with scratch_dir("turnstile-bench-ui-", tmp_dir) as data_dir:
+        server = EmbeddedPostgres(Path(data_dir) / "postgres")
+        server.start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+
+@contextmanager
+def scratch_database(server_url: str) -> Iterator[str]:
+    name = f"bench_ui_{uuid.uuid4().hex[:12]}"
+    admin_url = libpq_url(server_url)
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        url = libpq_url(make_url(admin_url).set(database=name).render_as_string(hide_password=False))
+        migrate(url)
+        yield url
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# --- the log -------------------------------------------------------------------------------------------
+
+
+def episode_id(index: int) -> str:
+    return f"ep{index:07d}-{uuid.UUID(int=index * 7919 + 1).hex[:16]}"
+
+
+def recorded_turns(index: int, rng: random.Random) -> list[TurnCompleted]:
+    """Four turns, each extending the previous one's exact tokens, as a session records them."""
+    turns: list[TurnCompleted] = []
+    messages = [
+        ChatMessage(role="system", content="You are a careful assistant. " * 8),
+        ChatMessage(role="user", content=f"Task {index}: " + "describe the next step. " * 20),
+    ]
+    prompt = [rng.randrange(50_000) for _ in range(200)]
+    for _ in range(TURNS_PER_EPISODE):
+        completion = [rng.randrange(50_000) for _ in range(rng.randint(20, 60))]
+        turn = TurnCompleted(
+            parent_turn_id=turns[-1].turn_id if turns else None,
+            request=TurnRequest(messages=list(messages)),
+            reply=TurnReply(text="step " * (len(completion) // 2), finish_reason="stop"),
+            prompt_token_ids=prompt,
+            completion_token_ids=completion,
+            completion_logprobs=[-rng.random() * 3 for _ in completion],
+            policy_version=min(index // 25_000, 9),
+            engine_id="bench-engine",
+            timings=Timings(queued_ms=1.0, first_token_ms=20.0, total_ms=300.0),
+        )
+        turns.append(turn)
+        messages += [
+            ChatMessage(role="assistant", content=turn.reply.text),
+            ChatMessage(role="user", content="go on " * 10),
+        ]
+        prompt = [*prompt, *completion, *(rng.randrange(50_000) for _ in range(30))]
+    return turns
+
+
+async def record_events(url: str, indexes: list[int]) -> dict[int, list[TurnCompleted]]:
+    """The sampled episodes recorded in the log through the store (group-committed appends)."""
+    store = await EventStore.connect(url)
+    recorded: dict[int, list[TurnCompleted]] = {}
+
+    async def one(index: int) -> None:
+        rng = random.Random(index)
+        turns = recorded_turns(index, rng)
+        recorded[index] = turns
+        events = [
+            EpisodeStarted(
+                episode_id=episode_id(index),
+                task_id=f"task-{index // GROUP}",
+                agent=AGENTS[index % 3],
+                policy=POLICIES[index % 4],
+                group_id=f"g{index // GROUP}",
+                group_size=GROUP,
+            ),
+            *turns,
+            RewardAssigned(value=round(rng.random(), 3), source="bench"),
+            EpisodeFinished(termination="done"),
+        ]
+        await store.append(f"episode-{episode_id(index)}", events, expected_version=0)
+
+    try:
+        for start in range(0, len(indexes), 200):
+            await asyncio.gather(*(one(index) for index in indexes[start : start + 200]))
+    finally:
+        await store.close()
+    return recorded
+
+
+def _row(values: list[Any]) -> str:
+    out = []
+    for value in values:
+        if value is None:
+            out.append("\\N")
+        else:
+            text = value.isoformat() if isinstance(value, dt.datetime) else str(value)
+            out.append(text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n"))
+    return "\t".join(out) + "\n"
+
+
+def write_read_models(url: str, episodes: int, recorded: dict[int, list[TurnCompleted]], seed: int) -> None:
+    """``episodes`` and ``turns`` rows as the materializer leaves them, COPYed in chunks."""
+    rng = random.Random(seed)
+    position = 0
+    with psycopg.connect(url) as connection:
+        for start in range(0, episodes, 50_000):
+            episode_rows, turn_rows = io.StringIO(), io.StringIO()
+            for index in range(start, min(start + 50_000, episodes)):
+                started = EPOCH + dt.timedelta(seconds=index * 0.5)
+                termination = rng.choice(TERMINATIONS)
+                version = min(index // 25_000, 9)
+                reward = None if termination == "error" else round(rng.random(), 3)
+                turns = recorded.get(index)
+                turn_ids = (
+                    [t.turn_id for t in turns]
+                    if turns
+                    else [uuid.UUID(int=rng.getrandbits(128)) for _ in range(TURNS_PER_EPISODE)]
+                )
+                prompt_total = completion_total = 0
+                first_position = position + 1
+                for k, turn_id in enumerate(turn_ids):
+                    position += 2
+                    prompt, completion = 200 + 70 * k, rng.randint(20, 60)
+                    prompt_total, completion_total = prompt_total + prompt, completion_total + completion
+                    turn_rows.write(
+                        _row(
+                            [
+                                turn_id,
+                                episode_id(index),
+                                k,
+                                turn_ids[k - 1] if k else None,
+                                turn_ids[k - 1] if k else None,
+                                prompt,
+                                completion,
+                                "stop",
+                                version,
+                                "bench-engine",
+                                1.0,
+                                20.0,
+                                300.0,
+                                -rng.random() * 2,
+                                reward if k == len(turn_ids) - 1 and reward is not None else 0.0,
+                                reward or 0.0,
+                                "t" if rng.random() < 0.005 else "f",
+                                0,
+                                started + dt.timedelta(seconds=k),
+                                position,
+                                "t" if rng.random() < 0.01 else "f",
+                                "a1b2c3d4e5f6",
+                            ]
+                        )
+                    )
+                tags = {"split": "train" if index % 5 else "eval", "suite": f"s{index % 7}"}
+                episode_rows.write(
+                    _row(
+                        [
+                            episode_id(index),
+                            f"episode-{episode_id(index)}",
+                            POLICIES[index % 4],
+                            AGENTS[index % 3],
+                            f"task-{index // GROUP}",
+                            f"g{index // GROUP}",
+                            GROUP,
+                            None,
+                            json.dumps(tags),
+                            "finished",
+                            termination,
+                            "Traceback ...\nValueError: bench" if termination == "error" else None,
+                            reward,
+                            len(turn_ids),
+                            prompt_total,
+                            completion_total,
+                            version,
+                            version,
+                            started,
+                            started + dt.timedelta(seconds=4),
+                            4.0,
+                            first_position,
+                            position + 1,
+                        ]
+                    )
+                )
+                position += 2
+            with connection.cursor() as cursor:
+                with cursor.copy("COPY episodes FROM STDIN") as copy:
+                    copy.write(episode_rows.getvalue())
+                with cursor.copy("COPY turns FROM STDIN") as copy:
+                    copy.write(turn_rows.getvalue())
+            connection.commit()
+            note(f"read models: {min(start + 50_000, episodes):,} of {episodes:,} episodes written")
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute("VACUUM (ANALYZE) episodes")
+        connection.execute("VACUUM (ANALYZE) turns")
+        connection.execute("VACUUM (ANALYZE) events")
+
+
+# --- measuring -----------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+async def serve(url: str) -> tuple[asyncio.subprocess.Process, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    env["TURNSTILE_READER_URL"] = url
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "consumers.cli",
+        "ui",
+        "--port",
+        "0",
+        "--allow-superuser",
+        env=env,
+        stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    assert process.stderr is not None
+    while line := (await process.stderr.readline()).decode():
+        if found := re.search(r"episode browser on (http://\S+)/episodes", line):
+            return process, found[1]
+    raise SystemExit("turnstile ui did not start")
+
+
+async def timed_get(client: httpx.AsyncClient, path: str) -> float:
+    started = time.perf_counter()
+    response = await client.get(path)
+    elapsed = (time.perf_counter() - started) * 1000
+    if response.status_code != 200:
+        raise SystemExit(f"GET {path}: {response.status_code}\n{response.text[:2000]}")
+    return elapsed
+
+
+def timed_query(connection: psycopg.Connection[Any], statement: str, params: Any = None) -> float:
+    started = time.perf_counter()
+    connection.execute(statement, params).fetchall()
+    return (time.perf_counter() - started) * 1000
+
+
+def list_statement(query_string: str) -> sa.Select[Any]:
+    params: dict[str, list[str]] = {}
+    for pair in filter(None, query_string.split("&")):
+        name, _, value = pair.partition("=")
+        params.setdefault(name, []).append(value.replace("%3D", "="))
+    return page_query(parse_query(params))
+
+
+def timed_select(connection: sa.Connection, statement: sa.Select[Any]) -> float:
+    started = time.perf_counter()
+    connection.execute(statement).all()
+    return (time.perf_counter() - started) * 1000
+
+
+async def measure(url: str, recorded: list[int], repeat: int) -> list[tuple[str, list[float], list[float]]]:
+    results = []
+    process, base = await serve(url)
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            engine = sa.create_engine(sqlalchemy_url(url))
+            with psycopg.connect(url, autocommit=True) as connection, engine.connect() as sa_connection:
+                await timed_get(client, "/healthz")
+                health = [await timed_get(client, "/healthz") for _ in range(repeat)]
+                results.append(("GET /healthz (no query)", health, []))
+                for name, query_string in LIST_VIEWS.items():
+                    statement = list_statement(query_string)
+                    await timed_get(client, f"/episodes?{query_string}")
+                    timed_select(sa_connection, statement)
+                    pages = [await timed_get(client, f"/episodes?{query_string}") for _ in range(repeat)]
+                    queries = [timed_select(sa_connection, statement) for _ in range(repeat)]
+                    results.append((f"list: {name}", pages, queries))
+                shown = recorded[1 : repeat + 1]
+                await timed_get(client, f"/episodes/{episode_id(recorded[0])}")
+                pages = [await timed_get(client, f"/episodes/{episode_id(index)}") for index in shown]
+                read = "SELECT * FROM events WHERE stream = %s ORDER BY version"
+                queries = [
+                    timed_query(connection, read, (f"episode-{episode_id(index)}",)) for index in shown
+                ]
+                results.append(("episode page (4 turns)", pages, queries))
+    finally:
+        process.terminate()
+        await process.wait()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--turns", type=int, default=1_000_000)
+    parser.add_argument("--quick", action="store_true", help="100,000 turns")
+    parser.add_argument("--with-events", type=int, default=2_000, help="episodes also recorded in the log")
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=20)
+    parser.add_argument("--tmp-dir", type=Path)
+    args = parser.parse_args()
+    turns = 100_000 if args.quick else args.turns
+    episodes = turns // TURNS_PER_EPISODE
+    rng = random.Random(args.seed)
+    sampled = sorted(rng.sample(range(episodes), min(args.with_events, episodes)))
+    with postgres_server(args.tmp_dir) as server, scratch_database(server) as url:
+        started = time.perf_counter()
+        recorded = asyncio.run(record_events(url, sampled))
+        note(f"log: {len(sampled):,} episodes ({len(sampled) * 7:,} events) appended through EventStore")
+        write_read_models(url, episodes, recorded, args.seed)
+        with psycopg.connect(url) as connection:
+            counts = connection.execute(
+                "SELECT (SELECT count(*) FROM episodes), (SELECT count(*) FROM turns), "
+                "(SELECT count(*) FROM events), "
+                "pg_size_pretty(pg_total_relation_size('episodes') + pg_total_relation_size('turns'))"
+            ).fetchone()
+        assert counts is not None
+        note(
+            f"built in {time.perf_counter() - started:.0f} s: {counts[0]:,} episodes, {counts[1]:,} turns "
+            f"({counts[3]} with indexes), {counts[2]:,} events"
+        )
+        results = asyncio.run(measure(url, sampled, args.repeat))
+    print()
+    print(
+        f"turnstile ui on {counts[1]:,} turns ({counts[0]:,} episodes), {args.repeat} requests per row, "
+        f"sequential; baseline: the page's own SELECT (episode page: one stream's events) in the same run"
+    )
+    print(
+        f"{'view':32} {'p50 ms':>8} {'p95 ms':>8} {'base p50':>9} {'base p95':>9} {'x baseline':>10}  target"
+    )
+    for name, pages, queries in results:
+        p50, p95 = statistics.median(pages), percentile(pages, 0.95)
+        if queries:
+            q50, q95 = statistics.median(queries), percentile(queries, 0.95)
+            ratio = f"{p95 / q95:10.1f}"
+            base = f"{q50:9.1f} {q95:9.1f}"
+        else:
+            ratio, base = f"{'':10}", f"{'':9} {'':9}"
+        verdict = ("met" if p95 < TARGET_MS else "NOT met") if queries else ""
+        print(f"{name:32} {p50:8.1f} {p95:8.1f} {base} {ratio}  {verdict}")
+
+
+if __name__ == "__main__":
+    main()
