@@ -20,6 +20,7 @@ from consumers.cli.common import (
     HeartbeatTimeout,
     MaxTokens,
     MaxTurns,
+    MetricsPort,
     Peers,
     PeersOption,
     Retries,
@@ -49,6 +50,7 @@ def inference(
         "", help="this consumer's id in sticky subjects \\[default: host-pid-random]"
     ),
     max_batch: int = typer.Option(16, help="torch backend: requests batched together"),
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Answer LLM requests for POLICY over NATS (queue group `inference`), reloading published versions."""
     import asyncio
@@ -64,6 +66,7 @@ def inference(
         model=model_dir,
         consumer_id=consumer_id,
         max_batch=max_batch,
+        metrics_port=metrics_port,
     )
     application, service = create_app(config)
     console.print(
@@ -89,6 +92,7 @@ def runner(
         30.0, help="seconds after which a silent runner's episodes are aborted"
     ),
     heartbeat_timeout: HeartbeatTimeout = 15.0,
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Take tasks from the TASKS work queue and run AGENT on them, on as many machines as you like."""
     import asyncio
@@ -118,7 +122,15 @@ def runner(
         sampling=sampling(temperature, max_tokens, None),
     )
     asyncio.run(
-        serve_runner(connections, loaded, config, reward_fn=reward_fn, ack_wait=ack_wait, console=console)
+        serve_runner(
+            connections,
+            loaded,
+            config,
+            reward_fn=reward_fn,
+            ack_wait=ack_wait,
+            console=console,
+            metrics_port=metrics_port,
+        )
     )
     console.print("runner stopped")
 
@@ -135,6 +147,7 @@ def materializer(
     stale: StaleOption = Stale.drop,
     group_timeout: GroupTimeout = 600.0,
     step_events: StepEvents = 2000,
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Fold the log into read models and training batches as events arrive (exactly once)."""
     import asyncio
@@ -148,7 +161,9 @@ def materializer(
         group_timeout, step_events,
     )  # fmt: skip
     console.print(f"materializer {name!r} running ({config.semantics()})")
-    done = asyncio.run(serve_materializer(Settings().require_database_url(), config))
+    done = asyncio.run(
+        serve_materializer(Settings().require_database_url(), config, metrics_port=metrics_port)
+    )
     console.print(f"materializer stopped at position {done.position}")
 
 
@@ -157,6 +172,7 @@ def relay(
     poll_interval: float = typer.Option(
         1.0, help="seconds between passes when no NOTIFY wakes the relay sooner"
     ),
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Publish the materializer's batches to JetStream BATCHES (batches.<policy>), each once."""
     import asyncio
@@ -174,6 +190,7 @@ def relay(
         settings.require_nats_url(),
         schema=schema,
         poll_interval=poll_interval,
+        metrics_port=metrics_port,
     )
     asyncio.run(serve_relay(config, console=console))
     console.print("relay stopped")
@@ -199,6 +216,7 @@ def trainer(
     log_steps: Path = typer.Option(
         None, help="append a JSON line per learner step (loss, staleness, reward ...) to this file"
     ),
+    metrics_port: MetricsPort = None,
 ) -> None:
     """PPO-clip on the batch stream; checkpoints and publishes new policy versions (exactly once)."""
     import asyncio
@@ -224,6 +242,7 @@ def trainer(
         threads=threads,
         keep_checkpoints=keep_checkpoints,
         log_steps=log_steps,
+        metrics_port=metrics_port,
     )
     stats = asyncio.run(serve_trainer(config))
     console.print(f"trainer stopped at policy version {stats.version} ({stats.trained} batches trained)")
@@ -251,6 +270,7 @@ def gateway(
         None, help="the URL clients reach the gateway at, for the base_url it hands out \\[default: Host]"
     ),
     heartbeat_timeout: HeartbeatTimeout = 15.0,
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Serve the OpenAI- and Anthropic-compatible gateway: every call of a session is a recorded turn."""
     import asyncio
@@ -280,6 +300,7 @@ def gateway(
         idle_timeout=idle_timeout or None,
         public_url=public_url,
         heartbeat_timeout=heartbeat_timeout,
+        metrics_port=metrics_port,
     )
     asyncio.run(serve_gateway(config, console=console))
     console.print("gateway stopped")

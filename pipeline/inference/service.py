@@ -60,8 +60,12 @@ class InferenceService:
         max_payload: int = 8 * 1024 * 1024,
         heartbeat_interval: float = 5.0,
         reasoning_markers: tuple[str, str] | None = REASONING_MARKERS,
+        on_reply: Callable[[LLMResponse], None] | None = None,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         self.backend = backend
+        self.on_reply = on_reply  # metrics: each reply sent (timings, tokens), each error by its code
+        self.on_error = on_error
         self.reasoning_markers = reasoning_markers
         """Where the model's reasoning begins and ends in its text (None: it has none to split off)."""
         self.policy = policy
@@ -144,7 +148,8 @@ class InferenceService:
         except Exception as error:
             log.exception("backend failed on request %s", request.request_id)
             return self._error(request.request_id, "engine_error", f"{type(error).__name__}: {error}")
-        body = self._response(request, generation, received).model_dump_json().encode()
+        response = self._response(request, generation, received)
+        body = response.model_dump_json().encode()
         if len(body) > self.max_payload:
             message = (
                 f"the reply is {len(body):,} bytes, over the NATS server's max_payload of "
@@ -152,6 +157,8 @@ class InferenceService:
             )
             return self._error(request.request_id, "payload_too_large", message, "sampling.max_tokens")
         self.requests_served += 1
+        if self.on_reply is not None:
+            self.on_reply(response)
         self._recent[request.request_id] = (digest, body)
         if len(self._recent) > RECENT_REPLIES:
             self._recent.popitem(last=False)
@@ -232,6 +239,8 @@ class InferenceService:
     def _error(
         self, request_id: uuid.UUID | None, code: str, message: str, field: str | None = None
     ) -> bytes:
+        if self.on_error is not None:
+            self.on_error(code)
         error = LLMError.model_validate(
             {
                 "request_id": request_id,
