@@ -178,7 +178,8 @@ def instrument(runtime: Runtime, service: InferenceService) -> None:
         (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
     )
     tokens = {"prompt": 0, "completion": 0}
-    errors: Counter[str] = Counter()
+    # every code at 0 from the start: a rate over a series that appears only with its first error misses it
+    errors: Counter[str] = Counter(dict.fromkeys(("invalid_request", "engine_error", "payload_too_large"), 0))
 
     def on_reply(response: LLMResponse) -> None:
         latency.labels("queued").observe(response.timings.queued_ms / 1000)
