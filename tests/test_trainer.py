@@ -165,6 +165,7 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
     recorded = dict(rows(database_url, "SELECT batch_id, loss FROM trained_batches"))
     assert {step["batch_id"]: step["loss"] for step in steps} == pytest.approx(recorded)
     assert all(step["samples"] > 0 and step["tokens"] > 0 for step in steps)
+    assert all(step["kl"] >= 0 and 0 <= step["clip_fraction"] <= 1 for step in steps)
 
 
 async def test_a_trainer_killed_mid_batch_trains_each_batch_once(
@@ -316,3 +317,20 @@ async def test_a_version_republished_under_another_spelling_of_its_directory_sta
     finally:
         await connection.drain()
     assert len(await store.read_stream(f"policy-{policy}")) == 1
+
+
+def test_step_diagnostics_are_the_k3_kl_and_the_clipped_share_over_scored_tokens() -> None:
+    import math
+
+    import torch
+
+    from pipeline.training.ppo import diagnostics
+
+    old = torch.zeros((1, 3))
+    new = torch.tensor([[math.log(2.0), 0.0, math.log(10.0)]])  # ratios 2, 1, 10
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is not scored
+    found = diagnostics(new, old, mask, clip=0.2)
+    # ((2 - 1) - ln 2 + (1 - 1) - 0) / 2 tokens; ratio 2 is outside [0.8, 1.2], ratio 1 is not
+    assert found["kl"] == pytest.approx((1 - math.log(2.0)) / 2)
+    assert found["clip_fraction"] == 0.5
+    assert diagnostics(old, old, mask, clip=0.2) == {"kl": 0.0, "clip_fraction": 0.0}
