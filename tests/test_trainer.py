@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -35,6 +36,7 @@ from tests.test_materializer import random_log
 from tests.waiting import wait_until
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_with_pytorch.py"
 
 
 def rows(database_url: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -334,3 +336,38 @@ def test_step_diagnostics_are_the_k3_kl_and_the_clipped_share_over_scored_tokens
     assert found["kl"] == pytest.approx((1 - math.log(2.0)) / 2)
     assert found["clip_fraction"] == 0.5
     assert diagnostics(old, old, mask, clip=0.2) == {"kl": 0.0, "clip_fraction": 0.0}
+
+
+async def test_a_plain_pytorch_trainer_in_another_process_trains_each_batch_once(
+    servers: Servers, store: EventStore, database_url: str, tmp_path: Path
+) -> None:
+    policy, published = await batches_on_the_stream(servers, store, database_url, groups=4, batch_samples=6)
+    assert published >= 3
+    durable = f"plain{uuid.uuid4().hex[:8]}"
+    script = EXAMPLE
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")},
+        "TURNSTILE_NATS_URL": servers.nats_url,
+        "TURNSTILE_DATABASE_URL": database_url,
+    }
+
+    def train() -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, str(script), "--policy", policy, "--durable", durable, "--idle", "10",
+                "--checkpoint", str(tmp_path / "plain.pt")]  # fmt: skip
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+    first = await asyncio.to_thread(train)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.count("step ") == published
+    trained = rows(database_url, "SELECT batch_id, loss FROM trained_batches WHERE trainer = %s", durable)
+    assert len({batch_id for batch_id, _ in trained}) == len(trained) == published
+    assert all(loss is not None for _, loss in trained)
+    assert (tmp_path / "plain.pt").is_file()
+    # Run again: every batch was committed (recorded, then acked), so none comes back.
+    second = await asyncio.to_thread(train)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "step " not in second.stdout
+    assert (
+        rows(database_url, "SELECT count(*) FROM trained_batches WHERE trainer = %s", durable)[0][0]
+        == published
+    )
