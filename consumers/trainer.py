@@ -168,15 +168,25 @@ def instrument(runtime: Runtime, stats: Callable[[], TrainerStats]) -> StepHook:
         "tokens per trained batch",
         (256, 1024, 4096, 16384, 65536, 262144, 1048576),
     )
-    reward = {"value": 0.0}
+    last = {"reward": 0.0, "kl": 0.0, "clip_fraction": 0.0}
     runtime.gauge(
-        "turnstile_trainer_batch_mean_reward", "the last trained batch's mean reward", lambda: reward["value"]
+        "turnstile_trainer_batch_mean_reward", "the last trained batch's mean reward", lambda: last["reward"]
+    )
+    runtime.gauge(
+        "turnstile_trainer_kl",
+        "the last step's approximate KL(sampling || trained policy)",
+        lambda: last["kl"],
+    )
+    runtime.gauge(
+        "turnstile_trainer_clip_fraction",
+        "the share of the last step's scored tokens whose ratio was clipped",
+        lambda: last["clip_fraction"],
     )
 
     def observe(record: StepRecord) -> None:
         staleness.observe(record.staleness)
         samples.observe(record.samples)
         tokens.observe(record.tokens)
-        reward["value"] = record.mean_reward
+        last.update(reward=record.mean_reward, kl=record.kl, clip_fraction=record.clip_fraction)
 
     return observe
