@@ -127,9 +127,9 @@ def instrument(runtime: Runtime, stats: RunStats, worker: TaskWorker) -> None:
     )
     runtime.counter(
         "turnstile_runner_episode_errors_total",
-        "failed episodes by cause (the error's last line)",
-        lambda: {(cause[:200],): float(n) for cause, n in stats.causes.items()},
-        ["cause"],
+        "failed episodes by kind of error (the exception's name: messages would make a series each)",
+        lambda: _by_kind(stats),
+        ["kind"],
     )
     runtime.counter("turnstile_runner_turns_total", "LLM turns recorded", lambda: stats.turns)
     runtime.gauge("turnstile_runner_open_episodes", "episodes running now", lambda: stats.running)
@@ -143,3 +143,11 @@ def instrument(runtime: Runtime, stats: RunStats, worker: TaskWorker) -> None:
     runtime.counter(
         "turnstile_runner_rewarded_episodes_total", "episodes with a reward", lambda: stats.rewards
     )
+
+
+def _by_kind(stats: RunStats) -> dict[tuple[str, ...], float]:
+    kinds: dict[tuple[str, ...], float] = {}
+    for cause, n in stats.causes.items():
+        kind = (cause.split(":", 1)[0].strip()[:100] or "unknown",)
+        kinds[kind] = kinds.get(kind, 0.0) + n
+    return kinds
