@@ -17,7 +17,7 @@ from rich.console import Console
 
 from consumers.runtime import Connections, episode_services, running
 from pipeline.errors import ConfigError
-from pipeline.gateway import HttpServer, create_gateway
+from pipeline.gateway import HttpServer, create_gateway, gateway_of
 from pipeline.ui import KeyGuard, create_app
 
 
@@ -36,6 +36,7 @@ class GatewayConfig:
     heartbeat_timeout: float = 15.0
     lease_timeout: float = 30.0
     ui_reader_url: str | None = None  # set: the episode browser at /ui, behind the admin key
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.admin_key:
@@ -73,7 +74,10 @@ async def serve_gateway(
         heartbeat_timeout=config.heartbeat_timeout,
         lease_timeout=config.lease_timeout,
     )
-    async with running("gateway", stop=stop) as runtime, episode_services(connections) as services:
+    async with (
+        running("gateway", stop=stop, metrics_port=config.metrics_port) as runtime,
+        episode_services(connections) as services,
+    ):
         if services.recovered:
             console.print(
                 f"closed {len(services.recovered)} episodes left open by stopped runners as aborted"
@@ -95,6 +99,14 @@ async def serve_gateway(
         server = HttpServer(app, host=config.host, port=config.port)
         url = await server.start()
         runtime.check("nats", lambda: services.connection.is_connected)
+        gateway = gateway_of(app)
+        runtime.gauge("turnstile_gateway_open_sessions", "sessions open now", lambda: len(gateway.registry))
+        runtime.gauge(
+            "turnstile_gateway_policy_version_served",
+            "the policy version the inference consumers answered with last, by policy",
+            lambda: {(policy,): float(v) for policy, v in gateway.served_versions.items()},
+            ["policy"],
+        )
         console.print(
             f"gateway [bold]{services.lease.runner_id}[/bold] on {url}: OpenAI and Anthropic clients use "
             f"base_url {config.public_url or url}/v1 with a session key from POST {url}/admin/sessions"

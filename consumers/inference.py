@@ -7,10 +7,12 @@ Run it with ``turnstile serve inference --policy NAME --backend torch --model DI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -21,12 +23,14 @@ from nats.aio.client import Client as NatsConnection
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from consumers.runtime import LATENCY_BUCKETS, Runtime, serve_metrics
 from pipeline.errors import ConfigError
 from pipeline.inference.backends import Backend
 from pipeline.inference.client import QUEUE_GROUP, request_subject, versions_subject
 from pipeline.inference.held import DEFAULT_BUDGET_TOKENS
 from pipeline.inference.service import InferenceService
 from pipeline.settings import nats_inbox_prefix
+from schemas import LLMResponse
 
 BackendName = Literal["torch", "vllm", "scripted"]
 
@@ -42,6 +46,7 @@ class InferenceConfig:
     max_batch: int = 16
     heartbeat_interval: float = 5.0
     held_tokens: int = DEFAULT_BUDGET_TOKENS
+    metrics_port: int | None = None  # /metrics and /health over HTTP (0: a free port)
 
 
 def default_consumer_id() -> str:
@@ -125,6 +130,7 @@ def create_app(
     async def publish(subject: str, body: bytes, headers: dict[str, str]) -> None:
         await broker.publish(body, subject, headers=headers)
 
+    runtime = Runtime(f"inference {consumer_id}", asyncio.Event())
     service = InferenceService(
         backend,
         policy=config.policy,
@@ -133,6 +139,9 @@ def create_app(
         heartbeat_interval=config.heartbeat_interval,
         held_tokens=config.held_tokens,
     )
+    instrument(runtime, service)
+    runtime.check("nats", lambda: broker._connection is not None and broker._connection.is_connected)
+    metrics = contextlib.ExitStack()
 
     requests = RequestSubscriptions(service, config.policy, consumer_id)
 
@@ -146,10 +155,64 @@ def create_app(
     async def subscribe_requests() -> None:
         service.max_payload = broker.connection.max_payload
         await requests.start(broker.connection)
+        if config.metrics_port is not None:
+            metrics.enter_context(serve_metrics(runtime, "0.0.0.0", config.metrics_port))
 
     @app.on_shutdown
     async def stop_requests() -> None:
         await requests.stop()
         await backend.close()
+        metrics.close()
 
     return app, service
+
+
+def instrument(runtime: Runtime, service: InferenceService) -> None:
+    """The consumer's metrics: requests, tokens and errors counted, latencies observed per reply."""
+    latency = runtime.histogram(
+        "turnstile_inference_latency_seconds",
+        "seconds from a request's arrival: queued (until generation started), first_token, total",
+        LATENCY_BUCKETS,
+        ["stage"],
+    )
+    completion = runtime.histogram(
+        "turnstile_inference_completion_tokens",
+        "completion tokens per reply",
+        (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+    )
+    tokens = {"prompt": 0, "completion": 0}
+    # every code at 0 from the start: a rate over a series that appears only with its first error misses it
+    errors: Counter[str] = Counter(dict.fromkeys(("invalid_request", "engine_error", "payload_too_large"), 0))
+
+    def on_reply(response: LLMResponse) -> None:
+        latency.labels("queued").observe(response.timings.queued_ms / 1000)
+        latency.labels("first_token").observe(response.timings.first_token_ms / 1000)
+        latency.labels("total").observe(response.timings.total_ms / 1000)
+        completion.observe(len(response.completion_token_ids))
+        # the whole prompt: the reply leaves out the prefix the requester sent or named
+        tokens["prompt"] += response.prompt_prefix_tokens + len(response.prompt_token_ids)
+        tokens["completion"] += len(response.completion_token_ids)
+
+    def on_error(code: str) -> None:
+        errors[code] += 1
+
+    service.on_reply, service.on_error = on_reply, on_error
+    runtime.counter("turnstile_inference_requests_total", "replies sent", lambda: service.requests_served)
+    runtime.counter(
+        "turnstile_inference_tokens_total",
+        "token ids in replies: prompt (as the engine saw it) and completion",
+        lambda: {(kind,): float(n) for kind, n in tokens.items()},
+        ["kind"],
+    )
+    runtime.counter(
+        "turnstile_inference_errors_total",
+        "requests answered with an error, by code (invalid_request, engine_error, payload_too_large ...)",
+        lambda: {(code,): float(n) for code, n in errors.items()},
+        ["code"],
+    )
+    runtime.gauge("turnstile_inference_in_flight", "requests being generated now", lambda: service.in_flight)
+    runtime.gauge(
+        "turnstile_inference_policy_version",
+        "the policy version whose weights answer requests",
+        lambda: service.backend.policy_version,
+    )

@@ -8,24 +8,35 @@ import asyncio
 import logging
 import time
 
-from consumers.runtime import running
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from consumers.runtime import Runtime, running
+from pipeline.log.db import create_engine
 from pipeline.materialize import Materializer, MaterializerConfig, drop_rebuild
 
 log = logging.getLogger(__name__)
 
 
 async def serve_materializer(
-    database_url: str, config: MaterializerConfig, *, stop: asyncio.Event | None = None
+    database_url: str,
+    config: MaterializerConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    metrics_port: int | None = None,
 ) -> Materializer:
     """Fold until SIGINT/SIGTERM (or ``stop``); each step commits its outputs and checkpoint together."""
-    async with running(f"materializer {config.name}", stop=stop) as runtime:
+    async with running(f"materializer {config.name}", stop=stop, metrics_port=metrics_port) as runtime:
         materializer = Materializer(database_url, config)
         await materializer.open()
+        engine = create_engine(database_url, pool_size=1)
+        instrument(runtime, materializer, engine)
         log.info("materializer %s starts after position %d", config.name, materializer.position)
         try:
             await materializer.run(runtime.stop)
         finally:
             await materializer.close()
+            await engine.dispose()
             if materializer.skipped:
                 log.warning(
                     "materializer %s skipped %d events it could not fold: SELECT * FROM skipped_events",
@@ -52,3 +63,40 @@ async def rematerialize(
         materializer.skipped,
     )  # fmt: skip
     return materializer
+
+
+def instrument(runtime: Runtime, materializer: Materializer, engine: AsyncEngine) -> None:
+    """Position, events quarantined, lag behind the log's head, open episodes and batches made."""
+
+    async def scalar(query: str) -> float:
+        async with engine.connect() as connection:
+            return float(await connection.scalar(sa.text(query)) or 0)
+
+    async def lag() -> float:
+        return await scalar("SELECT coalesce(max(position), 0) FROM events") - materializer.position
+
+    runtime.gauge(
+        "turnstile_materializer_position",
+        "the log position folded (the checkpoint)",
+        lambda: materializer.position,
+    )
+    runtime.counter(
+        "turnstile_materializer_quarantined_total",
+        "events that could not be folded and were skipped (SELECT * FROM skipped_events)",
+        lambda: materializer.skipped,
+    )
+    runtime.poll(
+        "turnstile_materializer_lag_events", "events in the log not folded yet (head - checkpoint)", 5.0, lag
+    )
+    runtime.poll(
+        "turnstile_materializer_open_episodes",
+        "episodes started and not finished",
+        5.0,
+        lambda: scalar("SELECT count(*) FROM episodes WHERE status = 'running'"),
+    )
+    runtime.poll(
+        "turnstile_materializer_batches",
+        "batches made so far",
+        5.0,
+        lambda: scalar("SELECT count(*) FROM batches"),
+    )

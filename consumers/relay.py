@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
+import sqlalchemy as sa
 from rich.console import Console
 
 from consumers.runtime import connect_nats, running
@@ -21,6 +22,7 @@ class RelayConfig:
     schema: str = "public"
     poll_interval: float = 1.0
     outbox_retention: float = 86_400.0
+    metrics_port: int | None = None
 
 
 async def serve_relay(
@@ -29,7 +31,7 @@ async def serve_relay(
     """Run the relay until stopped (Ctrl-C, SIGTERM or ``stop``); the relay, or None if stopped before
     NATS could be reached (``ConfigError`` if it cannot be reached within ``runtime.CONNECT_FOR``)."""
     console = console or Console(stderr=True)
-    async with running("relay", stop=stop) as runtime:
+    async with running("relay", stop=stop, metrics_port=config.metrics_port) as runtime:
         engine = create_engine(config.database_url, pool_size=2)
         try:
             connection = await connect_nats(config.nats_url, stop=runtime.stop)
@@ -42,6 +44,18 @@ async def serve_relay(
                 schema=config.schema,
                 poll_interval=config.poll_interval,
                 retention=config.outbox_retention,
+            )
+            runtime.counter(
+                "turnstile_relay_published_total", "batches published to BATCHES", lambda: relay.published
+            )
+
+            async def depth() -> float:
+                async with engine.connect() as db:
+                    query = f"SELECT count(*) FROM {config.schema}.batch_outbox WHERE published_at IS NULL"
+                    return float(await db.scalar(sa.text(query)) or 0)
+
+            runtime.poll(
+                "turnstile_relay_outbox_depth", "batches committed and not yet published", 5.0, depth
             )
             console.print(f"relay publishing batches from {config.schema}.batch_outbox to JetStream BATCHES")
             try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from consumers.runtime import Connections, episode_services, running, stop_on_signals
+from consumers.runtime import Connections, Runtime, episode_services, running, stop_on_signals
 from pipeline.episodes import Agent, EpisodeOutcome, RewardFunction
 from pipeline.runners.progress import live_progress, stats_line, stats_table
 from pipeline.runners.runner import Runner, RunnerConfig, RunStats, TaskLineError, read_tasks, run_tasks
@@ -81,12 +81,13 @@ async def serve_runner(
     ack_wait: float = 60.0,
     stop: asyncio.Event | None = None,
     console: Console | None = None,
+    metrics_port: int | None = None,
 ) -> TaskWorker:
     """``turnstile serve runner``: take tasks from ``tasks.<policy>`` until stopped (Ctrl-C, SIGTERM or
     ``stop``); every ``lease_timeout`` close episodes that dead runners left open."""
     console = console or Console(stderr=True)
     async with (
-        running("runner", stop=stop) as runtime,
+        running("runner", stop=stop, metrics_port=metrics_port) as runtime,
         episode_services(connections, recover=True) as services,
     ):
         runner = Runner(
@@ -99,6 +100,7 @@ async def serve_runner(
         )
         worker = TaskWorker(runner, services.connection, ack_wait=ack_wait)
         runtime.check("nats", lambda: services.connection.is_connected)
+        instrument(runtime, runner.stats, worker)
         console.print(
             f"runner [bold]{services.lease.runner_id}[/bold] taking tasks from tasks.{config.policy} "
             f"({config.concurrency} episodes at most)"
@@ -113,3 +115,39 @@ async def serve_runner(
         ):
             await worker.run(runtime.stop)
     return worker
+
+
+def instrument(runtime: Runtime, stats: RunStats, worker: TaskWorker) -> None:
+    """Episodes by outcome, turns, open episodes, tasks, and the reward of finished episodes."""
+    runtime.counter(
+        "turnstile_runner_episodes_total",
+        "episodes finished, by outcome (done: any ending but failure or cancellation)",
+        lambda: {("done",): stats.done, ("failed",): stats.failed, ("cancelled",): stats.cancelled},
+        ["outcome"],
+    )
+    runtime.counter(
+        "turnstile_runner_episode_errors_total",
+        "failed episodes by kind of error (the exception's name: messages would make a series each)",
+        lambda: _by_kind(stats),
+        ["kind"],
+    )
+    runtime.counter("turnstile_runner_turns_total", "LLM turns recorded", lambda: stats.turns)
+    runtime.gauge("turnstile_runner_open_episodes", "episodes running now", lambda: stats.running)
+    runtime.counter("turnstile_runner_tasks_total", "tasks done and acked", lambda: worker.tasks_done)
+    runtime.counter(
+        "turnstile_runner_tasks_refused_total", "tasks that could not be read", lambda: worker.tasks_refused
+    )
+    runtime.counter(
+        "turnstile_runner_reward_sum_total", "the sum of episode rewards", lambda: stats.reward_sum
+    )
+    runtime.counter(
+        "turnstile_runner_rewarded_episodes_total", "episodes with a reward", lambda: stats.rewards
+    )
+
+
+def _by_kind(stats: RunStats) -> dict[tuple[str, ...], float]:
+    kinds: dict[tuple[str, ...], float] = {}
+    for cause, n in stats.causes.items():
+        kind = (cause.split(":", 1)[0].strip()[:100] or "unknown",)
+        kinds[kind] = kinds.get(kind, 0.0) + n
+    return kinds

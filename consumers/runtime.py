@@ -7,8 +7,12 @@
   (``stamina``) for at most ``connect_for`` seconds, so a service started before its servers waits for
   them but one pointed at a wrong address says so instead of hanging; once connected, nats-py reconnects
   on its own forever and the event store retries its appends (``retry_for``).
-- Health and metrics: a service registers named checks on its ``Runtime``; ``Runtime.health()`` is what a
-  health endpoint serves. The endpoint itself (and metrics) live here when they come, not in each service.
+- Health and metrics: a service registers named checks and Prometheus metrics on its ``Runtime``
+  (``counter``/``gauge``: values read from the service's own counters when scraped; ``histogram``: observed
+  as things happen; ``poll``: a value fetched every few seconds, such as a lag read from the database).
+  With a metrics port (``--metrics-port``), ``running`` serves them over HTTP: ``/metrics`` in Prometheus'
+  text format, ``/health`` as JSON (200 healthy, 503 not). Every service gets ``turnstile_service_healthy``
+  and ``turnstile_service_info``; the endpoint is here, not in each service.
 
 stamina rather than tenacity directly: it is tenacity with production defaults (jittered exponential
 backoff, a bound on time and attempts) and typed async retry contexts, which is all a connect needs.
@@ -18,15 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Final, TypeVar
 
 import nats
 import stamina
 from nats.aio.client import Client as NatsConnection
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from pipeline.episodes import RunnerLease, close_abandoned_episodes, recover_abandoned_episodes
 from pipeline.errors import ConfigError
@@ -36,6 +46,8 @@ from pipeline.settings import nats_inbox_prefix, nats_servers
 
 log = logging.getLogger(__name__)
 
+LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+"""Seconds: from a millisecond (an instant backend) to the minutes of a long generation."""
 CONNECT_FOR: Final = 60.0
 """Seconds a service keeps trying to reach NATS or PostgreSQL at start before it gives up."""
 
@@ -63,15 +75,53 @@ def stop_on_signals(callback: Callable[[], object]) -> Iterator[None]:
 
 
 HealthCheck = Callable[[], bool]
+Reading = Callable[[], float | dict[tuple[str, ...], float]]
+"""A metric's value when scraped: one number, or a number per tuple of label values."""
+
+
+class _ReadAtScrape(Collector):
+    """Counters and gauges whose values the service already keeps: read when Prometheus scrapes."""
+
+    def __init__(self) -> None:
+        self.metrics: list[tuple[str, str, str, Sequence[str], Reading]] = []
+
+    def collect(self) -> Iterable[Metric]:
+        for kind, name, documentation, labels, read in self.metrics:
+            family: CounterMetricFamily | GaugeMetricFamily
+            if kind == "counter":
+                family = CounterMetricFamily(name, documentation, labels=labels)
+            else:
+                family = GaugeMetricFamily(name, documentation, labels=labels)
+            try:
+                value = read()
+            except Exception:
+                log.exception("metric %s could not be read", name)
+                continue
+            values = value if isinstance(value, dict) else {(): value}
+            for label_values, number in values.items():
+                if number is not None:
+                    family.add_metric(list(label_values), float(number))
+            yield family
 
 
 @dataclass
 class Runtime:
-    """One running service: its name, the event that stops it, and its health checks."""
+    """One running service: its name, the event that stops it, its health checks and its metrics."""
 
     name: str
     stop: asyncio.Event
     checks: dict[str, HealthCheck] = field(default_factory=dict)
+    registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
+    metrics_address: tuple[str, int] | None = None  # where /metrics and /health are served, once started
+    _read: _ReadAtScrape = field(default_factory=_ReadAtScrape)
+    _polls: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.registry.register(self._read)
+        self.gauge(
+            "turnstile_service_healthy", "1 when every health check of the service passes", self._healthy
+        )
+        self.gauge("turnstile_service_info", "the service's name", lambda: {(self.name,): 1.0}, ["service"])
 
     def check(self, name: str, healthy: HealthCheck) -> None:
         """Register a health check (e.g. "nats": the connection is up)."""
@@ -88,13 +138,109 @@ class Runtime:
                 results[name] = False
         return {"service": self.name, "healthy": all(results.values()), "checks": results}
 
+    def _healthy(self) -> float:
+        return 1.0 if self.health()["healthy"] else 0.0
+
+    def counter(self, name: str, documentation: str, read: Reading, labels: Sequence[str] = ()) -> None:
+        """A counter the service keeps itself (``read`` returns its total so far), read when scraped."""
+        self._read.metrics.append(("counter", name.removesuffix("_total"), documentation, labels, read))
+
+    def gauge(self, name: str, documentation: str, read: Reading, labels: Sequence[str] = ()) -> None:
+        """A value read when scraped (a policy version, a queue's depth)."""
+        self._read.metrics.append(("gauge", name, documentation, labels, read))
+
+    def histogram(
+        self, name: str, documentation: str, buckets: Sequence[float], labels: Sequence[str] = ()
+    ) -> Histogram:
+        """A histogram the service observes into as things happen (latencies, sizes)."""
+        return Histogram(name, documentation, labels, registry=self.registry, buckets=buckets)
+
+    def poll(
+        self, name: str, documentation: str, every: float, fetch: Callable[[], Awaitable[float]]
+    ) -> None:
+        """A gauge fetched every ``every`` seconds while the service runs (a database query: lag, depth);
+        absent until the first fetch succeeds, and kept at its last value when a fetch fails."""
+        gauge = Gauge(name, documentation, registry=self.registry)
+
+        async def refresh() -> None:
+            while not self.stop.is_set():
+                try:
+                    gauge.set(await fetch())
+                except Exception as error:
+                    log.warning("metric %s: %s", name, str(error).splitlines()[0] if str(error) else error)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), every)
+
+        self._polls.append(asyncio.create_task(refresh()))
+
+    def scrape(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Endpoint(BaseHTTPRequestHandler):
+    runtime: Runtime  # set on the subclass made per server
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        if path == "/metrics":
+            self._send(200, CONTENT_TYPE_LATEST, self.runtime.scrape())
+        elif path in ("/health", "/healthz"):
+            health = self.runtime.health()
+            self._send(200 if health["healthy"] else 503, "application/json", json.dumps(health).encode())
+        else:
+            self._send(404, "text/plain; charset=utf-8", b"/metrics or /health\n")
+
+    def _send(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes every few seconds are not news."""
+
+
+@contextlib.contextmanager
+def serve_metrics(runtime: Runtime, host: str, port: int) -> Iterator[None]:
+    """``/metrics`` and ``/health`` on a thread of their own: a scrape never waits for the event loop."""
+    handler = type("Endpoint", (_Endpoint,), {"runtime": runtime})
+    try:
+        server = ThreadingHTTPServer((host, port), handler)
+    except OSError as error:
+        raise ConfigError(f"cannot serve metrics on {host}:{port}: {error.strerror or error}") from None
+    server.daemon_threads = True
+    runtime.metrics_address = (host, server.server_address[1])
+    thread = threading.Thread(target=server.serve_forever, name=f"metrics {runtime.name}", daemon=True)
+    thread.start()
+    log.info("metrics on http://%s:%d/metrics, health on /health", host, server.server_address[1])
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+
 
 @contextlib.asynccontextmanager
-async def running(name: str, *, stop: asyncio.Event | None = None) -> AsyncIterator[Runtime]:
-    """The service's runtime for the block: ``runtime.stop`` is set by SIGINT, SIGTERM or the caller."""
+async def running(
+    name: str,
+    *,
+    stop: asyncio.Event | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "0.0.0.0",
+) -> AsyncIterator[Runtime]:
+    """The service's runtime for the block: ``runtime.stop`` is set by SIGINT, SIGTERM or the caller. With
+    ``metrics_port`` (0: a free one) its metrics and health are served over HTTP while the block runs."""
     runtime = Runtime(name, stop or asyncio.Event())
-    with stop_on_signals(runtime.stop.set):
-        yield runtime
+    with stop_on_signals(runtime.stop.set), contextlib.ExitStack() as stack:
+        if metrics_port is not None:
+            stack.enter_context(serve_metrics(runtime, metrics_host, metrics_port))
+        try:
+            yield runtime
+        finally:
+            for task in runtime._polls:
+                task.cancel()
+            await asyncio.gather(*runtime._polls, return_exceptions=True)
 
 
 async def connect_nats(

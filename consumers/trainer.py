@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from consumers.runtime import connect_nats, connect_store, running
+from consumers.runtime import Runtime, connect_nats, connect_store, running
 from pipeline.errors import ConfigError
 from pipeline.training import (
     BatchSubscription,
@@ -28,7 +29,7 @@ from pipeline.training import (
     resume,
     train,
 )
-from pipeline.training.trainer import StepHook
+from pipeline.training.trainer import StepHook, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class TrainerConfig:
     threads: int = 1
     keep_checkpoints: int = 3
     log_steps: Path | None = None  # a JSON line per learner step (the on_step hook); off by default
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.version_every < 1:
@@ -78,8 +80,10 @@ class TrainerConfig:
 async def serve_trainer(config: TrainerConfig, *, stop: asyncio.Event | None = None) -> TrainerStats:
     """Train until Ctrl-C, SIGTERM or ``stop``; the trainer's figures at the end."""
     step_log = JsonlStepLog(config.log_steps) if config.log_steps is not None else None
-    plan = config.plan(step_log)
-    async with running(f"trainer {config.durable}", stop=stop) as runtime:
+    stats = TrainerStats()
+    async with running(f"trainer {config.durable}", stop=stop, metrics_port=config.metrics_port) as runtime:
+        observe = instrument(runtime, lambda: stats)
+        plan = config.plan(_both(step_log, observe))
         store = await connect_store(config.database_url)
         assert store is not None
         try:
@@ -92,6 +96,16 @@ async def serve_trainer(config: TrainerConfig, *, stop: asyncio.Event | None = N
                 )
                 async with batches:
                     stats, weights = await resume(plan, store, connection, batches)
+                    runtime.counter(
+                        "turnstile_trainer_quarantined_total",
+                        "messages on BATCHES that were not a readable batch of this policy (terminated)",
+                        lambda: batches.quarantined,
+                    )
+                    runtime.counter(
+                        "turnstile_trainer_duplicates_total",
+                        "batches delivered again after they were recorded (acked, skipped)",
+                        lambda: batches.duplicates,
+                    )
                     learner = await asyncio.to_thread(
                         PolicyGradient,
                         weights,
@@ -116,3 +130,63 @@ async def serve_trainer(config: TrainerConfig, *, stop: asyncio.Event | None = N
             if step_log is not None:
                 step_log.close()
     return stats
+
+
+def _both(first: StepHook | None, second: StepHook) -> StepHook:
+    if first is None:
+        return second
+
+    def both(record: StepRecord) -> None:
+        first(record)
+        second(record)
+
+    return both
+
+
+def instrument(runtime: Runtime, stats: Callable[[], TrainerStats]) -> StepHook:
+    """The trainer's metrics; the hook that observes each learner step."""
+    runtime.gauge(
+        "turnstile_trainer_policy_version", "the newest policy version published", lambda: stats().version
+    )
+    runtime.counter("turnstile_trainer_batches_trained_total", "batches trained", lambda: stats().trained)
+    runtime.counter(
+        "turnstile_trainer_stale_batches_total", "batches skipped as too far behind", lambda: stats().stale
+    )
+    runtime.gauge("turnstile_trainer_loss", "the last learner step's loss", lambda: stats().last_loss or 0.0)
+    staleness = runtime.histogram(
+        "turnstile_trainer_batch_staleness",
+        "policy versions between a batch's oldest sample and the version it was trained on",
+        (0, 1, 2, 3, 4, 6, 8, 16, 32),
+    )
+    samples = runtime.histogram(
+        "turnstile_trainer_batch_samples",
+        "samples per trained batch",
+        (1, 4, 16, 32, 64, 128, 256, 512, 1024),
+    )
+    tokens = runtime.histogram(
+        "turnstile_trainer_batch_tokens",
+        "tokens per trained batch",
+        (256, 1024, 4096, 16384, 65536, 262144, 1048576),
+    )
+    last = {"reward": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+    runtime.gauge(
+        "turnstile_trainer_batch_mean_reward", "the last trained batch's mean reward", lambda: last["reward"]
+    )
+    runtime.gauge(
+        "turnstile_trainer_kl",
+        "the last step's approximate KL(sampling || trained policy)",
+        lambda: last["kl"],
+    )
+    runtime.gauge(
+        "turnstile_trainer_clip_fraction",
+        "the share of the last step's scored tokens whose ratio was clipped",
+        lambda: last["clip_fraction"],
+    )
+
+    def observe(record: StepRecord) -> None:
+        staleness.observe(record.staleness)
+        samples.observe(record.samples)
+        tokens.observe(record.tokens)
+        last.update(reward=record.mean_reward, kl=record.kl, clip_fraction=record.clip_fraction)
+
+    return observe

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -364,6 +365,7 @@ class LocalCompose:
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.healthy: set[str] = set()
         self.servers: list[EmbeddedPostgres] = []
+        self.metrics_ports: dict[str, int] = {}  # each service's --metrics-port: a free one here
 
     # -- mapping container paths, hosts and ports to this machine
 
@@ -455,9 +457,13 @@ class LocalCompose:
 
     def start(self, name: str) -> None:
         service = self.services[name]
+        argv = self.argv(service)
+        if "--metrics-port" in argv:  # 9100 in every container: a port of its own for each here
+            self.metrics_ports[name] = free_port()
+            argv[argv.index("--metrics-port") + 1] = str(self.metrics_ports[name])
         log = (self.directory / "logs" / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
-            self.argv(service), env=self.environment(service), stdout=log, stderr=subprocess.STDOUT,
+            argv, env=self.environment(service), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, cwd=self.directory, start_new_session=True,
         )  # fmt: skip
 
@@ -505,6 +511,34 @@ class LocalCompose:
                 process.wait()
         for server in self.servers:
             server.stop()
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """A service's /metrics as {sample name with its labels: value} (prometheus-client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{key}={value}" for key, value in sorted(sample.labels.items()))
+            found[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
+    return found
+
+
+# What each service's metrics must show once the loop has run: (sample, at least).
+METRICS_MOVED = {
+    "inference": [("turnstile_inference_requests_total", 1), ("turnstile_inference_policy_version", 1),
+                  ("turnstile_inference_latency_seconds_count{stage=total}", 1),
+                  ("turnstile_inference_tokens_total{kind=completion}", 1)],
+    "materializer": [("turnstile_materializer_position", 1), ("turnstile_materializer_batches", 1)],
+    "relay": [("turnstile_relay_published_total", 1)],
+    "trainer": [("turnstile_trainer_batches_trained_total", 1), ("turnstile_trainer_policy_version", 1),
+                ("turnstile_trainer_batch_samples_count", 1)],
+    "runner": [("turnstile_runner_turns_total", 1), ("turnstile_runner_episodes_total{outcome=done}", 1)],
+    "gateway": [("turnstile_gateway_open_sessions", 1)],
+}  # fmt: skip
 
 
 def _scalar(url: str, query: str) -> Any:
@@ -589,6 +623,46 @@ def test_the_compose_services_close_the_loop_with_their_own_credentials(server_d
         )
         assert reply.status_code == 200, reply.text
 
+        # Every service serves its metrics; counters moved while the loop ran, and move on with more work.
+        # (Lags and counts read from the database are refreshed every 5 s: wait for the first refresh.)
+        def short_of(found: dict[str, dict[str, float]]) -> list[tuple[str, str, float | None]]:
+            return [
+                (name, sample, found[name].get(sample))
+                for name, wanted in METRICS_MOVED.items()
+                for sample, least in [*wanted, ("turnstile_service_healthy", 1)]
+                if found[name].get(sample, 0) < least
+            ]
+
+        deadline = time.monotonic() + 60
+        while True:
+            before = {name: scrape_metrics(port) for name, port in local.metrics_ports.items()}
+            assert set(before) == set(METRICS_MOVED), before.keys()
+            if not short_of(before) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert short_of(before) == []
+        requests = before["inference"]["turnstile_inference_requests_total"]
+        again = httpx.post(
+            f"{base}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {session['api_key']}"},
+            json={"model": "demo", "messages": [{"role": "user", "content": "Once more."}], "max_tokens": 4},
+            timeout=60,
+        )
+        assert again.status_code == 200, again.text
+        after = scrape_metrics(local.metrics_ports["inference"])
+        assert after["turnstile_inference_requests_total"] > requests
+        # The provisioned dashboard asks only for metrics that the services serve.
+        served = {re.sub(r"\{.*", "", key) for found in before.values() for key in found}
+        dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "turnstile.json").read_text())
+        asked = {
+            name
+            for panel in dashboard["panels"]
+            for target in panel["targets"]
+            for name in re.findall(r"turnstile_\w+", target["expr"])
+        }
+        assert asked
+        assert asked <= served, asked - served
+
         # turnstile sql as the analyst (read-only role), and the analyst cannot delete.
         analyst = owner_url.replace(
             f"turnstile:{compose['services']['postgres']['environment']['POSTGRES_PASSWORD']}@",
@@ -604,3 +678,37 @@ def test_the_compose_services_close_the_loop_with_their_own_credentials(server_d
             connection.execute("DELETE FROM events")
     finally:
         local.stop()
+
+
+def test_prometheus_scrapes_every_service_that_serves_metrics_and_grafana_is_provisioned() -> None:
+    import yaml
+
+    compose = check_compose.load_compose(env={})
+    serving_metrics = {
+        name: args[args.index("--metrics-port") + 1]
+        for name, service in compose["services"].items()
+        for args in check_compose.turnstile_invocations(service)
+        if "--metrics-port" in args
+    }
+    assert set(serving_metrics) == {
+        "inference", "inference-gpu", "materializer", "relay", "trainer", "gateway", "runner"
+    }  # fmt: skip
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    scraped = {
+        name: str(sd["port"])
+        for job in config["scrape_configs"]
+        for sd in job["dns_sd_configs"]
+        for name in sd["names"]
+    }
+    assert scraped == serving_metrics
+    for name in ("prometheus", "grafana"):
+        assert compose["services"][name]["profiles"] == ["observability"]
+    mounts = [str(m).split(":")[0] for m in compose["services"]["grafana"]["volumes"]]
+    assert "./deploy/grafana/provisioning" in mounts
+    assert "./deploy/grafana/dashboards" in mounts
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/turnstile.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    source = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    uid = source["datasources"][0]["uid"]
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/turnstile.json").read_text())
+    assert {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]} == {uid}

@@ -332,3 +332,15 @@ async def test_runner_killed_mid_run_its_tasks_are_redelivered_none_lost_none_co
         "WHERE f.stream = t.stream AND f.type = 'EpisodeFinished' AND f.data->>'termination' = 'done')",
     )
     assert turns_of_done[0][0] == 24 * 3
+
+
+def test_failed_episodes_are_counted_in_metrics_by_kind_of_error_not_by_message() -> None:
+    from collections import Counter
+
+    from consumers.runner import _by_kind
+    from pipeline.runners.runner import RunStats
+
+    stats = RunStats(
+        causes=Counter({"ValueError: boom": 2, "ValueError: other": 1, "InferenceTimeout: 30 s": 1})
+    )
+    assert _by_kind(stats) == {("ValueError",): 3.0, ("InferenceTimeout",): 1.0}

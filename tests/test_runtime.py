@@ -4,11 +4,15 @@ health checks."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from consumers.runtime import Runtime, connect_nats, connect_store, running, stop_on_signals
 from pipeline.dev.embedded import EmbeddedNats, free_port
@@ -107,3 +111,73 @@ def test_the_inbox_prefix_is_the_role_that_logs_in(url: str, prefix: str) -> Non
 def test_a_user_name_that_cannot_be_a_subject_token_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="cannot name an inbox prefix"):
         nats_inbox_prefix("nats://has.dot:pw@nats:4222")
+
+
+def scrape(address: tuple[str, int], path: str = "/metrics") -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{address[1]}{path}", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """A sample's value in Prometheus' text format (parsed by prometheus-client's own parser)."""
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            if found.name == name and (labels is None or found.labels == labels):
+                return float(found.value)
+    return None
+
+
+async def test_metrics_and_health_are_served_while_the_service_runs() -> None:
+    counts = {"done": 0}
+    healthy = {"nats": True}
+    async with running("svc", metrics_port=0, metrics_host="127.0.0.1") as runtime:
+        assert runtime.metrics_address is not None
+        runtime.check("nats", lambda: healthy["nats"])
+        runtime.counter("turnstile_things_total", "things done", lambda: counts["done"])
+        runtime.gauge("turnstile_depth", "by queue", lambda: {("a",): 2.0, ("b",): 5.0}, ["queue"])
+        latency = runtime.histogram("turnstile_latency_seconds", "latency", (0.1, 1.0))
+        polled = asyncio.Event()
+
+        async def fetch() -> float:
+            polled.set()
+            return 42.0
+
+        runtime.poll("turnstile_polled", "fetched", 0.05, fetch)
+        await asyncio.wait_for(polled.wait(), 10)
+
+        status, first = await asyncio.to_thread(scrape, runtime.metrics_address)
+        assert status == 200
+        assert sample(first, "turnstile_things_total") == 0
+        counts["done"] = 3
+        latency.observe(0.5)
+        _, second = await asyncio.to_thread(scrape, runtime.metrics_address)
+        assert sample(second, "turnstile_things_total") == 3  # the counter moved between scrapes
+        assert sample(second, "turnstile_depth", {"queue": "b"}) == 5
+        assert sample(second, "turnstile_latency_seconds_bucket", {"le": "1.0"}) == 1
+        assert sample(second, "turnstile_latency_seconds_bucket", {"le": "0.1"}) == 0
+        assert sample(second, "turnstile_polled") == 42
+        assert sample(second, "turnstile_service_healthy") == 1
+        assert sample(second, "turnstile_service_info", {"service": "svc"}) == 1
+
+        status, body = await asyncio.to_thread(scrape, runtime.metrics_address, "/health")
+        assert (status, json.loads(body)["healthy"]) == (200, True)
+        healthy["nats"] = False
+        status, body = await asyncio.to_thread(scrape, runtime.metrics_address, "/health")
+        assert status == 503
+        assert json.loads(body)["checks"] == {"nats": False}
+        _, third = await asyncio.to_thread(scrape, runtime.metrics_address)
+        assert sample(third, "turnstile_service_healthy") == 0
+        address = runtime.metrics_address
+    with pytest.raises(urllib.error.URLError, match="refused"):  # stopped with the service
+        await asyncio.to_thread(scrape, address)
+
+
+async def test_a_metrics_port_in_use_is_a_clear_error() -> None:
+    async with running("first", metrics_port=0, metrics_host="127.0.0.1") as runtime:
+        assert runtime.metrics_address is not None
+        with pytest.raises(ConfigError, match=r"cannot serve metrics on 127\.0\.0\.1"):
+            async with running("second", metrics_port=runtime.metrics_address[1], metrics_host="127.0.0.1"):
+                pass

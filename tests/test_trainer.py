@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -35,6 +36,7 @@ from tests.test_materializer import random_log
 from tests.waiting import wait_until
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_with_pytorch.py"
 
 
 def rows(database_url: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -165,6 +167,7 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
     recorded = dict(rows(database_url, "SELECT batch_id, loss FROM trained_batches"))
     assert {step["batch_id"]: step["loss"] for step in steps} == pytest.approx(recorded)
     assert all(step["samples"] > 0 and step["tokens"] > 0 for step in steps)
+    assert all(step["kl"] >= 0 and 0 <= step["clip_fraction"] <= 1 for step in steps)
 
 
 async def test_a_trainer_killed_mid_batch_trains_each_batch_once(
@@ -316,3 +319,55 @@ async def test_a_version_republished_under_another_spelling_of_its_directory_sta
     finally:
         await connection.drain()
     assert len(await store.read_stream(f"policy-{policy}")) == 1
+
+
+def test_step_diagnostics_are_the_k3_kl_and_the_clipped_share_over_scored_tokens() -> None:
+    import math
+
+    import torch
+
+    from pipeline.training.ppo import diagnostics
+
+    old = torch.zeros((1, 3))
+    new = torch.tensor([[math.log(2.0), 0.0, math.log(10.0)]])  # ratios 2, 1, 10
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is not scored
+    found = diagnostics(new, old, mask, clip=0.2)
+    # ((2 - 1) - ln 2 + (1 - 1) - 0) / 2 tokens; ratio 2 is outside [0.8, 1.2], ratio 1 is not
+    assert found["kl"] == pytest.approx((1 - math.log(2.0)) / 2)
+    assert found["clip_fraction"] == 0.5
+    assert diagnostics(old, old, mask, clip=0.2) == {"kl": 0.0, "clip_fraction": 0.0}
+
+
+async def test_a_plain_pytorch_trainer_in_another_process_trains_each_batch_once(
+    servers: Servers, store: EventStore, database_url: str, tmp_path: Path
+) -> None:
+    policy, published = await batches_on_the_stream(servers, store, database_url, groups=4, batch_samples=6)
+    assert published >= 3
+    durable = f"plain{uuid.uuid4().hex[:8]}"
+    script = EXAMPLE
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")},
+        "TURNSTILE_NATS_URL": servers.nats_url,
+        "TURNSTILE_DATABASE_URL": database_url,
+    }
+
+    def train() -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, str(script), "--policy", policy, "--durable", durable, "--idle", "10",
+                "--checkpoint", str(tmp_path / "plain.pt")]  # fmt: skip
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+    first = await asyncio.to_thread(train)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.count("step ") == published
+    trained = rows(database_url, "SELECT batch_id, loss FROM trained_batches WHERE trainer = %s", durable)
+    assert len({batch_id for batch_id, _ in trained}) == len(trained) == published
+    assert all(loss is not None for _, loss in trained)
+    assert (tmp_path / "plain.pt").is_file()
+    # Run again: every batch was committed (recorded, then acked), so none comes back.
+    second = await asyncio.to_thread(train)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "step " not in second.stdout
+    assert (
+        rows(database_url, "SELECT count(*) FROM trained_batches WHERE trainer = %s", durable)[0][0]
+        == published
+    )

@@ -78,6 +78,17 @@ Temperature = Annotated[float, typer.Option(help="sampling temperature")]
 MaxTokens = Annotated[int, typer.Option(help="completion tokens per turn at most")]
 HeartbeatTimeout = Annotated[float, typer.Option(help="seconds an LLM call waits for a silent consumer")]
 
+# -- every `turnstile serve ...` service --
+
+MetricsPort = Annotated[
+    int | None,
+    typer.Option(
+        envvar="TURNSTILE_METRICS_PORT",
+        help="serve Prometheus /metrics and /health on this port (0: a free one) \\[default: off]",
+        show_default=False,
+    ),
+]
+
 # -- options of `turnstile serve materializer` and `turnstile rematerialize` --
 
 Discount = Annotated[

@@ -20,6 +20,7 @@ from consumers.cli.common import (
     HeartbeatTimeout,
     MaxTokens,
     MaxTurns,
+    MetricsPort,
     Peers,
     PeersOption,
     Retries,
@@ -56,6 +57,7 @@ def inference(
         help="token ids of recent turns kept (with their messages), so a request continuing one need not "
         "send them again; least recently used first",
     ),
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Answer LLM requests for POLICY over NATS (queue group `inference`), reloading published versions."""
     import asyncio
@@ -72,6 +74,7 @@ def inference(
         consumer_id=consumer_id,
         max_batch=max_batch,
         held_tokens=held_tokens,
+        metrics_port=metrics_port,
     )
     application, service = create_app(config)
     console.print(
@@ -97,6 +100,7 @@ def runner(
         30.0, help="seconds after which a silent runner's episodes are aborted"
     ),
     heartbeat_timeout: HeartbeatTimeout = 15.0,
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Take tasks from the TASKS work queue and run AGENT on them, on as many machines as you like."""
     import asyncio
@@ -126,7 +130,15 @@ def runner(
         sampling=sampling(temperature, max_tokens, None),
     )
     asyncio.run(
-        serve_runner(connections, loaded, config, reward_fn=reward_fn, ack_wait=ack_wait, console=console)
+        serve_runner(
+            connections,
+            loaded,
+            config,
+            reward_fn=reward_fn,
+            ack_wait=ack_wait,
+            console=console,
+            metrics_port=metrics_port,
+        )
     )
     console.print("runner stopped")
 
@@ -143,6 +155,7 @@ def materializer(
     stale: StaleOption = Stale.drop,
     group_timeout: GroupTimeout = 600.0,
     step_events: StepEvents = 2000,
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Fold the log into read models and training batches as events arrive (exactly once)."""
     import asyncio
@@ -156,7 +169,9 @@ def materializer(
         group_timeout, step_events,
     )  # fmt: skip
     console.print(f"materializer {name!r} running ({config.semantics()})")
-    done = asyncio.run(serve_materializer(Settings().require_database_url(), config))
+    done = asyncio.run(
+        serve_materializer(Settings().require_database_url(), config, metrics_port=metrics_port)
+    )
     console.print(f"materializer stopped at position {done.position}")
 
 
@@ -170,6 +185,7 @@ def relay(
         help="seconds a published batch payload stays in the outbox before it is deleted (0: at once; inf: "
         "keep); `batches` keeps its size and sha256 and `turnstile rematerialize` rebuilds the same bytes",
     ),
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Publish the materializer's batches to JetStream BATCHES (batches.<policy>), each once."""
     import asyncio
@@ -190,6 +206,7 @@ def relay(
         schema=schema,
         poll_interval=poll_interval,
         outbox_retention=outbox_retention,
+        metrics_port=metrics_port,
     )
     asyncio.run(serve_relay(config, console=console))
     console.print("relay stopped")
@@ -215,6 +232,7 @@ def trainer(
     log_steps: Path = typer.Option(
         None, help="append a JSON line per learner step (loss, staleness, reward ...) to this file"
     ),
+    metrics_port: MetricsPort = None,
 ) -> None:
     """PPO-clip on the batch stream; checkpoints and publishes new policy versions (exactly once)."""
     import asyncio
@@ -240,6 +258,7 @@ def trainer(
         threads=threads,
         keep_checkpoints=keep_checkpoints,
         log_steps=log_steps,
+        metrics_port=metrics_port,
     )
     stats = asyncio.run(serve_trainer(config))
     console.print(f"trainer stopped at policy version {stats.version} ({stats.trained} batches trained)")
@@ -273,6 +292,7 @@ def gateway(
         help="also serve the episode browser at /ui (read-only, as TURNSTILE_READER_URL; HTTP Basic with the "
         "admin key as password)",
     ),
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Serve the OpenAI- and Anthropic-compatible gateway: every call of a session is a recorded turn."""
     import asyncio
@@ -303,6 +323,7 @@ def gateway(
         public_url=public_url,
         heartbeat_timeout=heartbeat_timeout,
         ui_reader_url=settings.require_reader_url() if ui else None,
+        metrics_port=metrics_port,
     )
     asyncio.run(serve_gateway(config, console=console))
     console.print("gateway stopped")

@@ -63,10 +63,14 @@ class InferenceService:
         heartbeat_interval: float = 5.0,
         reasoning_markers: tuple[str, str] | None = REASONING_MARKERS,
         held_tokens: int = DEFAULT_BUDGET_TOKENS,
+        on_reply: Callable[[LLMResponse], None] | None = None,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         self.backend = backend
         self.held = HeldPrefixes(held_tokens)
         """Recent turns' tokens, messages and tools, by the key each reply names (``tokens_key``)."""
+        self.on_reply = on_reply  # metrics: each reply sent (timings, tokens), each error by its code
+        self.on_error = on_error
         self.reasoning_markers = reasoning_markers
         """Where the model's reasoning begins and ends in its text (None: it has none to split off)."""
         self.policy = policy
@@ -167,7 +171,8 @@ class InferenceService:
         except Exception as error:
             log.exception("backend failed on request %s", request.request_id)
             return self._error(request.request_id, "engine_error", f"{type(error).__name__}: {error}")
-        body = self._response(request, generation, received, held).model_dump_json(exclude_none=True).encode()
+        response = self._response(request, generation, received, held)
+        body = response.model_dump_json(exclude_none=True).encode()
         if len(body) > self.max_payload:
             message = (
                 f"the reply is {len(body):,} bytes, over the NATS server's max_payload of "
@@ -175,6 +180,8 @@ class InferenceService:
             )
             return self._error(request.request_id, "payload_too_large", message, "sampling.max_tokens")
         self.requests_served += 1
+        if self.on_reply is not None:
+            self.on_reply(response)
         self._recent[request.request_id] = (digest, body)
         if len(self._recent) > RECENT_REPLIES:
             self._recent.popitem(last=False)
@@ -270,6 +277,8 @@ class InferenceService:
     def _error(
         self, request_id: uuid.UUID | None, code: str, message: str, field: str | None = None
     ) -> bytes:
+        if self.on_error is not None:
+            self.on_error(code)
         error = LLMError.model_validate(
             {
                 "request_id": request_id,

@@ -37,6 +37,7 @@ class PolicyGradient:
         if optimizer_state.is_file():
             self.optimizer.load_state_dict(torch.load(optimizer_state, weights_only=True))
         self.clip = clip
+        self.diagnostics: dict[str, float] = {}  # of the last step: approximate KL, clip fraction
 
     def step(self, batch: BatchTensors) -> float:
         torch = self.torch
@@ -54,6 +55,7 @@ class PolicyGradient:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
+        self.diagnostics = diagnostics(new.detach(), old, mask, self.clip)
         return float(loss.detach())
 
     def save(self, directory: Path) -> None:
@@ -64,3 +66,19 @@ class PolicyGradient:
         self.torch.save(self.optimizer.state_dict(), partial / "optimizer.pt")
         shutil.rmtree(directory, ignore_errors=True)
         os.replace(partial, directory)
+
+
+def diagnostics(new: Any, old: Any, mask: Any, clip: float) -> dict[str, float]:
+    """Over the tokens in ``mask`` (torch tensors of log-probabilities under the policy being trained and
+    under the policy that sampled): ``kl``, the estimate E[(r - 1) - log r] of KL(sampling || trained) with
+    r = exp(new - old) (Schulman's k3: unbiased, never negative), and ``clip_fraction``, the share of
+    tokens whose ratio lies outside [1 - clip, 1 + clip]."""
+    import torch
+
+    with torch.no_grad():
+        log_ratio = (new - old) * mask
+        ratio = torch.exp(log_ratio)
+        tokens = mask.sum().clamp(min=1.0)
+        kl = (((ratio - 1) - log_ratio) * mask).sum() / tokens
+        clipped = ((ratio - 1).abs() > clip).float() * mask
+        return {"kl": float(kl), "clip_fraction": float(clipped.sum() / tokens)}

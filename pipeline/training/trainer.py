@@ -47,6 +47,8 @@ class StepRecord:
     staleness: int  # versions between the batch's oldest sample and the version trained
     mean_reward: float
     mean_advantage: float
+    kl: float  # approximate KL(sampling policy || trained policy) over the batch's scored tokens
+    clip_fraction: float  # share of scored tokens whose probability ratio was clipped
 
 
 StepHook = Callable[[StepRecord], None]
@@ -144,7 +146,8 @@ async def train(
         pending.append(delivered)
         losses.append(loss)
         if plan.on_step is not None:
-            _tell(plan.on_step, _record(stats.trained + len(pending), delivered, stats.version, loss, behind))
+            step = stats.trained + len(pending)
+            _tell(plan.on_step, _record(step, delivered, stats.version, loss, behind, learner.diagnostics))
         if len(pending) < plan.version_every:
             continue
         version = stats.version + 1
@@ -163,7 +166,14 @@ async def train(
             log.info("removed checkpoint %s (keeping the newest %d)", removed, plan.keep_checkpoints)
 
 
-def _record(step: int, delivered: DeliveredBatch, version: int, loss: float, behind: int) -> StepRecord:
+def _record(
+    step: int,
+    delivered: DeliveredBatch,
+    version: int,
+    loss: float,
+    behind: int,
+    diagnostics: dict[str, float],
+) -> StepRecord:
     samples = delivered.batch.samples
     n = max(len(samples), 1)
     return StepRecord(
@@ -176,6 +186,8 @@ def _record(step: int, delivered: DeliveredBatch, version: int, loss: float, beh
         staleness=behind,
         mean_reward=sum(s.reward for s in samples) / n,
         mean_advantage=sum(s.advantage for s in samples) / n,
+        kl=diagnostics.get("kl", 0.0),
+        clip_fraction=diagnostics.get("clip_fraction", 0.0),
     )
 
 
