@@ -4,8 +4,13 @@
 whole, ``TurnCompleted`` schema version 1), with ``tests/legacy/v1_expected.json`` (what that code folded
 and sampled from it):
 
-    git worktree add --detach /tmp/v1 bd0af96
-    PYTHONPATH=/tmp/v1:. python -m tests.legacy.scenario tests/legacy
+    git worktree add --detach /tmp/v1 bd0af96 && mkdir -p /tmp/v1/tests/legacy
+    cp tests/legacy/scenario.py tests/legacy/__init__.py /tmp/v1/tests/legacy/
+    cd /tmp/v1 && python -S -c "import sys; sys.path[:0] = ['/tmp/v1', '<venv>/lib/python3.11/site-packages']
+    import asyncio, pathlib; from tests.legacy.scenario import write
+    asyncio.run(write(pathlib.Path('<repo>/tests/legacy')))"
+
+(``-S``: the virtualenv's editable install of today's code would otherwise shadow the old tree.)
 
 The fixture stays in the tests for good: a log written by the old code must fold, replay, materialize and
 answer SQL exactly as before. The tests run the same scenario on today's code (turns recorded as deltas) and
