@@ -89,6 +89,7 @@ class SyntheticBackend:
             text=words(rng, self.reply_tokens * 4),
             finish_reason="stop",
             policy_version=0,
+            extends_prefix=request.prefix is not None,  # as the engines' renderer builds prompts
             started_at=started,
             first_token_at=time.monotonic(),
         )

@@ -205,7 +205,11 @@ class InferenceService:
         # The reply leaves out the prompt's prefix (the requester sent it or named it): no echo of history.
         prompt, known = generation.prompt_token_ids, 0
         prefix_ids = request.prefix.token_ids if request.prefix is not None else None
-        if prefix_ids and not generation.prefix_break and prompt[: len(prefix_ids)] == prefix_ids:
+        if (
+            prefix_ids
+            and not generation.prefix_break
+            and (generation.extends_prefix or prompt[: len(prefix_ids)] == prefix_ids)
+        ):
             known = len(prefix_ids)
         added = prompt[known:] if known else prompt
         reply = ChatMessage(

@@ -20,6 +20,9 @@ class Generation:
     finish_reason: FinishReason
     policy_version: int
     prefix_break: bool = False
+    extends_prefix: bool = False
+    """The prompt is the request's prefix ids then more, as this backend built it (the service need not
+    compare them); False: the service compares before it leaves the prefix out of the reply."""
     render_drift: bool | None = None
     chat_template: str | None = None
     tool_calls: list[ToolCall] | None = None

@@ -33,6 +33,7 @@ class ScriptedBackend:
             text=self.text,
             finish_reason="stop",
             policy_version=self.policy_version,
+            extends_prefix=request.prefix is not None,
             started_at=started,
             first_token_at=time.monotonic(),
         )

@@ -138,6 +138,8 @@ class TorchBackend:
                         finish_reason=row.finish_reason or "length",
                         policy_version=version,
                         prefix_break=row.prefix_break,
+                        # the renderer continues as [*prefix ids, *new ids] unless it broke the prefix
+                        extends_prefix=row.request.prefix is not None and not row.prefix_break,
                         render_drift=row.render_drift,
                         chat_template=self.renderer.template_id,
                         started_at=row.started_at,

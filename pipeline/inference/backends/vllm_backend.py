@@ -97,7 +97,11 @@ class VllmBackend:
                 engine, request, prompt.token_ids, version, request_id, prompt.prefix_break
             )
             return dataclasses.replace(
-                generation, render_drift=prompt.render_drift, chat_template=self.renderer.template_id
+                generation,
+                render_drift=prompt.render_drift,
+                chat_template=self.renderer.template_id,
+                # the renderer continues as [*prefix ids, *new ids] unless it broke the prefix
+                extends_prefix=request.prefix is not None and not prompt.prefix_break,
             )
         finally:
             self._in_flight.discard(request_id)
