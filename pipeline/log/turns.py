@@ -1,8 +1,9 @@
 """Reading recorded turns whole: a ``TurnCompleted`` holds what it adds to its parent turn (messages after
 the parent's conversation, prompt ids after the parent's prompt + completion, no tools when they are the
 parent's); ``expand_turn`` gives the whole turn back from its parent, made whole first, and ``turn_delta`` is
-its inverse. Pure functions over the contract's models: every reader (the fold, replay, the replay
-backend) and writer uses these.
+its inverse. Pure functions over the contract's models: the readers (the fold, replay, the replay backend)
+use these; ``turn_delta`` is what a writer records (the session computes the same from the consumer's
+reply, without building whole prompts).
 """
 
 from __future__ import annotations
