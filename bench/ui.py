@@ -40,20 +40,15 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
 
-from pipeline.dev.embedded import EmbeddedPostgres, scratch_dir
 from pipeline.log import EventStore
-from pipeline.log.db import migrate
-from pipeline.settings import libpq_url, sqlalchemy_url
+from pipeline.settings import sqlalchemy_url
 from pipeline.ui.filters import page_query, parse_query
 from schemas import (
     ChatMessage,
@@ -65,6 +60,9 @@ from schemas import (
     TurnRequest,
 )
 from schemas.common import Timings
+
+sys.path.insert(0, str(Path(__file__).parent))
+from materialize import postgres_server, scratch_database  # a sibling script: the same scratch servers
 
 TARGET_MS = 300.0
 TURNS_PER_EPISODE = 4
@@ -88,36 +86,6 @@ LIST_VIEWS = {
 
 def note(message: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
-
-
-@contextmanager
-def postgres_server(tmp_dir: Path | None) -> Iterator[str]:
-    url = os.environ.get("TURNSTILE_DATABASE_URL")
-    if url:
-        yield url
-        return
-    with scratch_dir("turnstile-bench-ui-", tmp_dir) as data_dir:
-        server = EmbeddedPostgres(Path(data_dir) / "postgres")
-        server.start()
-        try:
-            yield server.url
-        finally:
-            server.stop()
-
-
-@contextmanager
-def scratch_database(server_url: str) -> Iterator[str]:
-    name = f"bench_ui_{uuid.uuid4().hex[:12]}"
-    admin_url = libpq_url(server_url)
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        url = libpq_url(make_url(admin_url).set(database=name).render_as_string(hide_password=False))
-        migrate(url)
-        yield url
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 # --- the log -------------------------------------------------------------------------------------------
@@ -401,7 +369,7 @@ def main() -> None:
     episodes = turns // TURNS_PER_EPISODE
     rng = random.Random(args.seed)
     sampled = sorted(rng.sample(range(episodes), min(args.with_events, episodes)))
-    with postgres_server(args.tmp_dir) as server, scratch_database(server) as url:
+    with postgres_server(args.tmp_dir) as (server, _), scratch_database(server) as url:
         started = time.perf_counter()
         recorded = asyncio.run(record_events(url, sampled))
         note(f"log: {len(sampled):,} episodes ({len(sampled) * 7:,} events) appended through EventStore")
