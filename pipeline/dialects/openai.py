@@ -24,6 +24,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any, Final
 
@@ -37,6 +38,7 @@ from pipeline.dialects.base import (
     WireReply,
     bracket_path,
     invalid,
+    restore_arguments,
     shown,
     validated,
 )
@@ -385,7 +387,8 @@ class OpenAIChat:
     def parse(
         self, body: object, *, defaults: SamplingParams, known_arguments: Mapping[str, str]
     ) -> ChatCall:
-        return parse_chat_request(body, defaults=defaults)  # arguments travel as text: nothing to restore
+        call = parse_chat_request(body, defaults=defaults)
+        return replace(call, messages=restore_arguments(call.messages, known_arguments))
 
     def render(self, call: ChatCall, result: ChatResult, *, model: str) -> WireReply:
         shape: dict[str, Any] = {

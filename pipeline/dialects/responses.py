@@ -40,7 +40,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Final
 
@@ -52,6 +52,7 @@ from pipeline.dialects.base import (
     WireReply,
     bracket_path,
     invalid,
+    restore_arguments,
     shown,
     validated,
 )
@@ -533,7 +534,8 @@ class OpenAIResponses:
     def parse(
         self, body: object, *, defaults: SamplingParams, known_arguments: Mapping[str, str]
     ) -> ChatCall:
-        return parse_responses_request(body, defaults=defaults)  # arguments travel as text
+        call = parse_responses_request(body, defaults=defaults)
+        return replace(call, messages=restore_arguments(call.messages, known_arguments))
 
     def render(self, call: ChatCall, result: ChatResult, *, model: str) -> WireReply:
         responses_call = call if isinstance(call, ResponsesCall) else ResponsesCall(**vars(call))
