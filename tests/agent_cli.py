@@ -2,7 +2,8 @@
 ``tests/test_agent_opencode.py``, ``tests/test_agent_openai_sdk.py``).
 
 Each test points an agent, configured exactly as the README tells a user to, at a gateway on a free port
-whose policy is scripted: the first call that offers the agent's shell tool gets a tool call running
+whose policy is scripted (the long-context tiny model, torch: real token ids and the model's logprobs for
+the script's replies): the first call that offers the agent's shell tool gets a tool call running
 ``SHELL_COMMAND`` (it writes ``PROOF_FILE``), a call that carries the tool's result gets ``FINAL_ANSWER``,
 and a call offering no tools (opencode's title generation) gets ``TITLE``. Then the recording is checked:
 every call a turn with engine token ids, one main lineage continued token-exactly, side calls as roots of
@@ -17,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +32,7 @@ from consumers.inference import InferenceConfig
 from pipeline.dev.embedded import free_port
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
-from schemas import LLMRequest, RewardAssigned, TurnCompleted
-from tests.backends import RuleBackend
+from schemas import RewardAssigned, TurnCompleted
 from tests.conftest import Servers
 from tests.serving import serving
 from tests.test_gateway import Gateway, assert_token_exact_child, events_of, gateway_for, new_policy
@@ -62,32 +63,40 @@ def cli(name: str) -> Path:
 # ---- the scripted policy -----------------------------------------------------------------------------
 
 
-def shell_rule(tool: str, arguments: dict[str, Any]) -> Callable[[LLMRequest], str]:
-    """The policy's reply to each call: ``tool`` (the agent's shell tool) called with ``arguments`` while
-    no tool result is in the conversation, the final answer once one is, a title when no tool is offered."""
-
-    def rule(request: LLMRequest) -> str:
-        offered = {spec.function.name for spec in request.tools}
-        if not offered:
-            return TITLE
-        if any(message.role == "tool" for message in request.messages):
-            return FINAL_ANSWER
-        if tool not in offered:
-            return f"I have no {tool} tool (offered: {sorted(offered)})."
-        return "<tool_call>" + json.dumps({"name": tool, "arguments": arguments}) + "</tool_call>"
-
-    return rule
+def shell_script(tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The policy's script (``pipeline/inference/script.py``): ``tool`` (the agent's shell tool) called with
+    ``arguments`` while no tool result is in the conversation, the final answer once one is, a title when
+    no tool is offered (a side call). A call none of them foresees is refused, naming what it carried."""
+    return {
+        "rules": [
+            {
+                "name": "run the shell command",
+                "when": {"tool": tool, "tool_result": False},
+                "reply": {"tool_calls": [{"name": tool, "arguments": arguments}]},
+            },
+            {
+                "name": "final answer",
+                "when": {"tools": True, "tool_result": True},
+                "reply": {"content": FINAL_ANSWER},
+            },
+            {"name": "title", "when": {"tools": False}, "reply": {"content": TITLE}},
+        ]
+    }
 
 
 @asynccontextmanager
 async def scripted_gateway(
-    servers: Servers, store: EventStore, llm: NatsLLMClient, rule: Callable[[LLMRequest], str]
+    servers: Servers, store: EventStore, llm: NatsLLMClient, model: Path, script: dict[str, Any]
 ) -> AsyncIterator[Gateway]:
-    """A gateway whose sessions' policy answers by ``rule``, served by an inference consumer over NATS."""
+    """A gateway whose sessions' policy answers by ``script`` on the long-context tiny ``model`` (torch: the
+    tokenizer's ids, the model's logprobs), served by an inference consumer over NATS."""
     policy = new_policy()
-    config = InferenceConfig(servers.nats_url, policy, backend="scripted", heartbeat_interval=0.5)
-    async with serving(config, RuleBackend(rule)), gateway_for(store, llm, policy) as gateway:
-        yield gateway
+    with tempfile.TemporaryDirectory(prefix="turnstile-script-") as directory:
+        path = Path(directory) / "script.json"
+        path.write_text(json.dumps(script))
+        config = InferenceConfig(servers.nats_url, policy, model=model, script=path)
+        async with serving(config), gateway_for(store, llm, policy) as gateway:
+            yield gateway
 
 
 # ---- running a CLI -----------------------------------------------------------------------------------
@@ -180,6 +189,7 @@ async def assert_recorded(store: EventStore, session_id: str, *, side_calls: int
     for parent, child in zip(recording.main, recording.main[1:], strict=False):
         assert_token_exact_child(parent, child)
         assert not child.prefix_break, child.turn_id
+    assert not any(turn.render_drift for turn in turns)
     assert len(recording.side) == side_calls, [turn.reply.text for turn in recording.side]
     for turn in recording.side:
         assert turn.parent_turn_id is None

@@ -27,7 +27,7 @@ from tests.agent_cli import (
     offline_env,
     run_cli,
     scripted_gateway,
-    shell_rule,
+    shell_script,
 )
 from tests.conftest import Servers
 from tests.test_gateway import llm  # noqa: F401 (fixture)
@@ -60,10 +60,11 @@ async def test_codex_exec_runs_a_shell_command_and_every_call_is_a_recorded_turn
     servers: Servers,
     store: EventStore,
     llm: NatsLLMClient,  # noqa: F811
+    long_model_dir: Path,
     tmp_path: Path,
 ) -> None:
-    rule = shell_rule(CODEX_SHELL_TOOL, {"cmd": SHELL_COMMAND})
-    async with scripted_gateway(servers, store, llm, rule) as gateway:
+    script = shell_script(CODEX_SHELL_TOOL, {"cmd": SHELL_COMMAND})
+    async with scripted_gateway(servers, store, llm, long_model_dir, script) as gateway:
         session: dict[str, Any] = await gateway.session()
         codex_home, work = tmp_path / "codex", tmp_path / "work"
         codex_home.mkdir()

@@ -23,7 +23,7 @@ from tests.agent_cli import (
     offline_env,
     run_cli,
     scripted_gateway,
-    shell_rule,
+    shell_script,
 )
 from tests.conftest import Servers
 from tests.test_gateway import llm  # noqa: F401 (fixture)
@@ -35,11 +35,12 @@ async def test_an_agents_sdk_agent_with_its_default_model_runs_a_shell_command_r
     servers: Servers,
     store: EventStore,
     llm: NatsLLMClient,  # noqa: F811
+    long_model_dir: Path,
     tmp_path: Path,
 ) -> None:
     pytest.importorskip("agents")
-    rule = shell_rule("run_shell", {"command": SHELL_COMMAND})
-    async with scripted_gateway(servers, store, llm, rule) as gateway:
+    script = shell_script("run_shell", {"command": SHELL_COMMAND})
+    async with scripted_gateway(servers, store, llm, long_model_dir, script) as gateway:
         session: dict[str, Any] = await gateway.session()
         env = offline_env(
             tmp_path / "home",

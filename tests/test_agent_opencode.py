@@ -30,7 +30,7 @@ from tests.agent_cli import (
     offline_env,
     run_cli,
     scripted_gateway,
-    shell_rule,
+    shell_script,
 )
 from tests.conftest import Servers
 from tests.test_gateway import llm  # noqa: F401 (fixture)
@@ -75,10 +75,12 @@ async def test_opencode_run_runs_a_shell_command_and_its_title_call_is_a_lineage
     servers: Servers,
     store: EventStore,
     llm: NatsLLMClient,  # noqa: F811
+    long_model_dir: Path,
     tmp_path: Path,
 ) -> None:
-    rule = shell_rule(OPENCODE_SHELL_TOOL, {"command": SHELL_COMMAND, "description": "Write the proof file"})
-    async with scripted_gateway(servers, store, llm, rule) as gateway:
+    arguments = {"command": SHELL_COMMAND, "description": "Write the proof file"}
+    script = shell_script(OPENCODE_SHELL_TOOL, arguments)
+    async with scripted_gateway(servers, store, llm, long_model_dir, script) as gateway:
         session: dict[str, Any] = await gateway.session()
         home, work = tmp_path / "home", tmp_path / "work"
         work.mkdir()
