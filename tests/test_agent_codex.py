@@ -34,12 +34,14 @@ from tests.test_gateway import llm  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.agent_cli
 
+FOLLOW_UP = "Is the file there?"
+
 CODEX_SHELL_TOOL = "exec_command"
 """Codex 0.169's shell tool: ``{"cmd": "<a shell command line>"}`` (older versions: ``shell``)."""
 
-CODEX_FLAGS = ["--dangerously-bypass-approvals-and-sandbox", "--ephemeral", "--color", "never"]
-"""No approvals and no sandbox of its own (as root in a container; the test's directory is the sandbox), no
-session files kept, plain output."""
+CODEX_FLAGS = ["--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
+"""Outside a git repository, no approvals and no sandbox of its own (as root in a container; the test's
+directory is the sandbox)."""
 
 
 def codex_config(base_url: str) -> str:
@@ -56,7 +58,7 @@ wire_api = "responses"
 """
 
 
-async def test_codex_exec_runs_a_shell_command_and_every_call_is_a_recorded_turn(
+async def test_codex_exec_runs_a_shell_command_and_a_resumed_thread_continues_its_lineage(
     servers: Servers,
     store: EventStore,
     llm: NatsLLMClient,  # noqa: F811
@@ -72,12 +74,20 @@ async def test_codex_exec_runs_a_shell_command_and_every_call_is_a_recorded_turn
         (codex_home / "config.toml").write_text(codex_config(session["base_url"]))
         key = session["api_key"]
         env = offline_env(tmp_path / "home", CODEX_HOME=str(codex_home), TURNSTILE_SESSION_KEY=key)
-        argv = [str(cli("codex")), "exec", "--skip-git-repo-check", *CODEX_FLAGS, PROMPT]
-        finished = await run_cli(argv, cwd=work, env=env)
+        codex = str(cli("codex"))
+        finished = await run_cli([codex, "exec", *CODEX_FLAGS, PROMPT], cwd=work, env=env)
 
         assert finished.returncode == 0, finished.output
         assert (work / PROOF_FILE).read_text().strip() == PROOF_TEXT
         recording = await assert_recorded(store, session["session_id"], side_calls=0)
         assert len(recording.main) == 2
         assert recording.main[0].request.messages[0].role == "system"  # its developer messages
+
+        # the same thread resumed by a second invocation: its history comes back and is continued
+        resume = [codex, "exec", "resume", "--last", *CODEX_FLAGS, FOLLOW_UP]
+        resumed = await run_cli(resume, cwd=work, env=env)
+        assert resumed.returncode == 0, resumed.output
+        recording = await assert_recorded(store, session["session_id"], side_calls=0)
+        assert len(recording.main) == 3
+        assert recording.main[-1].request.messages[-1].content == FOLLOW_UP
         await assert_reward_recorded(gateway, store, session["session_id"], recording.main[-1])
