@@ -44,6 +44,8 @@ SHELL_COMMAND = f"echo '{PROOF_TEXT}' > {PROOF_FILE}"
 PROMPT = f"Run a shell command that writes '{PROOF_TEXT}' to {PROOF_FILE}, then say that you are done."
 FINAL_ANSWER = f"I wrote {PROOF_FILE}. Done."
 TITLE = "Writing the proof file"
+FOLLOW_UP = "Is the file there?"
+"""A second prompt, sent by a second invocation that continues the first one's conversation."""
 CLI_TIMEOUT = 300.0
 """Seconds a CLI may take (about 10 s each unloaded; the shared CI machine can be many times slower)."""
 

@@ -17,6 +17,7 @@ import pytest
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from tests.agent_cli import (
+    FOLLOW_UP,
     PROMPT,
     PROOF_FILE,
     PROOF_TEXT,
@@ -33,8 +34,6 @@ from tests.conftest import Servers
 from tests.test_gateway import llm  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.agent_cli
-
-FOLLOW_UP = "Is the file there?"
 
 CODEX_SHELL_TOOL = "exec_command"
 """Codex 0.169's shell tool: ``{"cmd": "<a shell command line>"}`` (older versions: ``shell``)."""

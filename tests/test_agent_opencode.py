@@ -19,6 +19,7 @@ import pytest
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from tests.agent_cli import (
+    FOLLOW_UP,
     PROMPT,
     PROOF_FILE,
     PROOF_TEXT,
@@ -71,7 +72,7 @@ def opencode_config(base_url: str) -> dict[str, Any]:
     }
 
 
-async def test_opencode_run_runs_a_shell_command_and_its_title_call_is_a_lineage_of_its_own(
+async def test_opencode_runs_a_shell_command_its_title_is_a_lineage_of_its_own_and_continue_continues(
     servers: Servers,
     store: EventStore,
     llm: NatsLLMClient,  # noqa: F811
@@ -88,11 +89,19 @@ async def test_opencode_run_runs_a_shell_command_and_its_title_call_is_a_lineage
         config = Path(env["XDG_CONFIG_HOME"]) / "opencode" / "opencode.json"
         config.parent.mkdir(parents=True)
         config.write_text(json.dumps(opencode_config(session["base_url"]), indent=2))
-        finished = await run_cli([str(cli("opencode")), "run", PROMPT], cwd=work, env=env)
+        opencode = str(cli("opencode"))
+        finished = await run_cli([opencode, "run", PROMPT], cwd=work, env=env)
 
         assert finished.returncode == 0, finished.output
         assert (work / PROOF_FILE).read_text().strip() == PROOF_TEXT
         recording = await assert_recorded(store, session["session_id"], side_calls=1)
         assert len(recording.main) == 2
         assert recording.side[0].reply.text == TITLE
+
+        # its session continued by a second invocation: the same lineage, no second title
+        continued = await run_cli([opencode, "run", "--continue", FOLLOW_UP], cwd=work, env=env)
+        assert continued.returncode == 0, continued.output
+        recording = await assert_recorded(store, session["session_id"], side_calls=1)
+        assert len(recording.main) == 3
+        assert FOLLOW_UP in (recording.main[-1].request.messages[-1].content or "")  # opencode quotes it
         await assert_reward_recorded(gateway, store, session["session_id"], recording.main[-1])
