@@ -185,6 +185,12 @@ async def test_a_scripted_reply_is_the_tokenizers_ids_scored_by_a_forward_pass(
     # an engine stops at max_tokens: so does the script
     cut = await scripted.generate(request.model_copy(update={"sampling": SamplingParams(max_tokens=3)}))
     assert (cut.completion_token_ids, cut.finish_reason) == (generation.completion_token_ids[:3], "length")
+    # ... and after the token that completes a stop string
+    stopped = await scripted.generate(request.model_copy(update={"sampling": SamplingParams(stop=["write"])}))
+    ids = stopped.completion_token_ids
+    assert (ids, stopped.finish_reason) == (generation.completion_token_ids[: len(ids)], "stop")
+    assert "write" in stopped.text
+    assert "write" not in scripted.tokenizer.decode(ids[:-1])
 
 
 async def test_a_scripted_agent_episode_over_an_agent_sized_prompt_continues_token_exactly(
