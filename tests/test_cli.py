@@ -169,12 +169,15 @@ def test_model_init_tiny_and_serve_inference_answer_over_nats(tmp_path: Path, se
 
 
 def test_model_init_long_and_serve_inference_with_a_script_answer_the_scripted_reply(
-    tmp_path: Path, servers: Servers
+    tmp_path: Path, servers: Servers, long_model_dir: Path
 ) -> None:
     model_dir = tmp_path / "long"
     built = subprocess.run([*TURNSTILE, "model", "init-long", str(model_dir)], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     assert json.loads((model_dir / "config.json").read_text())["max_position_embeddings"] == 131072
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        # offline and deterministic: byte-identical to the fixture's build
+        assert (model_dir / name).read_bytes() == (long_model_dir / name).read_bytes(), name
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"rules": [{"when": {"tools": False}, "reply": {"content": "Scripted."}}]}))
     policy = "cli-script-test"

@@ -3,6 +3,7 @@ engine token ids and logprobs that a forward pass over the whole prompt confirms
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import random
@@ -133,14 +134,14 @@ async def test_sampled_logprobs_past_the_reach_equal_a_forward_pass_over_the_who
     requests = [
         LLMRequest(
             policy="p",
-            messages=[ChatMessage(role="user", content=content[: len(content) // (1 + i)])],
+            messages=[ChatMessage(role="user", content=content[:length])],
             sampling=SamplingParams(max_tokens=8, seed=i, temperature=1.0),
         )
-        for i in range(2)
-    ]  # two prompts of different lengths in one left-padded batch
-    generations = [await plain.generate(request) for request in requests]
+        for i, length in enumerate((len(content), len(content) // 2, 300))
+    ]  # one left-padded batch: two tails from different starts, and a prompt shorter than the reach
+    generations = await asyncio.gather(*(plain.generate(request) for request in requests))
+    assert [len(g.prompt_token_ids) > REACH for g in generations] == [True, True, False]
     for generation in generations:
-        assert len(generation.prompt_token_ids) > 2 * REACH
         expected = recomputed_logprobs(
             long_model_dir, generation.prompt_token_ids, generation.completion_token_ids
         )
@@ -184,6 +185,12 @@ async def test_a_scripted_reply_is_the_tokenizers_ids_scored_by_a_forward_pass(
     # an engine stops at max_tokens: so does the script
     cut = await scripted.generate(request.model_copy(update={"sampling": SamplingParams(max_tokens=3)}))
     assert (cut.completion_token_ids, cut.finish_reason) == (generation.completion_token_ids[:3], "length")
+    # ... and after the token that completes a stop string
+    stopped = await scripted.generate(request.model_copy(update={"sampling": SamplingParams(stop=["write"])}))
+    ids = stopped.completion_token_ids
+    assert (ids, stopped.finish_reason) == (generation.completion_token_ids[: len(ids)], "stop")
+    assert "write" in stopped.text
+    assert "write" not in scripted.tokenizer.decode(ids[:-1])
 
 
 async def test_a_scripted_agent_episode_over_an_agent_sized_prompt_continues_token_exactly(

@@ -130,8 +130,9 @@ class TorchBackend:
         return await row.future
 
     def _scripted(self, request: LLMRequest, prompt_length: int) -> tuple[list[int], FinishReason]:
-        """The script's reply as completion ids (the end-of-message token after it), cut at the budget as an
-        engine would cut a sampled reply."""
+        """The script's reply as completion ids (the end-of-message token after it), cut where an engine
+        would have stopped sampling it: after the first token that completes a stop string, or at the
+        budget."""
         assert self.script is not None
         rule = self.script.match(request)
         if rule is None:
@@ -140,7 +141,13 @@ class TorchBackend:
             )
         ids = [*self.tokenizer.encode(rule.reply.text(), add_special_tokens=False), self.eos_ids[0]]
         budget = min(request.sampling.max_tokens, self.context_length - prompt_length)
-        return (ids, "stop") if len(ids) <= budget else (ids[:budget], "length")
+        stops = request.sampling.stop
+        for length in range(1, len(ids)):  # the checks of _finished, in its order
+            if stops and any(stop in self._text(ids[:length]) for stop in stops):
+                return ids[:length], "stop"
+            if length >= budget:
+                return ids[:length], "length"
+        return ids, "stop"  # ends on the end-of-message token (within the budget: budget >= 1)
 
     def _tail_start(self, prompt_length: int) -> int:
         """Where the prefill may start: the first position the last prompt token's logits depend on."""

@@ -1,0 +1,166 @@
+"""What every agent-CLI test (marker ``agent_cli``) needs: the CLI's binary, a ``turnstile serve gateway``
+process in front of the long-context tiny model answering with a script, and the checks every CLI's
+recorded turns must pass (engine ids of the scripted text, the main lineage token-exact)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import re
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from consumers.inference import InferenceConfig
+from pipeline.inference.backends.torch_backend import TorchBackend
+from pipeline.inference.script import Script
+from pipeline.log import EventStore
+from pipeline.log.turns import whole_events
+from schemas import Event, TurnCompleted
+from tests.serving import serving
+
+CLIS = Path(__file__).resolve().parent / "agent_clis"
+
+
+def cli_binary(name: str) -> Path:
+    """``tests/agent_clis/node_modules/.bin/<name>``; missing: a skip, or under CI (which installs it) a
+    failure, so that the step cannot pass empty."""
+    binary = CLIS / "node_modules" / ".bin" / name
+    if not binary.exists():
+        missing = f"{binary} is missing: run `npm ci --prefix tests/agent_clis` (Node 20+)"
+        if os.environ.get("CI"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+    return binary
+
+
+@dataclass
+class AgentGateway:
+    url: str
+    """The gateway's base URL, without /v1."""
+    admin: httpx.AsyncClient
+    policy: str
+    backend: TorchBackend
+    """The consumer's backend: its tokenizer, end tokens and model, for the checks."""
+    consumer_id: str
+
+    async def session(self, **spec: Any) -> dict[str, Any]:
+        """``POST /admin/sessions``: ``session_id``, ``api_key``, ``base_url``."""
+        created = await self.admin.post("/admin/sessions", json={"policy": self.policy, **spec})
+        assert created.status_code == 201, created.text
+        body: dict[str, Any] = created.json()
+        return body
+
+    async def reward_and_end(self, session_id: str, value: float) -> None:
+        rewarded = await self.admin.post(f"/admin/sessions/{session_id}/reward", json={"value": value})
+        assert rewarded.status_code < 300, rewarded.text
+        ended = await self.admin.post(f"/admin/sessions/{session_id}/end", json={})
+        assert ended.status_code < 300, ended.text
+
+
+@contextlib.asynccontextmanager
+async def agent_gateway(
+    nats_url: str, database_url: str, model_dir: Path, script: Path
+) -> AsyncIterator[AgentGateway]:
+    """An inference consumer (in this process) answering with ``script`` on ``model_dir``, and a
+    ``turnstile serve gateway`` process in front of it, for a policy of this test's own."""
+    policy = f"agent-{uuid.uuid4().hex[:8]}"
+    admin_key = "admin-" + uuid.uuid4().hex
+    config = InferenceConfig(nats_url, policy, model=model_dir, script=script)
+    async with (
+        serving(config) as service,
+        gateway_process(database_url, nats_url, policy, admin_key) as url,
+        httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=60
+        ) as admin,
+    ):
+        assert isinstance(service.backend, TorchBackend)
+        yield AgentGateway(url, admin, policy, service.backend, service.consumer_id)
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(
+    database_url: str, nats_url: str, policy: str, admin_key: str
+) -> AsyncIterator[str]:
+    """``turnstile serve gateway`` on a free port (``--port 0``); yields its URL once it listens."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("TURNSTILE_")}
+    env |= {
+        "TURNSTILE_DATABASE_URL": database_url,
+        "TURNSTILE_NATS_URL": nats_url,
+        "TURNSTILE_ADMIN_KEY": admin_key,
+        "COLUMNS": "400",  # the URL on one line
+    }
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "consumers.cli", "serve", "gateway", "--port", "0", "--policy-default", policy,
+        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stderr is not None
+    seen: list[str] = []
+    drain: asyncio.Task[bytes] | None = None
+    try:
+        async with asyncio.timeout(120):
+            while not (found := re.search(r" on (http://[\d.]+:\d+): ", "".join(seen))):
+                line = await process.stderr.readline()
+                assert line, f"the gateway exited before it listened:\n{''.join(seen)}"
+                seen.append(line.decode())
+        drain = asyncio.create_task(process.stderr.read())  # its log must not fill the pipe
+        yield found.group(1)
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(process.wait(), 60)
+        if drain is not None:
+            await drain
+
+
+async def episode_events(store: EventStore, session_id: str) -> list[Event]:
+    """The session's episode, its turns made whole."""
+    recorded = await store.read_stream(f"episode-{session_id}")
+    return whole_events([r.event for r in recorded if r.event is not None])
+
+
+def assert_scripted_engine_turns(turns: list[TurnCompleted], gateway: AgentGateway, script: Path) -> None:
+    """Each turn's completion is the tokenizer's ids of one of the script's replies and the end token, with a
+    logprob per id, from this test's consumer: what an engine returns had it sampled that text."""
+    replies = {rule.reply.text() for rule in Script.load(script).rules}
+    tokenizer, eos = gateway.backend.tokenizer, gateway.backend.eos_ids[0]
+    for turn in turns:
+        assert turn.engine_id == gateway.consumer_id
+        assert turn.prompt_token_ids
+        text = tokenizer.decode(turn.completion_token_ids[:-1])
+        assert text in replies
+        assert turn.completion_token_ids == [*tokenizer.encode(text, add_special_tokens=False), eos]
+        assert len(turn.completion_logprobs) == len(turn.completion_token_ids)
+
+
+def lineages(turns: list[TurnCompleted]) -> list[list[TurnCompleted]]:
+    """The turns by root, each lineage in the order recorded, the first call's lineage first."""
+    by_id = {turn.turn_id: turn for turn in turns}
+
+    def root(turn: TurnCompleted) -> uuid.UUID:
+        while turn.parent_turn_id is not None:
+            turn = by_id[turn.parent_turn_id]
+        return turn.turn_id
+
+    roots = [turn.turn_id for turn in turns if turn.parent_turn_id is None]
+    return [[turn for turn in turns if root(turn) == r] for r in roots]
+
+
+def assert_token_exact(lineage: list[TurnCompleted]) -> None:
+    """Each turn of a lineage is its predecessor's child, prompted with its exact prompt + completion ids
+    first, with no prefix_break and no render drift."""
+    for parent, child in itertools.pairwise(lineage):
+        assert child.parent_turn_id == parent.turn_id
+        prefix = [*parent.prompt_token_ids, *parent.completion_token_ids]
+        assert child.prompt_token_ids[: len(prefix)] == prefix
+    assert not any(turn.prefix_break for turn in lineage)
+    assert all(turn.render_drift is False for turn in lineage)
