@@ -27,6 +27,8 @@ async def main(prompt: str) -> None:
     agent = Agent(name="shell", instructions="Do what the user asks with shell commands.", tools=[run_shell])
     result = await Runner.run(agent, prompt)
     print(result.final_output)
+    usage = result.context_wrapper.usage
+    print(f"{usage.requests} model calls: {usage.input_tokens} input, {usage.output_tokens} output tokens")
 
 
 if __name__ == "__main__":

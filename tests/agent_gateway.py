@@ -10,6 +10,7 @@ import itertools
 import os
 import re
 import signal
+import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -25,7 +26,7 @@ from pipeline.inference.backends.torch_backend import TorchBackend
 from pipeline.inference.script import Script
 from pipeline.log import EventStore
 from pipeline.log.turns import whole_events
-from schemas import Event, TurnCompleted
+from schemas import EpisodeFinished, Event, RewardAssigned, TurnCompleted
 from tests.serving import serving
 
 CLIS = Path(__file__).resolve().parent / "agent_clis"
@@ -164,3 +165,103 @@ def assert_token_exact(lineage: list[TurnCompleted]) -> None:
         assert child.prompt_token_ids[: len(prefix)] == prefix
     assert not any(turn.prefix_break for turn in lineage)
     assert all(turn.render_drift is False for turn in lineage)
+
+
+# ---- Codex, opencode and the Agents SDK's example: one shell command, then an answer -----------------
+
+PROOF_FILE = "proof.txt"
+PROOF_TEXT = "turnstile was here"
+"""What the scripts of Codex, opencode and the Agents SDK have the agent write (``echo ... > proof.txt``)."""
+FINAL_ANSWER = "I wrote proof.txt. Done."
+TITLE = "Writing the proof file"
+PROMPT = f"Run a shell command that writes '{PROOF_TEXT}' to {PROOF_FILE}, then say that you are done."
+FOLLOW_UP = "Is the file there?"
+"""A second prompt, sent by a second invocation that continues the first one's conversation."""
+CLI_TIMEOUT = 300.0
+"""Seconds a CLI may take (about 5-10 s each unloaded; a loaded CI machine is many times slower)."""
+
+
+def offline_env(home: Path, **variables: str) -> dict[str, str]:
+    """A fresh environment: ``home`` as HOME and XDG directories, every proxy variable at a loopback port
+    nothing listens on (so whatever a CLI would fetch from outside fails at once and nothing leaves the
+    machine), the gateway on loopback exempt (``NO_PROXY``); then ``variables``."""
+    with socket.socket() as probe:  # bound, never listening: a connection there is refused
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "LANG": "C.UTF-8",
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "XDG_STATE_HOME": str(home / ".local" / "state"),
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+    }
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        env[name] = env[name.lower()] = dead
+    return env | variables
+
+
+@dataclass(frozen=True)
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def __str__(self) -> str:
+        return f"exit status {self.returncode}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
+
+
+async def run_cli(argv: list[str], *, cwd: Path, env: dict[str, str]) -> Finished:
+    """Run a CLI to its end without blocking the event loop (the consumer answers it from this loop);
+    stdin is empty (``codex exec`` would wait to read more of the prompt from it)."""
+    process = await asyncio.create_subprocess_exec(
+        *argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        stdout, stderr = await asyncio.wait_for(process.communicate(), CLI_TIMEOUT)
+    except TimeoutError:
+        process.kill()
+        stdout, stderr = await process.communicate()
+        ran = Finished(-1, stdout.decode(errors="replace"), stderr.decode(errors="replace"))
+        raise AssertionError(f"{argv[0]} ran past {CLI_TIMEOUT} s:\n{ran}") from None
+    return Finished(process.returncode or 0, stdout.decode(errors="replace"), stderr.decode(errors="replace"))
+
+
+def main_and_side(turns: list[TurnCompleted]) -> tuple[list[TurnCompleted], list[list[TurnCompleted]]]:
+    """The main lineage (the one whose calls offer tools: the agent's loop) and the others (side calls,
+    such as opencode's title, which may come first)."""
+    by_root = lineages(turns)
+    main = [lineage for lineage in by_root if lineage[0].request.tools]
+    assert len(main) == 1, [[t.reply.text for t in lineage] for lineage in by_root]
+    return main[0], [lineage for lineage in by_root if lineage is not main[0]]
+
+
+def assert_shell_then_answer(main: list[TurnCompleted], tool: str, *, prompts: int = 1) -> None:
+    """The main lineage is the shell tool call, then the final answer (one more per later prompt), each
+    turn continuing its parent token-exactly."""
+    assert [call.function.name for call in main[0].reply.tool_calls] == [tool]
+    assert [turn.reply.text for turn in main[1:]] == [FINAL_ANSWER] * prompts
+    assert_token_exact(main)
+
+
+async def assert_rewarded(gateway: AgentGateway, store: EventStore, session_id: str) -> None:
+    """A reward posted after the agent finished is in the log, and the episode ended ``done``."""
+    await gateway.reward_and_end(session_id, 1.0)
+    events = await episode_events(store, session_id)
+    assert [e.value for e in events if isinstance(e, RewardAssigned)] == [1.0]
+    assert isinstance(events[-1], EpisodeFinished)
+    assert events[-1].termination == "done"
+
+
+async def recorded_turns(store: EventStore, session_id: str) -> list[TurnCompleted]:
+    """The session's turns, whole, in the order recorded."""
+    return [e for e in await episode_events(store, session_id) if isinstance(e, TurnCompleted)]
+
+
+def token_counts(turns: list[TurnCompleted]) -> tuple[int, int]:
+    """Prompt and completion tokens of ``turns`` together: what a client's usage adds up to."""
+    return sum(len(t.prompt_token_ids) for t in turns), sum(len(t.completion_token_ids) for t in turns)

@@ -1,4 +1,6 @@
-"""opencode (``opencode-ai``, pinned in ``tests/agent_clis``), unmodified, headless through the gateway.
+"""opencode (``opencode-ai``, pinned in ``tests/agent_clis``), unmodified, headless through
+``turnstile serve gateway`` on the long-context tiny model answering with
+``tests/agent_clis/opencode.script.json``.
 
 ``opencode run`` reaches the gateway through an ``@ai-sdk/openai-compatible`` provider in its config
 (chat completions, streamed, ``max_tokens: 32000``). Besides the agent's own calls it makes a side call in
@@ -16,31 +18,32 @@ from typing import Any
 
 import pytest
 
-from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
-from tests.agent_cli import (
+from schemas import TurnCompleted
+from tests.agent_gateway import (
+    CLIS,
     FOLLOW_UP,
     PROMPT,
     PROOF_FILE,
     PROOF_TEXT,
-    SHELL_COMMAND,
     TITLE,
-    assert_recorded,
-    assert_reward_recorded,
-    cli,
+    agent_gateway,
+    assert_rewarded,
+    assert_scripted_engine_turns,
+    assert_shell_then_answer,
+    cli_binary,
+    main_and_side,
     offline_env,
+    recorded_turns,
     run_cli,
-    scripted_gateway,
-    shell_script,
 )
 from tests.conftest import Servers
-from tests.test_gateway import llm  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.agent_cli
 
+SCRIPT = CLIS / "opencode.script.json"
 OPENCODE_SHELL_TOOL = "bash"
 """opencode's shell tool: ``{"command": ..., "description": ...}``."""
-
 OPENCODE_OFFLINE = {
     "OPENCODE_DISABLE_MODELS_FETCH": "1",  # the models.dev catalogue (the provider is in the config)
     "OPENCODE_DISABLE_AUTOUPDATE": "1",
@@ -72,36 +75,52 @@ def opencode_config(base_url: str) -> dict[str, Any]:
     }
 
 
+def opencode_steps(stdout: str) -> list[tuple[int, int]]:
+    """Input and output tokens of each of the agent's model calls (``opencode run --format json``: a
+    ``step_finish`` event per call; the title call is not a step), as the gateway's replies reported them."""
+    events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    tokens = [event["part"]["tokens"] for event in events if event.get("type") == "step_finish"]
+    return [(step["input"], step["output"]) for step in tokens]
+
+
+def sizes(turns: list[TurnCompleted]) -> list[tuple[int, int]]:
+    return [(len(turn.prompt_token_ids), len(turn.completion_token_ids)) for turn in turns]
+
+
 async def test_opencode_runs_a_shell_command_its_title_is_a_lineage_of_its_own_and_continue_continues(
-    servers: Servers,
-    store: EventStore,
-    llm: NatsLLMClient,  # noqa: F811
-    long_model_dir: Path,
-    tmp_path: Path,
+    servers: Servers, database_url: str, store: EventStore, long_model_dir: Path, tmp_path: Path
 ) -> None:
-    arguments = {"command": SHELL_COMMAND, "description": "Write the proof file"}
-    script = shell_script(OPENCODE_SHELL_TOOL, arguments)
-    async with scripted_gateway(servers, store, llm, long_model_dir, script) as gateway:
+    opencode = str(cli_binary("opencode"))
+    async with agent_gateway(servers.nats_url, database_url, long_model_dir, SCRIPT) as gateway:
         session: dict[str, Any] = await gateway.session()
-        home, work = tmp_path / "home", tmp_path / "work"
+        work = tmp_path / "work"
         work.mkdir()
-        env = offline_env(home, TURNSTILE_SESSION_KEY=session["api_key"], **OPENCODE_OFFLINE)
+        env = offline_env(tmp_path / "home", TURNSTILE_SESSION_KEY=session["api_key"], **OPENCODE_OFFLINE)
         config = Path(env["XDG_CONFIG_HOME"]) / "opencode" / "opencode.json"
         config.parent.mkdir(parents=True)
-        config.write_text(json.dumps(opencode_config(session["base_url"]), indent=2))
-        opencode = str(cli("opencode"))
-        finished = await run_cli([opencode, "run", PROMPT], cwd=work, env=env)
+        config.write_text(json.dumps(opencode_config(f"{gateway.url}/v1"), indent=2))
 
-        assert finished.returncode == 0, finished.output
-        assert (work / PROOF_FILE).read_text().strip() == PROOF_TEXT
-        recording = await assert_recorded(store, session["session_id"], side_calls=1)
-        assert len(recording.main) == 2
-        assert recording.side[0].reply.text == TITLE
+        finished = await run_cli([opencode, "run", "--format", "json", PROMPT], cwd=work, env=env)
+        assert finished.returncode == 0, finished
+        assert (work / PROOF_FILE).read_text() == PROOF_TEXT + "\n"
+        turns = await recorded_turns(store, session["session_id"])
+        main, side = main_and_side(turns)
+        # every call of the agent's loop is a recorded turn, and no other: its own count of tokens per call
+        assert opencode_steps(finished.stdout) == sizes(main)
+        assert len(main) == 2
+        assert_shell_then_answer(main, OPENCODE_SHELL_TOOL)
+        [[title]] = side  # the title call: a root of its own, offered no tools
+        assert (title.reply.text, title.request.tools) == (TITLE, [])
 
         # its session continued by a second invocation: the same lineage, no second title
-        continued = await run_cli([opencode, "run", "--continue", FOLLOW_UP], cwd=work, env=env)
-        assert continued.returncode == 0, continued.output
-        recording = await assert_recorded(store, session["session_id"], side_calls=1)
-        assert len(recording.main) == 3
-        assert FOLLOW_UP in (recording.main[-1].request.messages[-1].content or "")  # opencode quotes it
-        await assert_reward_recorded(gateway, store, session["session_id"], recording.main[-1])
+        again = [opencode, "run", "--continue", "--format", "json", FOLLOW_UP]
+        continued = await run_cli(again, cwd=work, env=env)
+        assert continued.returncode == 0, continued
+        turns = await recorded_turns(store, session["session_id"])
+        main, side = main_and_side(turns)
+        assert opencode_steps(continued.stdout) == sizes(main[2:])
+        assert (len(main), len(side)) == (3, 1)
+        assert_shell_then_answer(main, OPENCODE_SHELL_TOOL, prompts=2)
+        assert FOLLOW_UP in (main[-1].request.messages[-1].content or "")  # opencode quotes it: '"..."'
+        assert_scripted_engine_turns(turns, gateway, SCRIPT)
+        await assert_rewarded(gateway, store, session["session_id"])
