@@ -24,6 +24,7 @@ from tests.agent_gateway import (
     PROMPT,
     PROOF_FILE,
     PROOF_TEXT,
+    REASONING,
     agent_gateway,
     assert_rewarded,
     assert_scripted_engine_turns,
@@ -104,5 +105,10 @@ async def test_codex_exec_runs_a_shell_command_and_a_resumed_thread_continues_it
         assert (len(main), side) == (3, [])
         assert_shell_then_answer(main, CODEX_SHELL_TOOL, prompts=2)
         assert main[-1].request.messages[-1].content == FOLLOW_UP
+        # the answer's reasoning came back in the next invocation (reasoning item: text, encrypted_content)
+        assert main[1].reply.reasoning == REASONING
+        assert [m.reasoning_content for m in main[2].request.messages if m.role == "assistant"] == [
+            None, REASONING,
+        ]  # fmt: skip
         assert_scripted_engine_turns(turns, gateway, SCRIPT)
         await assert_rewarded(gateway, store, session["session_id"])

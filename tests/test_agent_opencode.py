@@ -26,6 +26,7 @@ from tests.agent_gateway import (
     PROMPT,
     PROOF_FILE,
     PROOF_TEXT,
+    REASONING,
     TITLE,
     agent_gateway,
     assert_rewarded,
@@ -122,5 +123,10 @@ async def test_opencode_runs_a_shell_command_its_title_is_a_lineage_of_its_own_a
         assert (len(main), len(side)) == (3, 1)
         assert_shell_then_answer(main, OPENCODE_SHELL_TOOL, prompts=2)
         assert FOLLOW_UP in (main[-1].request.messages[-1].content or "")  # opencode quotes it: '"..."'
+        # the answer's reasoning came back in the next invocation (as the message's reasoning_content)
+        assert main[1].reply.reasoning == REASONING
+        assert [m.reasoning_content for m in main[2].request.messages if m.role == "assistant"] == [
+            None, REASONING,
+        ]  # fmt: skip
         assert_scripted_engine_turns(turns, gateway, SCRIPT)
         await assert_rewarded(gateway, store, session["session_id"])
