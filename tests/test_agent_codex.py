@@ -43,16 +43,26 @@ pytestmark = pytest.mark.agent_cli
 SCRIPT = CLIS / "codex.script.json"
 CODEX_SHELL_TOOL = "exec_command"
 """Codex 0.169's shell tool: ``{"cmd": "<a shell command line>"}`` (older versions: ``shell``)."""
-CODEX_FLAGS = ["--json", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
-"""Events as JSON lines (the usage of its calls), outside a git repository, no approvals and no sandbox of
-its own (as root in a container; the test's directory is the sandbox)."""
+CODEX_FLAGS = [
+    "--json",
+    "--strict-config",
+    "--skip-git-repo-check",
+    "--dangerously-bypass-approvals-and-sandbox",
+]
+"""Events as JSON lines (the usage of its calls), the config checked (an unknown key fails: the README's
+config stays right for the pinned version), outside a git repository, no approvals and no sandbox of its
+own (as root in a container; the test's directory is the sandbox)."""
 
 
 def codex_config(base_url: str) -> str:
-    """``config.toml`` as the README gives it: a provider of its own, the key read from an env variable."""
+    """``config.toml`` as the README gives it: a provider of its own, the key read from an env variable; no
+    usage analytics (otherwise it resolves chatgpt.com to send them)."""
     return f"""\
 model = "main"
 model_provider = "turnstile"
+
+[analytics]
+enabled = false
 
 [model_providers.turnstile]
 name = "turnstile"
