@@ -254,11 +254,13 @@ def cpu_text(cpu_us: dict[str, float]) -> str:
 
 @contextlib.contextmanager
 def profiled(target: Path | None) -> Iterator[None]:
-    """cProfile stats of the block written to ``target``; nothing when it is None."""
+    """cProfile stats of the block written to ``target``; nothing when it is None. The clock is this
+    process's CPU time, not the wall: on a shared machine, time spent preempted is not charged to whatever
+    function happened to be running."""
     if target is None:
         yield
         return
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.process_time)
     profiler.enable()
     try:
         yield

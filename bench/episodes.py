@@ -67,6 +67,7 @@ from common import (  # bench/common.py
     cpu_text,
     machine,
     note,
+    profiled,
     scratch_database,
     servers,
     summary,
@@ -317,9 +318,10 @@ async def measure(args: argparse.Namespace, found: Servers, database_url: str) -
                 note(f"warmed up with {warmup:,} episodes of each path")
             bare = await timed("bare NATS", lambda: run_bare(llm, args.episodes, args.concurrency), processes)
             before = StoreStats(store.stats.transactions, store.stats.appends, store.stats.events)
-            recorded = await timed(
-                "recorded", lambda: run_recorded(store, llm, args.episodes, args.concurrency), processes
-            )
+            with profiled(args.profile):
+                recorded = await timed(
+                    "recorded", lambda: run_recorded(store, llm, args.episodes, args.concurrency), processes
+                )
             stats = StoreStats(
                 store.stats.transactions - before.transactions,
                 store.stats.appends - before.appends,
@@ -405,6 +407,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--top", type=int, default=8, help="source lines to list that hold open episodes' memory (default 8)")
     add("--quick", action="store_true", help="a smoke run: 200 episodes, concurrency 100, 100 open")
     add("--tmp-dir", type=Path, default=None, help="parent of the embedded servers' temporary directory")
+    add("--profile", type=Path, default=None, help="write cProfile stats (CPU time) of the recorded run here")
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.concurrency, args.warmup, args.open = 200, 100, 100, 100

@@ -28,6 +28,7 @@ from pipeline.inference.chat import REASONING_MARKERS, split_reasoning, split_to
 from pipeline.inference.client import CONSUMER_HEADER, HEARTBEAT_HEADER, RequestRejected
 from pipeline.inference.held import DEFAULT_BUDGET_TOKENS, HeldPrefixes, HeldTurn
 from schemas import (
+    IGNORE,
     TOLERANT,
     ChatMessage,
     LLMError,
@@ -93,7 +94,7 @@ class InferenceService:
         """The reply body (an LLMResponse or LLMError as JSON) for one request message."""
         received = time.monotonic()
         try:
-            request = LLMRequest.model_validate_json(data, context=TOLERANT)
+            request = LLMRequest.model_validate_json(data, context=TOLERANT, extra=IGNORE)
         except ValidationError as error:
             return self._error(None, "invalid_request", describe_validation_error(error), _first_field(error))
         if request.policy != self.policy:
@@ -128,7 +129,7 @@ class InferenceService:
     async def on_version(self, data: bytes) -> None:
         """A trainer published a new policy version: load it unless we already have it (or newer)."""
         try:
-            published = PolicyVersionPublished.model_validate_json(data, context=TOLERANT)
+            published = PolicyVersionPublished.model_validate_json(data, context=TOLERANT, extra=IGNORE)
         except ValidationError as error:
             log.error("ignoring an unreadable policy version message: %s", describe_validation_error(error))
             return
