@@ -53,6 +53,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from consumers.runtime import tune_gc
 from pipeline.episodes import EpisodeLLM
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
@@ -418,6 +419,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    tune_gc()  # as every `turnstile serve` process does (consumers.runtime.running): both paths get it
     note(
         f"{machine()}; {args.episodes:,} episodes per path at concurrency {args.concurrency:,} "
         f"after {args.warmup:,} warm-up; {args.open:,} held open"

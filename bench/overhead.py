@@ -60,6 +60,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
+from consumers.runtime import tune_gc
 from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.client import NatsLLMClient
 from pipeline.inference.service import InferenceService
@@ -282,6 +283,7 @@ async def serve_http(profile_dir: Path | None) -> None:
         if serving.done():
             serving.result()
         await asyncio.sleep(0.01)
+    tune_gc()  # as the NATS consumer does once started
     print(f"ready {sock.getsockname()[1]} {server_stack(config)}", flush=True)
     with profiled(profile_dir / "http-proxy.prof" if profile_dir else None):
         await wait_for_stdin_eof()
@@ -501,6 +503,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    tune_gc()  # as every `turnstile serve` process does (consumers.runtime.running): both paths get it
     if args.serve:
         return run_server_role(args.serve, args.profile_dir)
     if args.profile_dir:

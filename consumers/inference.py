@@ -23,7 +23,7 @@ from nats.aio.client import Client as NatsConnection
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from consumers.runtime import LATENCY_BUCKETS, Runtime, serve_metrics
+from consumers.runtime import LATENCY_BUCKETS, Runtime, serve_metrics, tune_gc
 from pipeline.errors import ConfigError
 from pipeline.inference.backends import Backend
 from pipeline.inference.client import QUEUE_GROUP, request_subject, versions_subject
@@ -153,6 +153,7 @@ def create_app(
 
     @app.after_startup
     async def subscribe_requests() -> None:
+        tune_gc()  # the backend is loaded: frozen with the rest
         service.max_payload = broker.connection.max_payload
         await requests.start(broker.connection)
         if config.metrics_port is not None:
