@@ -329,7 +329,9 @@ async def serve_consumer(nats_url: str, policy: str, profile: Path | None) -> No
 
 def main(argv: Sequence[str]) -> int:
     if len(argv) in (3, 4) and argv[0] == "consumer":
-        asyncio.run(serve_consumer(argv[1], argv[2], Path(argv[3]) if len(argv) == 4 else None))
+        from consumers.runtime import run  # the event loop of `turnstile serve inference`
+
+        run(serve_consumer(argv[1], argv[2], Path(argv[3]) if len(argv) == 4 else None))
         return 0
     print(f"usage: python {Path(COMMON).name} consumer NATS_URL POLICY [PROFILE_FILE]", file=sys.stderr)
     return 2

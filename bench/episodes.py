@@ -53,7 +53,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from consumers.runtime import tune_gc
+from consumers.runtime import run, tune_gc
 from pipeline.episodes import EpisodeLLM
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
@@ -425,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"after {args.warmup:,} warm-up; {args.open:,} held open"
     )
     with servers(args.tmp_dir) as found, scratch_database(found.database_url) as database_url:
-        report = asyncio.run(measure(args, found, database_url))
+        report = run(measure(args, found, database_url))  # the runner service's event loop (uvloop)
     print_report(report, args)
     return 0
 

@@ -60,7 +60,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from consumers.runtime import tune_gc
+from consumers.runtime import run, tune_gc
 from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.client import NatsLLMClient
 from pipeline.inference.service import InferenceService
@@ -300,7 +300,7 @@ def server_stack(config: Any) -> str:
 
 def run_server_role(role: Sequence[str], profile_dir: Path | None) -> int:
     if role[0] == "http":
-        asyncio.run(serve_http(profile_dir))
+        run(serve_http(profile_dir))
     else:
         raise SystemExit(f"unknown server role {role[0]!r}")
     return 0
@@ -512,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{machine()}; {args.turns:,} turns per level after {args.warmup:,} warm-up; "
         f"{args.prompt_chars:,} chars per request"
     )
-    results = asyncio.run(measure(args))
+    results = run(measure(args))  # the event loop the services run on (uvloop): every path gets it
     print_report(results)
     return 0
 
