@@ -6,7 +6,7 @@ from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, Field, TypeAdapter
 
-from schemas.base import TOLERANT, Contract
+from schemas.base import IGNORE, TOLERANT, Contract
 from schemas.common import (
     ChatMessage,
     FinishReason,
@@ -62,18 +62,18 @@ wire_adapter: Final[TypeAdapter[WireMessage]] = TypeAdapter(WireMessage)
 
 def parse_event(data: dict[str, Any] | str | bytes, *, tolerant: bool = False) -> Event:
     """Validate any event from a dict or JSON; ``tolerant`` drops unknown fields (for stored data)."""
-    context = TOLERANT if tolerant else None
+    context, extra = (TOLERANT, IGNORE) if tolerant else (None, None)
     if isinstance(data, dict):
-        return event_adapter.validate_python(data, context=context)
-    return event_adapter.validate_json(data, context=context)
+        return event_adapter.validate_python(data, context=context, extra=extra)
+    return event_adapter.validate_json(data, context=context, extra=extra)
 
 
 def parse_wire(data: dict[str, Any] | str | bytes, *, tolerant: bool = True) -> WireMessage:
     """Validate a wire message; tolerant by default, since peers may run a newer contract."""
-    context = TOLERANT if tolerant else None
+    context, extra = (TOLERANT, IGNORE) if tolerant else (None, None)
     if isinstance(data, dict):
-        return wire_adapter.validate_python(data, context=context)
-    return wire_adapter.validate_json(data, context=context)
+        return wire_adapter.validate_python(data, context=context, extra=extra)
+    return wire_adapter.validate_json(data, context=context, extra=extra)
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:
@@ -90,6 +90,7 @@ def json_schemas() -> dict[str, dict[str, Any]]:
 __all__ = [
     "CATEGORY_OF",
     "EVENT_TYPES",
+    "IGNORE",
     "TOLERANT",
     "WIRE_TYPES",
     "ChatMessage",

@@ -67,6 +67,14 @@ async def test_a_continuing_turn_is_sent_as_its_parents_exact_tokens_and_recorde
         assert request.prefix.token_ids == [*before.prompt_token_ids, *before.completion_token_ids]
         assert request.prefix.message_count == len(before.request.messages) + 1
     assert fold_episode(events).total_reward == 1.0
+    # The finish's token counts are those of the whole turns, though they are recorded as deltas.
+    stored = [r.event for r in await store.read_stream(session.stream)]
+    assert [e.is_delta for e in stored if isinstance(e, TurnCompleted)] == [False, True, True]
+    finished = events[-1]
+    assert isinstance(finished, EpisodeFinished)
+    assert finished.metrics["prompt_tokens"] == sum(len(t.prompt_token_ids) for t in turns)
+    assert finished.metrics["completion_tokens"] == sum(len(t.completion_token_ids) for t in turns)
+    assert (finished.metrics["turns"], finished.metrics["reward"]) == (3.0, 1.0)
 
 
 async def test_a_changed_history_starts_a_new_root_instead_of_a_prefix() -> None:

@@ -65,10 +65,9 @@ def inference(
     metrics_port: MetricsPort = None,
 ) -> None:
     """Answer LLM requests for POLICY over NATS (queue group `inference`), reloading published versions."""
-    import asyncio
 
     from consumers.inference import InferenceConfig, create_app
-    from consumers.runtime import setup_logging
+    from consumers.runtime import run, setup_logging
 
     setup_logging()
     config = InferenceConfig(
@@ -86,7 +85,7 @@ def inference(
     console.print(
         f"inference consumer [bold]{service.consumer_id}[/bold] serving policy {policy!r} ({backend.value})"
     )
-    asyncio.run(application.run())
+    run(application.run())
 
 
 def runner(
@@ -109,10 +108,9 @@ def runner(
     metrics_port: MetricsPort = None,
 ) -> None:
     """Take tasks from the TASKS work queue and run AGENT on them, on as many machines as you like."""
-    import asyncio
 
     from consumers.runner import serve_runner
-    from consumers.runtime import Connections, setup_logging
+    from consumers.runtime import Connections, run, setup_logging
     from pipeline.runners import load_agent, load_reward_function
     from pipeline.runners.runner import RunnerConfig
 
@@ -135,7 +133,7 @@ def runner(
         timeout=timeout,
         sampling=sampling(temperature, max_tokens, None),
     )
-    asyncio.run(
+    run(
         serve_runner(
             connections,
             loaded,
@@ -164,10 +162,9 @@ def materializer(
     metrics_port: MetricsPort = None,
 ) -> None:
     """Fold the log into read models and training batches as events arrive (exactly once)."""
-    import asyncio
 
     from consumers.materializer import serve_materializer
-    from consumers.runtime import setup_logging
+    from consumers.runtime import run, setup_logging
 
     setup_logging()
     config = materializer_config(
@@ -175,9 +172,7 @@ def materializer(
         group_timeout, step_events,
     )  # fmt: skip
     console.print(f"materializer {name!r} running ({config.semantics()})")
-    done = asyncio.run(
-        serve_materializer(Settings().require_database_url(), config, metrics_port=metrics_port)
-    )
+    done = run(serve_materializer(Settings().require_database_url(), config, metrics_port=metrics_port))
     console.print(f"materializer stopped at position {done.position}")
 
 
@@ -194,7 +189,6 @@ def relay(
     metrics_port: MetricsPort = None,
 ) -> None:
     """Publish the materializer's batches to JetStream BATCHES (batches.<policy>), each once."""
-    import asyncio
 
     from consumers.relay import RelayConfig, serve_relay
 
@@ -202,7 +196,7 @@ def relay(
         raise ConfigError(f"--poll-interval must be more than 0, got {poll_interval}")
     if not outbox_retention >= 0:
         raise ConfigError(f"--outbox-retention is seconds, 0 or more (inf: keep), got {outbox_retention}")
-    from consumers.runtime import setup_logging
+    from consumers.runtime import run, setup_logging
 
     setup_logging()
     settings = Settings()
@@ -214,7 +208,7 @@ def relay(
         outbox_retention=outbox_retention,
         metrics_port=metrics_port,
     )
-    asyncio.run(serve_relay(config, console=console))
+    run(serve_relay(config, console=console))
     console.print("relay stopped")
 
 
@@ -241,9 +235,8 @@ def trainer(
     metrics_port: MetricsPort = None,
 ) -> None:
     """PPO-clip on the batch stream; checkpoints and publishes new policy versions (exactly once)."""
-    import asyncio
 
-    from consumers.runtime import setup_logging
+    from consumers.runtime import run, setup_logging
     from consumers.trainer import TrainerConfig, serve_trainer
 
     setup_logging()
@@ -266,7 +259,7 @@ def trainer(
         log_steps=log_steps,
         metrics_port=metrics_port,
     )
-    stats = asyncio.run(serve_trainer(config))
+    stats = run(serve_trainer(config))
     console.print(f"trainer stopped at policy version {stats.version} ({stats.trained} batches trained)")
 
 
@@ -301,7 +294,6 @@ def gateway(
     metrics_port: MetricsPort = None,
 ) -> None:
     """Serve the OpenAI- and Anthropic-compatible gateway: every call of a session is a recorded turn."""
-    import asyncio
     import os
 
     from consumers.gateway import GatewayConfig, serve_gateway
@@ -312,7 +304,7 @@ def gateway(
             f"no admin key: set {admin_key_env} to a secret (e.g. `export {admin_key_env}=$(openssl rand "
             "-hex 32)`); it protects session creation, and the gateway does not start without one"
         )
-    from consumers.runtime import setup_logging
+    from consumers.runtime import run, setup_logging
 
     setup_logging()
     settings = Settings()
@@ -331,5 +323,5 @@ def gateway(
         ui_reader_url=settings.require_reader_url() if ui else None,
         metrics_port=metrics_port,
     )
-    asyncio.run(serve_gateway(config, console=console))
+    run(serve_gateway(config, console=console))
     console.print("gateway stopped")

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from pipeline.errors import TurnstileError
 from schemas import ChatMessage, FinishReason, SamplingParams, TokenLogprob, ToolCall, ToolChoice, ToolSpec
-from schemas.base import TOLERANT
+from schemas.base import IGNORE, TOLERANT
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
@@ -165,7 +165,7 @@ def validated(
     (``renames`` maps model field names to the API's) with the problem, the count of the others, and what
     was sent."""
     try:
-        return model.model_validate(data, context=TOLERANT)
+        return model.model_validate(data, context=TOLERANT, extra=IGNORE)
     except ValidationError as failure:
         first = failure.errors()[0]
         location = [(renames or {}).get(str(part), part) for part in first["loc"]]

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from pipeline.errors import ConfigError, describe_validation_error
 from pipeline.runners.runner import Runner, TaskSpec
-from schemas import TOLERANT, TaskSubmitted
+from schemas import IGNORE, TOLERANT, TaskSubmitted
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class TaskWorker:
 
     async def _work(self, message: Msg) -> None:
         try:
-            submitted = TaskSubmitted.model_validate_json(message.data, context=TOLERANT)
+            submitted = TaskSubmitted.model_validate_json(message.data, context=TOLERANT, extra=IGNORE)
         except ValidationError as error:
             self.tasks_refused += 1
             problem = describe_validation_error(error)
