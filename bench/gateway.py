@@ -20,11 +20,25 @@ turn's latency runs from the call to the parsed reply; turns/s is timed turns ov
 /proc, Linux only, 10 ms ticks: meaningful over a second or more); on a small machine the processes
 compete for cores, so read the ratios, measured side by side in one run.
 
+Then a long conversation (``--long-turns``, default 30, growing to ``--long-tokens``, default 30,000): one
+episode at a time through the gateway, each turn a new ~1,000-token user message after the whole history
+(sent again by the client, as agents do), on a consumer whose prompt is one token per 4 bytes of text, so
+the recorded prompt grows as a real one would. For each dialect (``--long-dialects``: chat completions with
+the OpenAI SDK, the Responses API with its whole input, Anthropic Messages with the anthropic SDK) it prints
+the gateway's CPU per turn at turn 1 and at the last turn (the median over ``--long-episodes`` episodes, from
+``/proc/<pid>/task/*/schedstat``: nanoseconds, not ticks) and their ratio: a turn's cost must not grow with
+the history it carries.
+
+``--before DIR`` runs a second gateway from another checkout (``git worktree add DIR main``) beside this
+one, in the same run, on the same servers and consumer: "gateway@before" rows, and the long conversation
+for both.
+
 Servers: ``TURNSTILE_DATABASE_URL`` and ``TURNSTILE_NATS_URL``, or embedded ones in a temporary directory;
 the run gets a migrated scratch database of its own, dropped at the end.
 
     python bench/gateway.py                       # defaults: --levels 1,16 --turns 600 (about a minute)
     python bench/gateway.py --levels 1 --turns 300
+    python bench/gateway.py --paths gateway --levels 1 --long-episodes 5 --before /tmp/main-tree
 """
 
 from __future__ import annotations
@@ -32,10 +46,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -54,6 +70,7 @@ from sqlalchemy.engine import make_url
 
 from pipeline.dev.embedded import EmbeddedServers, scratch_dir
 from pipeline.episodes import EpisodeSession
+from pipeline.inference.backends import Generation
 from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
@@ -61,6 +78,9 @@ from pipeline.log.db import migrate
 from pipeline.settings import libpq_url
 
 POLICY = "bench"
+LONG_POLICY = "benchlong"
+LONG_DIALECTS = ("chat", "responses", "messages")
+BYTES_PER_TOKEN = 4
 ADMIN_KEY = "bench-admin-" + uuid.uuid4().hex
 PATHS = ("llm.chat", "llm.openai()", "gateway")
 BASELINE = "llm.chat"
@@ -163,6 +183,108 @@ class GatewayEpisode(Episode):
 MakeEpisode = Callable[[], Episode]
 
 
+# --- the long conversation -----------------------------------------------------------------------
+
+
+class LengthBackend(ScriptedBackend):
+    """The scripted reply, with a prompt as long as a real one: one token per ``BYTES_PER_TOKEN`` bytes of
+    each message after the prefix (the prefix's ids as they came), so a 30-turn conversation records a
+    30k-token prompt and the consumer's work per turn stays what the turn adds."""
+
+    async def generate(self, request: Any) -> Generation:
+        generation = await super().generate(request)
+        prefix = request.prefix
+        prompt = list(prefix.ids) if prefix is not None else []
+        for message in request.messages[prefix.message_count if prefix is not None else 0 :]:
+            size = len((message.content or "").encode())
+            prompt += [100 + index % 900 for index in range(max(1, size // BYTES_PER_TOKEN))]
+        return dataclasses.replace(generation, prompt_token_ids=prompt)
+
+
+def user_text(turn: int, tokens: int) -> str:
+    """A user message of about ``tokens`` tokens (4 bytes each), different on every turn."""
+    words = [f"w{(turn * 7919 + index) % 10007}" for index in range(tokens * BYTES_PER_TOKEN // 6 + 1)]
+    return f"turn {turn}: " + " ".join(words)[: tokens * BYTES_PER_TOKEN]
+
+
+def schedstat_seconds(pid: int) -> float:
+    """CPU time of every thread of ``pid`` in seconds, from ``/proc/<pid>/task/*/schedstat`` (nanoseconds:
+    fine enough to time one turn, unlike the 10 ms ticks of ``/proc/<pid>/stat``)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError, ValueError):
+            total += int(task.read_text().split()[0])
+    return total / 1e9
+
+
+LongTurn = Callable[[list[dict[str, Any]]], Awaitable[dict[str, Any]]]
+"""Sends the whole history (user/assistant text messages) and returns the assistant message to append."""
+
+
+@contextlib.asynccontextmanager
+async def long_client(dialect: str, url: str, api_key: str) -> AsyncIterator[tuple[LongTurn, list[int]]]:
+    """A real SDK client of ``dialect`` on the session ``api_key``, as a function of the history; and a
+    list that gets each reply's (prompt tokens, body bytes)."""
+    seen: list[int] = []
+    if dialect == "messages":
+        import anthropic
+
+        async with anthropic.AsyncAnthropic(base_url=url, api_key=api_key, max_retries=0) as claude:
+
+            async def message_turn(history: list[dict[str, Any]]) -> dict[str, Any]:
+                raw = await claude.messages.with_raw_response.create(
+                    model=LONG_POLICY, max_tokens=MAX_TOKENS, messages=history
+                )
+                reply = await raw.parse()
+                seen[:] = [reply.usage.input_tokens, len(await raw.read())]
+                return {
+                    "role": "assistant",
+                    "content": "".join(b.text for b in reply.content if b.type == "text"),
+                }
+
+            yield message_turn, seen
+        return
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0) as client:
+
+        async def chat_turn(history: list[dict[str, Any]]) -> dict[str, Any]:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=LONG_POLICY, messages=history, max_tokens=MAX_TOKENS
+            )
+            completion = raw.parse()
+            assert completion.usage is not None
+            seen[:] = [completion.usage.prompt_tokens, len(raw.content)]
+            return completion.choices[0].message.model_dump(exclude_none=True)
+
+        async def responses_turn(history: list[dict[str, Any]]) -> dict[str, Any]:
+            raw = await client.responses.with_raw_response.create(
+                model=LONG_POLICY,
+                input=history,
+                max_output_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+            )
+            response = raw.parse()
+            assert response.usage is not None
+            seen[:] = [response.usage.input_tokens, len(raw.content)]
+            return {"role": "assistant", "content": response.output_text}
+
+        yield (chat_turn if dialect == "chat" else responses_turn), seen
+
+
+@dataclass(frozen=True, slots=True)
+class LongResult:
+    label: str
+    dialect: str
+    cpu_ms: list[float]
+    """Per turn index: the gateway's median CPU (ms) over the episodes."""
+    latency_ms: list[float]
+    prompt_tokens: int
+    response_bytes: int
+    """The last turn's reply body (JSON or event stream)."""
+
+    @property
+    def ratio(self) -> float:
+        return self.cpu_ms[-1] / self.cpu_ms[0]
+
+
 async def run_turns(
     make: MakeEpisode, concurrency: int, turns: int, per_episode: int
 ) -> tuple[list[float], float]:
@@ -210,6 +332,48 @@ async def measure_path(
         )
         results.append(result)
     return results
+
+
+async def measure_long(
+    label: str, dialect: str, url: str, admin: httpx.AsyncClient, gateway_pid: int, args: argparse.Namespace
+) -> LongResult:
+    """``--long-episodes`` conversations of ``--long-turns`` turns, one at a time; the gateway's CPU per
+    turn index (the median over the episodes: a turn's work happens inside its call, the reply is sent
+    after the turn is recorded)."""
+    per_turn = max(1, args.long_tokens // args.long_turns)
+    cpu: list[list[float]] = [[] for _ in range(args.long_turns)]
+    latency: list[list[float]] = [[] for _ in range(args.long_turns)]
+    seen: list[int] = []  # the last reply's (prompt tokens, body bytes)
+    for episode in range(args.long_episodes + 1):  # the first one warms up
+        response = await admin.post("/admin/sessions", json={"policy": LONG_POLICY, "agent": "bench.long"})
+        response.raise_for_status()
+        session = response.json()
+        async with long_client(dialect, url, session["api_key"]) as (turn, last):
+            history: list[dict[str, Any]] = []
+            for index in range(args.long_turns):
+                history.append({"role": "user", "content": user_text(index, per_turn)})
+                before, started = schedstat_seconds(gateway_pid), time.perf_counter()
+                history.append(await turn(history))
+                seen = last
+                if episode:
+                    latency[index].append((time.perf_counter() - started) * 1000)
+                    cpu[index].append((schedstat_seconds(gateway_pid) - before) * 1000)
+        ended = await admin.post(f"/admin/sessions/{session['session_id']}/end", json={})
+        ended.raise_for_status()
+    result = LongResult(
+        label,
+        dialect,
+        [statistics.median(values) for values in cpu],
+        [statistics.median(values) for values in latency],
+        seen[0],
+        seen[1],
+    )
+    note(
+        f"{label} {dialect}, {args.long_turns} turns to {result.prompt_tokens:,} prompt tokens: gateway CPU "
+        f"turn 1 {result.cpu_ms[0]:.2f} ms, turn {args.long_turns} {result.cpu_ms[-1]:.2f} ms "
+        f"({result.ratio:.2f}x); last reply {result.response_bytes:,} bytes"
+    )
+    return result
 
 
 # --- CPU time ------------------------------------------------------------------------------------
@@ -300,11 +464,13 @@ def scratch_database(server_url: str) -> Iterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def child(*role: str) -> AsyncIterator[tuple[int, str]]:
+async def child(*role: str, tree: str | None = None) -> AsyncIterator[tuple[int, str]]:
     """This script in a server role in a process of its own; its pid and what it printed after ``ready``.
-    It stops when its stdin closes, so it also goes away if this process dies."""
+    It stops when its stdin closes, so it also goes away if this process dies. ``tree``: another checkout
+    whose ``pipeline`` it imports (first on ``PYTHONPATH``), for before/after runs."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, SCRIPT, "--serve", *role, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        sys.executable, SCRIPT, "--serve", *role, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
     )
     assert process.stdout is not None
     try:
@@ -328,12 +494,11 @@ async def wait_for_stdin_eof() -> None:
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.buffer.read)
 
 
-async def serve_consumer(nats_url: str) -> None:
+async def serve_consumer(nats_url: str, policy: str = POLICY) -> None:
     from consumers.inference import InferenceConfig, create_app
 
-    app, _ = create_app(
-        InferenceConfig(nats_url, POLICY, backend="scripted", consumer_id="bench"), ScriptedBackend()
-    )
+    backend = LengthBackend() if policy == LONG_POLICY else ScriptedBackend()
+    app, _ = create_app(InferenceConfig(nats_url, policy, backend="scripted", consumer_id=policy), backend)
     await app.start()
     print("ready", flush=True)
     await wait_for_stdin_eof()
@@ -357,9 +522,15 @@ async def serve_gateway(database_url: str, nats_url: str, admin_key: str) -> Non
 # --- the run -------------------------------------------------------------------------------------
 
 
-async def measure(args: argparse.Namespace, found: Servers, database_url: str) -> list[Result]:
+async def measure(
+    args: argparse.Namespace, found: Servers, database_url: str
+) -> tuple[list[Result], list[LongResult]]:
     results: list[Result] = []
-    async with child("consumer", found.nats_url) as (consumer_pid, _):
+    long_results: list[LongResult] = []
+    async with (
+        child("consumer", found.nats_url) as (consumer_pid, _),
+        child("consumer", found.nats_url, LONG_POLICY) as (long_consumer_pid, _),
+    ):
         processes: Processes = {"bench": None, "consumer": consumer_pid, **found.pids}
         store = await EventStore.connect(database_url)
         llm = await NatsLLMClient.connect(found.nats_url)
@@ -369,25 +540,46 @@ async def measure(args: argparse.Namespace, found: Servers, database_url: str) -
             if "llm.openai()" in args.paths:
                 make = lambda: InProcessOpenAIEpisode(store, llm)  # noqa: E731
                 results += await measure_path("llm.openai()", make, args, processes)
-            if "gateway" in args.paths:
-                async with child("gateway", database_url, found.nats_url, ADMIN_KEY) as (gateway_pid, url):
-                    note(f"gateway on {url} (uvicorn, its own process), client openai {openai.__version__}")
-                    http_client = openai.DefaultAsyncHttpxClient(limits=sdk_limits(max(args.levels)))
+            gateways = [("gateway", None)] if "gateway" in args.paths else []
+            if args.before:
+                gateways.append(("gateway@before", args.before))
+            for label, tree in gateways:
+                async with child("gateway", database_url, found.nats_url, ADMIN_KEY, tree=tree) as (
+                    gateway_pid,
+                    url,
+                ):
+                    where = f" from {tree}" if tree else ""
+                    note(
+                        f"{label} on {url}{where} (uvicorn, its own process), "
+                        f"client openai {openai.__version__}"
+                    )
+                    gateway_processes = {**processes, "gateway": gateway_pid}
+                    results += await measure_gateway(label, url, args, gateway_processes)
                     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-                    async with (
-                        httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as admin,
-                        openai.AsyncOpenAI(
-                            base_url=f"{url}/v1", api_key="-", max_retries=0, http_client=http_client
-                        ) as client,
-                    ):
-                        gateway_processes = {**processes, "gateway": gateway_pid}
-                        results += await measure_path(
-                            "gateway", lambda: GatewayEpisode(admin, client), args, gateway_processes
-                        )
+                    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as admin:
+                        for dialect in args.long_dialects if args.long_episodes else []:
+                            long_results.append(
+                                await measure_long(label, dialect, url, admin, gateway_pid, args)
+                            )
         finally:
             await llm.close()
             await store.close()
-    return results
+    del long_consumer_pid
+    return results, long_results
+
+
+async def measure_gateway(
+    label: str, url: str, args: argparse.Namespace, processes: Processes
+) -> list[Result]:
+    http_client = openai.DefaultAsyncHttpxClient(limits=sdk_limits(max(args.levels)))
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with (
+        httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as admin,
+        openai.AsyncOpenAI(
+            base_url=f"{url}/v1", api_key="-", max_retries=0, http_client=http_client
+        ) as client,
+    ):
+        return await measure_path(label, lambda: GatewayEpisode(admin, client), args, processes)
 
 
 def sdk_limits(connections: int) -> Any:
@@ -443,6 +635,47 @@ def print_report(results: Sequence[Result], args: argparse.Namespace) -> None:
         if in_process is not None:
             line += f"; vs llm.openai() {versus(gateway, in_process)}"
         print(line)
+    for result in results:
+        before = by_key.get(("gateway@before", result.concurrency))
+        if result.path == "gateway" and before is not None:
+            now, then = result.cpu_us.get("gateway", 0.0), before.cpu_us.get("gateway", 0.0)
+            cpu = f", gateway CPU {now:,.0f} vs {then:,.0f} us/turn ({now / then:.2f}x)" if then else ""
+            print(f"x{result.concurrency}: gateway vs gateway@before {versus(result, before)}{cpu}")
+
+
+def print_long_report(results: Sequence[LongResult], args: argparse.Namespace) -> None:
+    if not results:
+        return
+    table = Table(
+        title=f"a {args.long_turns}-turn conversation through the gateway, one episode at a time "
+        f"(median of {args.long_episodes} episodes)",
+        caption="gateway CPU per turn from /proc/<pid>/task/*/schedstat; growth: last turn ÷ turn 1",
+    )
+    for column in ["gateway", "dialect", "prompt tokens", "turn 1 ms", "last turn ms", "growth",
+                   "mean ms", "p50 latency ms", "last reply bytes"]:  # fmt: skip
+        table.add_column(column, justify="right")
+    for result in results:
+        table.add_row(
+            result.label,
+            result.dialect,
+            f"{result.prompt_tokens:,}",
+            f"{result.cpu_ms[0]:.2f}",
+            f"{result.cpu_ms[-1]:.2f}",
+            f"{result.ratio:.2f}x",
+            f"{statistics.fmean(result.cpu_ms):.2f}",
+            f"{statistics.median(result.latency_ms):.2f}",
+            f"{result.response_bytes:,}",
+        )
+    console.print(table)
+    by_key = {(r.label, r.dialect): r for r in results}
+    for result in results:
+        before = by_key.get(("gateway@before", result.dialect))
+        if result.label == "gateway" and before is not None:
+            now, then = statistics.fmean(result.cpu_ms), statistics.fmean(before.cpu_ms)
+            print(
+                f"{result.dialect}: gateway CPU per turn {now:.2f} ms vs {then:.2f} ms before "
+                f"({now / then:.2f}x)"
+            )
 
 
 def versus(result: Result, other: Result) -> str:
@@ -462,6 +695,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--warmup", type=int, default=100, help="untimed turns first (default 100)")
     add("--turns-per-episode", type=int, default=5, help="turns of each episode (default 5)")
     add("--paths", type=parse_list, default=list(PATHS), help=f"default {','.join(PATHS)}")
+    add("--long-turns", type=int, default=30, help="turns of the long conversation (default 30)")
+    add("--long-tokens", type=int, default=30_000, help="its prompt at the last turn (default 30,000)")
+    add("--long-episodes", type=int, default=5, help="long conversations per dialect (default 5; 0: none)")
+    add(
+        "--long-dialects",
+        type=parse_list,
+        default=list(LONG_DIALECTS),
+        help=f"default {','.join(LONG_DIALECTS)}",
+    )
+    add("--before", default=None, help="another checkout whose gateway runs beside this one (gateway@before)")
     add("--serve", nargs="+", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if (
@@ -471,6 +714,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         or args.warmup < 0
     ):
         parser.error("--levels, --turns and --turns-per-episode must be at least 1, --warmup 0 or more")
+    if unknown := set(args.long_dialects) - set(LONG_DIALECTS):
+        parser.error(
+            f"--long-dialects are some of {','.join(LONG_DIALECTS)}, not {','.join(sorted(unknown))}"
+        )
+    if args.long_turns < 1 or args.long_episodes < 0:
+        parser.error("--long-turns must be at least 1, --long-episodes 0 or more")
     if unknown := set(args.paths) - set(PATHS):
         parser.error(f"--paths are some of {','.join(PATHS)}, not {','.join(sorted(unknown))}")
     return args
@@ -490,8 +739,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"after {args.warmup:,} warm-up; load average {os.getloadavg()[0]:.2f} (other work skews the numbers)"
     )
     with servers() as found, scratch_database(found.database_url) as database_url:
-        results = asyncio.run(measure(args, found, database_url))
+        results, long_results = asyncio.run(measure(args, found, database_url))
     print_report(results, args)
+    print_long_report(long_results, args)
     return 0
 
 
