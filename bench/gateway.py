@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import dataclasses
 import math
 import os
@@ -81,6 +82,9 @@ POLICY = "bench"
 LONG_POLICY = "benchlong"
 LONG_DIALECTS = ("chat", "responses", "messages")
 BYTES_PER_TOKEN = 4
+PROFILE_ENV = "TURNSTILE_BENCH_PROFILE"
+"""A path prefix: each gateway process writes its cProfile statistics to <prefix>.<pid> when it stops
+(``--profile``); read them with ``python -m pstats``."""
 ADMIN_KEY = "bench-admin-" + uuid.uuid4().hex
 PATHS = ("llm.chat", "llm.openai()", "gateway")
 BASELINE = "llm.chat"
@@ -512,8 +516,15 @@ async def serve_gateway(database_url: str, nats_url: str, admin_key: str) -> Non
     llm = await NatsLLMClient.connect(nats_url)
     server = HttpServer(create_gateway(store, llm, admin_key=admin_key, policy_default=POLICY))
     await server.start()
+    profile = os.environ.get(PROFILE_ENV)
+    profiler = cProfile.Profile() if profile else None
+    if profiler is not None:
+        profiler.enable()
     print(f"ready {server.url}", flush=True)
     await wait_for_stdin_eof()
+    if profiler is not None and profile:
+        profiler.disable()
+        profiler.dump_stats(f"{profile}.{os.getpid()}")
     await server.stop()
     await llm.close()
     await store.close()
@@ -705,6 +716,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"default {','.join(LONG_DIALECTS)}",
     )
     add("--before", default=None, help="another checkout whose gateway runs beside this one (gateway@before)")
+    add("--profile", default=None, help="cProfile each gateway process to PREFIX.<pid> (python -m pstats)")
     add("--serve", nargs="+", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if (
@@ -734,6 +746,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         asyncio.run(role[args.serve[0]](*args.serve[1:]))
         return 0
+    if args.profile:
+        os.environ[PROFILE_ENV] = str(Path(args.profile).resolve())
     note(
         f"Python {platform.python_version()}, {os.cpu_count()} CPUs; {args.turns:,} turns per path and level "
         f"after {args.warmup:,} warm-up; load average {os.getloadavg()[0]:.2f} (other work skews the numbers)"

@@ -40,6 +40,8 @@ class ChatCall:
     previous_turn: UUID | None = None
     """A recorded turn of the session whose conversation and reply come before ``messages`` (the Responses
     API's ``previous_response_id``); the gateway resolves it."""
+    whole_prompt_ids: bool = False
+    """The reply's ``turnstile`` field carries the whole prompt's ids (opt-in: see ``chat_result``)."""
 
 
 @dataclass(frozen=True)

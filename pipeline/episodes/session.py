@@ -254,6 +254,9 @@ class EpisodeSession:
             token_logprobs=response.token_logprobs,
             top_logprobs=response.top_logprobs,
             reasoning=response.reasoning,
+            parent_turn_id=turn.parent_turn_id,
+            prefix_tokens=taken,
+            added_prompt_ids=response.prompt_token_ids,
         )
         self.turns.append(reply)
         self._contexts.append(context)

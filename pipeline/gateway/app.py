@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -72,6 +73,9 @@ REQUEST_SCHEMAS: Final = {
     "responses": OPENAI_RESPONSES,
 }
 """The request body of each dialect's chat route in ``/openapi.json``, by ``Dialect.name``."""
+
+PROMPT_IDS_HEADER: Final = "x-turnstile-prompt-ids"
+"""``whole``: the reply's ``turnstile`` field also carries the whole prompt's ids (``chat_result``)."""
 
 _Spec = TypeVar("_Spec", bound=BaseModel)
 
@@ -141,6 +145,8 @@ def create_gateway(
                     defaults=entry.session.started.sampling,
                     known_arguments=entry.tool_arguments,
                 )
+                if request.headers.get(PROMPT_IDS_HEADER, "").strip().lower() == "whole":
+                    call = dataclasses.replace(call, whole_prompt_ids=True)
 
                 async def listening() -> bool:
                     return not await request.is_disconnected()

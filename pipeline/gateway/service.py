@@ -368,7 +368,7 @@ class Gateway:
             known = self.served_versions.get(session.policy, -1)
             self.served_versions[session.policy] = max(known, reply.policy_version)
             entry.tool_arguments.update((call.id, call.function.arguments) for call in reply.tool_calls)
-        return chat_result(session.episode_id, replies)
+        return chat_result(session.episode_id, replies, whole_prompt=call.whole_prompt_ids)
 
 
 def continued(call: ChatCall, history: list[ChatMessage] | None) -> ChatCall:
