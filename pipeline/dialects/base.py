@@ -42,6 +42,8 @@ class ChatCall:
     API's ``previous_response_id``); the gateway resolves it."""
     whole_prompt_ids: bool = False
     """The reply's ``turnstile`` field carries the whole prompt's ids (opt-in: see ``chat_result``)."""
+    train: bool = True
+    """False: the turns are recorded as not for training (a side call: ``TurnCompleted.train``)."""
 
 
 @dataclass(frozen=True)

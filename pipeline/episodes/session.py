@@ -173,13 +173,15 @@ class EpisodeSession:
         tool_choice: ToolChoice | None = None,
         top_logprobs: int | None = None,
         listening: Callable[[], Awaitable[bool]] | None = None,
+        train: bool = True,
     ) -> ChatReply:
         """One LLM turn: the request goes to inference, the turn is recorded, then the reply returns.
 
         ``top_logprobs`` (0-20): the reply carries each completion token's text and bytes and its most
         likely alternatives (``ChatReply.token_logprobs``, ``top_logprobs``); they are not recorded.
         ``listening``: asked once the reply is generated; False records the turn as never delivered (the
-        gateway's client disconnected)."""
+        gateway's client disconnected). ``train`` False records the turn as not for training
+        (``TurnCompleted.train``: a side call; see ``pipeline.materialize.lineages``)."""
         if self.finished:
             raise TurnstileError(f"episode {self.episode_id} is finished; start a new episode")
         if self.max_turns is not None and self._calls >= self.max_turns:
@@ -226,6 +228,7 @@ class EpisodeSession:
             render_drift=response.render_drift,
             chat_template=response.chat_template,
             delivered=delivered,
+            train=None if train else False,
         )
         await self._append([turn])
         context = _Context(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fnmatch
 import hashlib
 import json
 import logging
@@ -76,6 +77,11 @@ REQUEST_SCHEMAS: Final = {
 
 PROMPT_IDS_HEADER: Final = "x-turnstile-prompt-ids"
 """``whole``: the reply's ``turnstile`` field also carries the whole prompt's ids (``chat_result``)."""
+
+TRAIN_HEADER: Final = "x-turnstile-train"
+"""``false`` (or ``0``, ``no``, ``off``): the call's turns are recorded as not for training (a side call)."""
+_NO: Final = frozenset({"false", "0", "no", "off"})
+_YES: Final = frozenset({"true", "1", "yes", "on"})
 
 _Spec = TypeVar("_Spec", bound=BaseModel)
 
@@ -145,8 +151,11 @@ def create_gateway(
                     defaults=entry.session.started.sampling,
                     known_arguments=entry.tool_arguments,
                 )
-                if request.headers.get(PROMPT_IDS_HEADER, "").strip().lower() == "whole":
-                    call = dataclasses.replace(call, whole_prompt_ids=True)
+                call = dataclasses.replace(
+                    call,
+                    whole_prompt_ids=request.headers.get(PROMPT_IDS_HEADER, "").strip().lower() == "whole",
+                    train=trained(request, entry, call.model),
+                )
 
                 async def listening() -> bool:
                     return not await request.is_disconnected()
@@ -304,6 +313,20 @@ def create_gateway(
 
     app.add_api_route("/health", health, methods=["GET"])
     return app
+
+
+def trained(request: Request, entry: SessionEntry, model: str) -> bool:
+    """Whether the call's turns are for training: the ``x-turnstile-train`` header when sent, else the
+    session's ``untrained_models`` rule (a request ``model`` matching one of its patterns is a side call)."""
+    header = request.headers.get(TRAIN_HEADER)
+    if header is not None:
+        value = header.strip().lower()
+        if value not in _NO | _YES:
+            raise GatewayError(
+                400, f"the {TRAIN_HEADER} header must be true or false, got {header!r}", param=TRAIN_HEADER
+            )
+        return value in _YES
+    return not any(fnmatch.fnmatchcase(model, pattern) for pattern in entry.untrained_models)
 
 
 def retry_keys(request: Request, body: bytes) -> RetryKeys:

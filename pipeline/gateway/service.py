@@ -68,6 +68,13 @@ class SessionSpec(BaseModel):
     tags: dict[str, str] = Field(default_factory=dict)
     max_turns: int | None = Field(default=None, ge=1)
     episode_id: str | None = Field(default=None, min_length=1, max_length=200)
+    untrained_models: list[str] = Field(
+        default_factory=list,
+        max_length=100,
+        description="fnmatch patterns (case-sensitive) of request model names whose calls are recorded as "
+        "not for training, e.g. ['claude-haiku-*'] for Claude Code's small-model side calls; the "
+        "x-turnstile-train header of a call overrides it",
+    )
 
 
 class RewardSpec(BaseModel):
@@ -221,7 +228,11 @@ class Gateway:
                 ) from None
             except InvalidEvent as error:
                 raise GatewayError(400, f"the session cannot be recorded: {error}") from None
-            return session, self.registry.register(session, owned=True)
+            api_key = self.registry.register(session, owned=True)
+            entry = self.registry.get(session.episode_id)
+            assert entry is not None
+            entry.untrained_models = tuple(spec.untrained_models)
+            return session, api_key
         finally:
             self._starting -= 1
 
@@ -344,6 +355,7 @@ class Gateway:
                             call.tool_choice,
                             wanted_detail(call),
                             listening,
+                            call.train,
                         )
                         for _ in range(call.n)
                     )

@@ -93,6 +93,9 @@ class SessionEntry:
         sends arguments back parsed (Anthropic's ``tool_use.input``) gets the exact text restored."""
         self.answers: OrderedDict[bytes | str, Answer] = OrderedDict()
         """The latest calls by body hash and by ``Idempotency-Key``, for answering retries."""
+        self.untrained_models: tuple[str, ...] = ()
+        """Patterns (``fnmatch``, case-sensitive) of request ``model`` names whose calls are side calls, not
+        for training (``SessionSpec.untrained_models``)."""
 
     def prior(self, keys: RetryKeys) -> Answer | None:
         """The earlier call ``keys`` retry, if any: the same ``Idempotency-Key``; or the same body when the
