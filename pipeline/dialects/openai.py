@@ -33,6 +33,7 @@ from pipeline.dialects.base import (
     ChatCall,
     ChatResult,
     ChoiceData,
+    ParseMemo,
     RequestError,
     WireReply,
     bracket_path,
@@ -98,7 +99,9 @@ class _CallOptions(BaseModel):
     stream_options: _StreamOptions | None = None
 
 
-def parse_chat_request(body: object, *, defaults: SamplingParams | None = None) -> ChatCall:
+def parse_chat_request(
+    body: object, *, defaults: SamplingParams | None = None, memo: ParseMemo | None = None
+) -> ChatCall:
     """An OpenAI chat.completions request body -> ``ChatCall``; unknown top-level keys are ignored.
 
     Raises ``OpenAIRequestError`` whose ``param`` is the path of the offending field
@@ -112,7 +115,7 @@ def parse_chat_request(body: object, *, defaults: SamplingParams | None = None) 
         raise _invalid("top_logprobs", "needs logprobs set to true", options.top_logprobs)
     tools = _parse_tools(given.get("tools", []))
     return ChatCall(
-        messages=_parse_messages(given.get("messages")),
+        messages=_parse_messages(given.get("messages"), memo),
         tools=tools,
         sampling=_parse_sampling(given, defaults or SamplingParams()),
         n=options.n,
@@ -125,9 +128,11 @@ def parse_chat_request(body: object, *, defaults: SamplingParams | None = None) 
     )
 
 
-def _parse_messages(raw: object) -> list[ChatMessage]:
+def _parse_messages(raw: object, memo: ParseMemo | None = None) -> list[ChatMessage]:
     if not isinstance(raw, list) or not raw:
         raise _invalid("messages", "must be a non-empty list of message objects", raw)
+    if memo is not None:
+        return memo.parse(raw, lambda index, item: _parse_message(item, f"messages[{index}]"))
     return [_parse_message(item, f"messages[{index}]") for index, item in enumerate(raw)]
 
 
@@ -383,9 +388,15 @@ class OpenAIChat:
     paths: tuple[str, ...] = ("/v1/chat/completions",)
 
     def parse(
-        self, body: object, *, defaults: SamplingParams, known_arguments: Mapping[str, str]
+        self,
+        body: object,
+        *,
+        defaults: SamplingParams,
+        known_arguments: Mapping[str, str],
+        memo: ParseMemo | None = None,
     ) -> ChatCall:
-        return parse_chat_request(body, defaults=defaults)  # arguments travel as text: nothing to restore
+        # arguments travel as text: nothing to restore
+        return parse_chat_request(body, defaults=defaults, memo=memo)
 
     def render(self, call: ChatCall, result: ChatResult, *, model: str) -> WireReply:
         shape: dict[str, Any] = {

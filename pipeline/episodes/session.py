@@ -462,10 +462,13 @@ class EpisodeLLM:
         self,
         messages: Sequence[ChatMessage | Mapping[str, Any]],
         tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
+        *,
+        train: bool = True,
         **sampling: Any,
     ) -> ChatReply:
-        """``await llm.chat(messages, tools=None, temperature=..., max_tokens=...)``."""
-        return await self._session.chat(messages, tools, sampling)
+        """``await llm.chat(messages, tools=None, temperature=..., max_tokens=...)``; ``train=False``: a side
+        call, recorded but not for training (``pipeline.materialize.lineages``)."""
+        return await self._session.chat(messages, tools, sampling, train=train)
 
     async def reward(self, value: float, turn_id: uuid.UUID | str | None = None) -> None:
         """Record a reward now (for a turn, or the episode), besides what ``run`` returns."""

@@ -150,6 +150,7 @@ def create_gateway(
                     await json_body(request),
                     defaults=entry.session.started.sampling,
                     known_arguments=entry.tool_arguments,
+                    memo=entry.memo(dialect.name),
                 )
                 call = dataclasses.replace(
                     call,
@@ -410,7 +411,11 @@ async def json_body(request: Request, *, empty: object = None) -> object:
 
 def _check_storable(value: object, where: str) -> None:
     """Refuse what the event log cannot hold before anything runs: a NUL character (PostgreSQL's jsonb has
-    none) and a lone surrogate (not Unicode text). Iterative: the body may nest deeply."""
+    none) and a lone surrogate (not Unicode text). Iterative: the body may nest deeply. A quick pass first
+    (no paths: this runs on every body, a long conversation's included); the path is found only for a body
+    that fails."""
+    if _storable(value):
+        return
     stack: list[tuple[object, str]] = [(value, where)]
     while stack:
         item, path = stack.pop()
@@ -432,6 +437,35 @@ def _check_storable(value: object, where: str) -> None:
                     400,
                     f"{path} holds a lone surrogate (such as \\ud800), which is not Unicode text; remove it",
                 ) from None
+
+
+def _storable(value: object) -> bool:
+    """Whether every string (keys too) in a parsed JSON value is free of NUL and of lone surrogates."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is str:
+            if not _storable_text(item):
+                return False
+        elif type(item) is dict:
+            if not all(_storable_text(key) for key in item):
+                return False
+            stack.extend(item.values())
+        elif type(item) is list:
+            stack.extend(item)
+    return True
+
+
+def _storable_text(text: str) -> bool:
+    if "\x00" in text:
+        return False
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_spec(model: type[_Spec], body: object) -> _Spec:
