@@ -29,16 +29,16 @@ the gateway's CPU per turn at turn 1 and at the last turn (the median over ``--l
 ``/proc/<pid>/task/*/schedstat``: nanoseconds, not ticks) and their ratio: a turn's cost must not grow with
 the history it carries.
 
-``--before DIR`` runs a second gateway from another checkout (``git worktree add DIR main``) beside this
-one, in the same run, on the same servers and consumer: "gateway@before" rows, and the long conversation
-for both.
+``--before DIR`` runs a second gateway from another checkout (``git archive main | tar -x -C DIR``) beside
+this one, in the same run, on the same servers and consumer: "gateway@before" rows, and the long
+conversation for both; ``--before-without httptools`` leaves out what that checkout's install lacks.
 
 Servers: ``TURNSTILE_DATABASE_URL`` and ``TURNSTILE_NATS_URL``, or embedded ones in a temporary directory;
 the run gets a migrated scratch database of its own, dropped at the end.
 
     python bench/gateway.py                       # defaults: --levels 1,16 --turns 600 (about a minute)
     python bench/gateway.py --levels 1 --turns 300
-    python bench/gateway.py --paths gateway --levels 1 --long-episodes 5 --before /tmp/main-tree
+    python bench/gateway.py --before /tmp/main-tree --before-without httptools
 """
 
 from __future__ import annotations
@@ -517,7 +517,7 @@ async def serve_gateway(database_url: str, nats_url: str, admin_key: str) -> Non
     server = HttpServer(create_gateway(store, llm, admin_key=admin_key, policy_default=POLICY))
     await server.start()
     profile = os.environ.get(PROFILE_ENV)
-    profiler = cProfile.Profile() if profile else None
+    profiler = cProfile.Profile(time.process_time) if profile else None  # CPU time: a loaded machine preempts
     if profiler is not None:
         profiler.enable()
     print(f"ready {server.url}", flush=True)
@@ -553,7 +553,7 @@ async def measure(
                 results += await measure_path("llm.openai()", make, args, processes)
             gateways = [("gateway", None)] if "gateway" in args.paths else []
             if args.before:
-                gateways.append(("gateway@before", args.before))
+                gateways.append(("gateway@before", without(args.before, args.before_without)))
             for label, tree in gateways:
                 async with child("gateway", database_url, found.nats_url, ADMIN_KEY, tree=tree) as (
                     gateway_pid,
@@ -591,6 +591,20 @@ async def measure_gateway(
         ) as client,
     ):
         return await measure_path(label, lambda: GatewayEpisode(admin, client), args, processes)
+
+
+def without(tree: str, packages: Sequence[str]) -> str:
+    """``tree`` on a path where ``packages`` cannot be imported (a stub of each raises ImportError): the
+    before-gateway runs as its own install would, without what this checkout added (httptools)."""
+    if not packages:
+        return tree
+    stubs = Path(tree) / ".bench-without"
+    for package in packages:
+        (stubs / package).mkdir(parents=True, exist_ok=True)
+        (stubs / package / "__init__.py").write_text(
+            f"raise ImportError('{package} left out for --before')\n"
+        )
+    return os.pathsep.join([str(stubs), tree])
 
 
 def sdk_limits(connections: int) -> Any:
@@ -643,6 +657,10 @@ def print_report(results: Sequence[Result], args: argparse.Namespace) -> None:
         if gateway is None:
             continue
         line = f"x{level}: gateway vs llm.chat {versus(gateway, base)}"
+        if "gateway" in gateway.cpu_us and "bench" in base.cpu_us:
+            # the gateway process holds the sessions, so it does llm.chat's work (NATS, the log) too
+            own = gateway.cpu_us["gateway"] - base.cpu_us["bench"]
+            line += f"; gateway CPU {gateway.cpu_us['gateway']:,.0f} us/turn, {own:,.0f} over llm.chat's"
         if in_process is not None:
             line += f"; vs llm.openai() {versus(gateway, in_process)}"
         print(line)
@@ -716,6 +734,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"default {','.join(LONG_DIALECTS)}",
     )
     add("--before", default=None, help="another checkout whose gateway runs beside this one (gateway@before)")
+    add(
+        "--before-without",
+        type=parse_list,
+        default=[],
+        help="packages the --before checkout's install lacks (e.g. httptools): made unimportable for it",
+    )
     add("--profile", default=None, help="cProfile each gateway process to PREFIX.<pid> (python -m pstats)")
     add("--serve", nargs="+", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -334,7 +334,8 @@ def retry_keys(request: Request, body: bytes) -> RetryKeys:
     """What tells a retry from a new call: ``Idempotency-Key``, the route and body, and the SDKs'
     ``x-stainless-retry-count`` (a count that is not a number reads as not sent)."""
     count = request.headers.get("x-stainless-retry-count")
-    digest = hashlib.sha256(request.url.path.encode() + b"\n" + body).digest()
+    path: str = request.scope["path"]  # request.url builds and parses the whole URL: not on every call
+    digest = hashlib.sha256(path.encode() + b"\n" + body).digest()
     return RetryKeys(
         idempotency_key=request.headers.get("idempotency-key") or None,
         body=digest,
@@ -440,29 +441,26 @@ def _check_storable(value: object, where: str) -> None:
 
 
 def _storable(value: object) -> bool:
-    """Whether every string (keys too) in a parsed JSON value is free of NUL and of lone surrogates."""
+    """Whether every string (keys too) in a parsed JSON value is free of NUL and of lone surrogates: the
+    strings are gathered and checked as one (a check per string costs more than the copy)."""
+    texts: list[str] = []
     stack = [value]
     while stack:
         item = stack.pop()
         if type(item) is str:
-            if not _storable_text(item):
-                return False
+            texts.append(item)
         elif type(item) is dict:
-            if not all(_storable_text(key) for key in item):
-                return False
+            texts.extend(item)
             stack.extend(item.values())
         elif type(item) is list:
             stack.extend(item)
-    return True
-
-
-def _storable_text(text: str) -> bool:
+    text = "".join(texts)
     if "\x00" in text:
         return False
     if text.isascii():
         return True
     try:
-        text.encode("utf-8")
+        text.encode("utf-8")  # a lone surrogate stays one when joined: it cannot pair with its neighbour
     except UnicodeEncodeError:
         return False
     return True

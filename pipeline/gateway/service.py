@@ -37,7 +37,7 @@ from pipeline.inference import (
     RequestRejected,
 )
 from pipeline.log import Store
-from schemas import ChatMessage, PolicyVersionPublished, SamplingParams
+from schemas import ChatMessage, PolicyVersionPublished, RewardAssigned, SamplingParams
 from schemas.episode import Termination
 
 BAD_KEY: Final = (
@@ -401,14 +401,15 @@ def continued(call: ChatCall, history: list[ChatMessage] | None) -> ChatCall:
 
 
 def describe(entry: SessionEntry) -> dict[str, Any]:
+    """The session's state, from what it holds (no fold of its events: that rebuilds every turn's prompt)."""
     session = entry.session
-    episode = session.episode()
+    rewards = [event.value for event in session.events if isinstance(event, RewardAssigned)]
     return {
         "session_id": entry.session_id,
         "policy": session.policy,
-        "turns": len(episode.turns),
-        "last_turn_id": str(episode.turns[-1].turn_id) if episode.turns else None,
-        "reward": episode.total_reward if episode.rewards else None,
+        "turns": len(session.turns),
+        "last_turn_id": str(session.turns[-1].turn_id) if session.turns else None,
+        "reward": sum(rewards) if rewards else None,
         "open": True,
     }
 
