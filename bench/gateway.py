@@ -33,12 +33,18 @@ the history it carries.
 this one, in the same run, on the same servers and consumer: "gateway@before" rows, and the long
 conversation for both; ``--before-without httptools`` leaves out what that checkout's install lacks.
 
+``--in-process`` measures only what the gateway adds: the long conversation through ``llm.chat`` and through
+the gateway app called straight through ASGI, in one process with an in-memory log and an instant client
+(no servers, no sockets: ``time.process_time`` per turn), for this checkout and ``--before``'s.
+``--profile PREFIX`` writes a CPU-time cProfile of each gateway process.
+
 Servers: ``TURNSTILE_DATABASE_URL`` and ``TURNSTILE_NATS_URL``, or embedded ones in a temporary directory;
 the run gets a migrated scratch database of its own, dropped at the end.
 
-    python bench/gateway.py                       # defaults: --levels 1,16 --turns 600 (about a minute)
+    python bench/gateway.py                       # defaults: --levels 1,16 --turns 600 (a few minutes)
     python bench/gateway.py --levels 1 --turns 300
     python bench/gateway.py --before /tmp/main-tree --before-without httptools
+    python bench/gateway.py --in-process --before /tmp/main-tree
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import asyncio
 import contextlib
 import cProfile
 import dataclasses
+import json
 import math
 import os
 import platform
@@ -378,6 +385,151 @@ async def measure_long(
         f"({result.ratio:.2f}x); last reply {result.response_bytes:,} bytes"
     )
     return result
+
+
+# --- the gateway's own cost, in process ---------------------------------------------------------
+
+
+class InstantLLM:
+    """An LLM client answered in process, like a consumer that holds each turn's tokens (``tokens_key``):
+    a request that names the turn it continues carries only its new messages; the prompt is one token per
+    ``BYTES_PER_TOKEN`` bytes of each new message. No NATS, no consumer: what is left is the session's and,
+    through the gateway, the gateway's own work."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, int] = {}
+
+    async def __call__(self, request: Any) -> Any:
+        from pipeline.inference.client import PrefixUnknown
+        from schemas import LLMResponse
+
+        prefix, known = request.prefix, 0
+        if prefix is not None and prefix.key is not None:
+            if prefix.key not in self.held:
+                raise PrefixUnknown(f"prefix {prefix.key} not held")
+            known = self.held.pop(prefix.key)
+        elif prefix is not None:
+            known = len(prefix.ids)
+        new = request.messages[prefix.message_count if prefix is not None else 0 :]
+        added = [100 + i % 900 for m in new for i in range(max(1, len((m.content or "").encode()) // 4))]
+        key = uuid.uuid4().hex
+        self.held[key] = known + len(added) + 3
+        return LLMResponse(
+            request_id=request.request_id, text="ok", finish_reason="stop", prompt_token_ids=added,
+            prompt_prefix_tokens=known, completion_token_ids=[11, 12, 2], completion_logprobs=[-0.5] * 3,
+            policy_version=0, consumer_id="in-process", tokens_key=key,
+        )  # fmt: skip
+
+
+async def asgi_call(app: Any, path: str, body: dict[str, Any] | bytes, headers: dict[str, str]) -> Any:
+    """One request straight into the ASGI app (no socket, no HTTP client): its JSON reply (bytes: the body
+    encoded already, so that a caller can time the app alone)."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    sent: list[dict[str, Any]] = []
+    pending = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()  # the client stays connected
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    fields = {**headers, "content-type": "application/json", "content-length": str(len(raw))}
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(k.encode(), v.encode()) for k, v in fields.items()], "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    await app(scope, receive, send)
+    return json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+
+
+async def measure_in_process(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Per turn index, the median CPU (ms, ``time.process_time``: one process) of the long conversation
+    through ``llm.chat`` and through the gateway app, both on an in-memory log and ``InstantLLM``."""
+    from pipeline.gateway import create_gateway
+    from pipeline.log import InMemoryStore
+
+    per_turn = max(1, args.long_tokens // args.long_turns)
+    cpu: dict[str, list[list[float]]] = {
+        p: [[] for _ in range(args.long_turns)] for p in ("llm.chat", "gateway")
+    }
+    store, llm = InMemoryStore(), InstantLLM()
+    app = create_gateway(store, llm, admin_key="k", policy_default=LONG_POLICY)
+    admin = {"authorization": "Bearer k"}
+    for episode in range(args.long_episodes + 1):  # the first one warms up
+        session = EpisodeSession(store, llm, policy=LONG_POLICY)
+        await session.start()
+        opened = await asgi_call(app, "/admin/sessions", {}, admin)
+        key = {"authorization": f"Bearer {opened['api_key']}"}
+        chat_history: list[dict[str, Any]] = []
+        gateway_history: list[dict[str, Any]] = []
+        for index in range(args.long_turns):
+            text = user_text(index, per_turn)
+            chat_history.append({"role": "user", "content": text})
+            started = time.process_time()
+            reply = await session.chat(chat_history, sampling={"max_tokens": MAX_TOKENS})
+            spent = time.process_time() - started
+            chat_history.append(reply.message.model_dump(exclude_none=True))
+            if episode:
+                cpu["llm.chat"][index].append(spent * 1000)
+            gateway_history.append({"role": "user", "content": text})
+            body = {"model": LONG_POLICY, "messages": gateway_history, "max_tokens": MAX_TOKENS}
+            encoded = json.dumps(body).encode()  # the client's work: not timed
+            started = time.process_time()
+            completion = await asgi_call(app, "/v1/chat/completions", encoded, key)
+            spent = time.process_time() - started
+            gateway_history.append(completion["choices"][0]["message"])
+            if episode:
+                cpu["gateway"][index].append(spent * 1000)
+        await session.finish("done")
+        await asgi_call(app, f"/admin/sessions/{opened['session_id']}/end", {}, admin)
+    return {path: [statistics.median(values) for values in rows] for path, rows in cpu.items()}
+
+
+async def in_process_report(args: argparse.Namespace) -> None:
+    trees = [("now", None)] + ([("before", args.before)] if args.before else [])
+    found: dict[str, dict[str, list[float]]] = {}
+    for label, tree in trees:
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")])),
+        }
+        sizes = [str(args.long_turns), str(args.long_tokens), str(args.long_episodes)]
+        command = [sys.executable, SCRIPT, "--serve", "in-process", *sizes]
+        done = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE, env=env)
+        out, _ = await done.communicate()
+        found[label] = json.loads(out.decode().strip().splitlines()[-1])
+    table = Table(
+        title=f"in process: the {args.long_turns}-turn conversation on an in-memory log and an instant "
+        f"client (median of {args.long_episodes} episodes; CPU ms per turn, time.process_time)",
+        caption="gateway - llm.chat: what the gateway adds (HTTP app, dialect, retry keys, the reply)",
+    )
+    for column in ["code", "path", "turn 1", f"turn {args.long_turns}", "growth", "mean"]:
+        table.add_column(column, justify="right")
+    for label, paths in found.items():
+        gateway, chat = paths["gateway"], paths["llm.chat"]
+        own = [g - c for g, c in zip(gateway, chat, strict=True)]
+        for path, values in (("llm.chat", chat), ("gateway", gateway), ("gateway - llm.chat", own)):
+            growth = f"{values[-1] / values[0]:.2f}x"
+            table.add_row(
+                label,
+                path,
+                f"{values[0]:.3f}",
+                f"{values[-1]:.3f}",
+                growth,
+                f"{statistics.fmean(values):.3f}",
+            )
+    console.print(table)
+
+
+async def serve_in_process(turns: str, tokens: str, episodes: str) -> None:
+    args = argparse.Namespace(long_turns=int(turns), long_tokens=int(tokens), long_episodes=int(episodes))
+    print(json.dumps(await measure_in_process(args)), flush=True)
 
 
 # --- CPU time ------------------------------------------------------------------------------------
@@ -733,6 +885,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=list(LONG_DIALECTS),
         help=f"default {','.join(LONG_DIALECTS)}",
     )
+    add("--in-process", action="store_true", help="only the gateway's own cost: in process, no servers")
     add("--before", default=None, help="another checkout whose gateway runs beside this one (gateway@before)")
     add(
         "--before-without",
@@ -767,11 +920,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         role: dict[str, Callable[..., Awaitable[None]]] = {
             "consumer": serve_consumer,
             "gateway": serve_gateway,
+            "in-process": serve_in_process,
         }
         asyncio.run(role[args.serve[0]](*args.serve[1:]))
         return 0
     if args.profile:
         os.environ[PROFILE_ENV] = str(Path(args.profile).resolve())
+    if args.in_process:
+        note(f"in process; load average {os.getloadavg()[0]:.2f}")
+        asyncio.run(in_process_report(args))
+        return 0
     note(
         f"Python {platform.python_version()}, {os.cpu_count()} CPUs; {args.turns:,} turns per path and level "
         f"after {args.warmup:,} warm-up; load average {os.getloadavg()[0]:.2f} (other work skews the numbers)"

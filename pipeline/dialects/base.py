@@ -129,11 +129,10 @@ class ParseMemo:
                 shared += 1
             if shared > reused:
                 best, reused = index, shared
-        kept: list[_Parsed] = self._histories[best][1][:reused] if best >= 0 else []
-        parsed = kept + [parse_item(index, raw[index]) for index in range(reused, len(raw))]
-        if best >= 0:
-            del self._histories[best]
-        self._histories = [*self._histories[-(MEMO_HISTORIES - 1) :], (raw, parsed)]
+        items, kept = self._histories.pop(best) if best >= 0 else ([], [])
+        parsed = kept[:reused] + [parse_item(index, raw[index]) for index in range(reused, len(raw))]
+        # the items already held stay (their strings are the parsed messages' own): memory of one history
+        self._histories = [*self._histories[-(MEMO_HISTORIES - 1) :], (items[:reused] + raw[reused:], parsed)]
         return parsed
 
 

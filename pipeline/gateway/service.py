@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import hmac
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -344,23 +344,16 @@ class Gateway:
         if call.previous_turn is not None:
             call = continued(call, session.conversation_of(call.previous_turn))
 
-        async def turns() -> list[ChatReply]:
-            return list(
-                await asyncio.gather(
-                    *(
-                        session.chat(
-                            call.messages,
-                            call.tools,
-                            call.sampling,
-                            call.tool_choice,
-                            wanted_detail(call),
-                            listening,
-                            call.train,
-                        )
-                        for _ in range(call.n)
-                    )
-                )
+        def turn() -> Coroutine[Any, Any, ChatReply]:
+            detail = wanted_detail(call)
+            return session.chat(
+                call.messages, call.tools, call.sampling, call.tool_choice, detail, listening, call.train
             )
+
+        async def turns() -> list[ChatReply]:
+            if call.n == 1:
+                return [await turn()]  # no gather: a task less per call
+            return list(await asyncio.gather(*(turn() for _ in range(call.n))))
 
         try:
             replies = await entry.run(turns())
