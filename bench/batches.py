@@ -42,6 +42,8 @@ from pipeline.batches.format import (
 )
 from pipeline.training import payload_tensors, to_tensors
 
+from common import machine, summary
+
 
 def make_batch(samples: int, low: int, high: int, seed: int) -> TrainingBatch:
     rng = random.Random(seed)
@@ -135,10 +137,14 @@ def main() -> None:
 
     tokens = batch.tokens
     sizes = f"payload TSB1 {len(old):,} bytes, safetensors {len(new):,} bytes"
-    print(f"{args.samples} samples, {tokens} tokens; {sizes}")
+    print(f"{machine()}; {args.samples} samples, {tokens} tokens; {sizes}")
     print(f"{'what':<12}{'how':<46}{'median ms':>12}{'x baseline':>12}")
     for what, how, seconds, base in rows:
         print(f"{what:<12}{how:<46}{seconds * 1000:>12.3f}{base / seconds:>12.2f}")
+    for what, how, seconds, base in rows:
+        if "baseline" not in how and "plain load" not in how:
+            figure, baseline = f"{seconds * 1000:.3f} ms", f"TSB1 {base * 1000:.3f} ms"
+            summary("batches", f"{what} ({how})", figure, baseline, base / seconds, None)
 
 
 if __name__ == "__main__":

@@ -41,49 +41,46 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import os
-import platform
-import signal
-import subprocess
 import sys
 import time
 import tracemalloc
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psycopg
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy.engine import make_url
 
-from pipeline.dev.embedded import EmbeddedServers, scratch_dir
 from pipeline.episodes import EpisodeLLM
-from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
-from pipeline.log.db import migrate
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
-from pipeline.settings import libpq_url
 from schemas import ChatMessage, LLMRequest, SamplingParams
+
+from common import (  # bench/common.py
+    CpuMeter,
+    Processes,
+    Servers,
+    consumer,
+    cpu_text,
+    machine,
+    note,
+    scratch_database,
+    servers,
+    summary,
+)
 
 POLICY = "bench"
 AGENT_NAME = "bench.episodes:ThreeTurnAgent"
 TURNS = 3
 MAX_TOKENS = 6
 TARGET_KB = 50.0
-READY_TIMEOUT_S = 60.0
+TARGET_RATIO = 0.6
 SCRIPT = str(Path(__file__).resolve())
 
-Processes = dict[str, int | None]
-"""The processes whose CPU time a measurement reports: name -> pid (None: this process)."""
 console = Console(width=None if sys.stdout.isatty() else 132)
-
-
-def note(message: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +99,6 @@ class Throughput:
     @property
     def turn_rate(self) -> float:
         return self.turns / self.seconds
-
-    def cpu_text(self) -> str:
-        return "  ".join(f"{name} {value:,.0f}" for name, value in self.cpu_us.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,15 +215,16 @@ async def run_recorded(
 
 
 async def timed(path: str, run: Callable[[], Awaitable[tuple[int, int]]], processes: Processes) -> Throughput:
-    before = cpu_snapshot(processes)
+    meter = CpuMeter(processes)
+    meter.start()
     started = time.perf_counter()
     episodes, turns = await run()
     seconds = time.perf_counter() - started
-    result = Throughput(path, episodes, turns, seconds, cpu_per_turn(before, cpu_snapshot(processes), turns))
+    result = Throughput(path, episodes, turns, seconds, meter.per(turns))
     note(
         f"{path}: {episodes:,} episodes, {turns:,} turns in {seconds:.2f} s: "
         f"{result.episode_rate:,.0f} episodes/s, {result.turn_rate:,.0f} turns/s; "
-        f"CPU us/turn: {result.cpu_text()}"
+        f"CPU us/turn: {cpu_text(result.cpu_us)}"
     )
     return result
 
@@ -297,144 +292,6 @@ async def measure_memory(
     return tasks, episodes
 
 
-# --- CPU time ------------------------------------------------------------------------------------
-
-
-def proc_stat(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def cpu_seconds(pid: int | None, children: bool = False) -> float | None:
-    """User + system CPU time of a process (Linux /proc), or of this one; None if unreadable. With
-    ``children``, that of its live children and of those it has reaped too (PostgreSQL's backends)."""
-    if pid is None:
-        return time.process_time()
-    fields = proc_stat(pid)
-    if fields is None:
-        return None
-    ticks = int(fields[11]) + int(fields[12])
-    if children:
-        ticks += int(fields[13]) + int(fields[14])
-        for child_pid in child_pids(pid):
-            child = proc_stat(child_pid)
-            if child is not None:
-                ticks += int(child[11]) + int(child[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def child_pids(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        with contextlib.suppress(OSError):
-            found += [int(part) for part in task.read_text().split()]
-    return found
-
-
-def cpu_snapshot(processes: Processes) -> dict[str, float | None]:
-    return {name: cpu_seconds(pid, children=name == "postgres") for name, pid in processes.items()}
-
-
-def cpu_per_turn(
-    before: dict[str, float | None], after: dict[str, float | None], turns: int
-) -> dict[str, float]:
-    spent = {name: (after[name] or 0.0) - start for name, start in before.items() if start is not None}
-    return {name: seconds / turns * 1e6 for name, seconds in spent.items() if after[name] is not None}
-
-
-# --- servers and the consumer process ------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Servers:
-    database_url: str
-    nats_url: str
-    pids: Processes
-    """The embedded servers' pids, by name, for CPU accounting."""
-
-
-@contextlib.contextmanager
-def servers(tmp_dir: Path | None) -> Iterator[Servers]:
-    """TURNSTILE_DATABASE_URL and TURNSTILE_NATS_URL, or embedded servers for what is not set."""
-    database_url = os.environ.get("TURNSTILE_DATABASE_URL")
-    nats_url = os.environ.get("TURNSTILE_NATS_URL")
-    if database_url and nats_url:
-        note("servers from TURNSTILE_DATABASE_URL and TURNSTILE_NATS_URL (their CPU time is not reported)")
-        yield Servers(database_url, nats_url, {})
-        return
-    with (
-        scratch_dir("turnstile-bench-", tmp_dir) as data_dir,
-        EmbeddedServers(Path(data_dir)) as embedded,
-    ):
-        pids: Processes = {}
-        if not database_url and embedded.postgres.process is not None:
-            pids["postgres"] = embedded.postgres.process.pid
-        if not nats_url and embedded.nats.process is not None:
-            pids["nats"] = embedded.nats.process.pid
-        note(f"embedded servers: {', '.join(pids)}")
-        yield Servers(database_url or embedded.postgres.url, nats_url or embedded.nats.url, pids)
-
-
-@contextlib.contextmanager
-def scratch_database(server_url: str) -> Iterator[str]:
-    """A migrated database of this run's own on the server; dropped at the end."""
-    name = f"bench_{uuid.uuid4().hex[:12]}"
-    admin_url = libpq_url(server_url)
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        url = libpq_url(make_url(admin_url).set(database=name).render_as_string(hide_password=False))
-        migrate(url)
-        yield url
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@contextlib.asynccontextmanager
-async def consumer_process(nats_url: str) -> AsyncIterator[int]:
-    """This script as an inference consumer in a process of its own; yields its pid.
-
-    It stops when its stdin closes, so it also goes away if this process dies.
-    """
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, SCRIPT, "--serve", nats_url, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
-    assert process.stdout is not None
-    try:
-        line = await asyncio.wait_for(process.stdout.readline(), READY_TIMEOUT_S)
-        if not line.startswith(b"ready"):
-            raise RuntimeError(f"the consumer process did not start (exit status {await process.wait()})")
-        yield process.pid
-    finally:
-        await stop_child(process)
-
-
-async def stop_child(process: asyncio.subprocess.Process) -> None:
-    if process.stdin is not None:
-        process.stdin.close()
-    try:
-        await asyncio.wait_for(process.wait(), 30)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-    if process.returncode not in (0, -signal.SIGKILL):
-        note(f"the consumer process exited with status {process.returncode}")
-
-
-async def serve_consumer(nats_url: str) -> None:
-    from consumers.inference import InferenceConfig, create_app
-
-    config = InferenceConfig(nats_url, POLICY, backend="scripted", consumer_id="bench-consumer")
-    app, _ = create_app(config, ScriptedBackend())
-    await app.start()
-    print("ready", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.buffer.read)
-    await app.stop()
-
-
 # --- the run -------------------------------------------------------------------------------------
 
 
@@ -448,7 +305,7 @@ class Report:
 
 
 async def measure(args: argparse.Namespace, found: Servers, database_url: str) -> Report:
-    async with consumer_process(found.nats_url) as consumer_pid:
+    async with consumer(found.nats_url, POLICY) as (consumer_pid, _):
         processes: Processes = {"bench": None, "consumer": consumer_pid, **found.pids}
         store = await EventStore.connect(database_url)
         llm = await NatsLLMClient.connect(found.nats_url)
@@ -493,7 +350,7 @@ def print_report(report: Report, args: argparse.Namespace) -> None:
             f"{result.episode_rate:,.0f}",
             f"{result.turn_rate:,.0f}",
             f"{result.turn_rate / bare.turn_rate:.2f}",
-            result.cpu_text(),
+            cpu_text(result.cpu_us),
         )
     console.print(table)
     stats = report.store
@@ -526,6 +383,16 @@ def print_report(report: Report, args: argparse.Namespace) -> None:
         print("largest holders per open episode (tracemalloc, by line):")
         for line in episodes.top:
             print(f"  {line}")
+    ratio = recorded.turn_rate / bare.turn_rate
+    summary(
+        "episodes",
+        f"recorded turns/s at {args.concurrency:,}",
+        f"{recorded.turn_rate:,.0f} turns/s, bench CPU {recorded.cpu_us.get('bench', 0):,.0f} us/turn",
+        f"bare NATS {bare.turn_rate:,.0f} turns/s, {bare.cpu_us.get('bench', 0):,.0f} us/turn",
+        ratio,
+        f">= {TARGET_RATIO:g}x bare",
+        ratio >= TARGET_RATIO,
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -538,7 +405,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--top", type=int, default=8, help="source lines to list that hold open episodes' memory (default 8)")
     add("--quick", action="store_true", help="a smoke run: 200 episodes, concurrency 100, 100 open")
     add("--tmp-dir", type=Path, default=None, help="parent of the embedded servers' temporary directory")
-    add("--serve", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.concurrency, args.warmup, args.open = 200, 100, 100, 100
@@ -549,13 +415,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.serve:
-        asyncio.run(serve_consumer(args.serve))
-        return 0
     note(
-        f"Python {platform.python_version()}, {os.cpu_count()} CPUs; {args.episodes:,} episodes per path "
-        f"at concurrency {args.concurrency:,} after {args.warmup:,} warm-up; {args.open:,} held open; "
-        f"load average {os.getloadavg()[0]:.2f} (other work on the machine skews every number)"
+        f"{machine()}; {args.episodes:,} episodes per path at concurrency {args.concurrency:,} "
+        f"after {args.warmup:,} warm-up; {args.open:,} held open"
     )
     with servers(args.tmp_dir) as found, scratch_database(found.database_url) as database_url:
         report = asyncio.run(measure(args, found, database_url))

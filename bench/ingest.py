@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import random
 import statistics
 import string
@@ -44,8 +42,7 @@ import sys
 import time
 import uuid
 from array import array
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -53,14 +50,13 @@ from typing import Any
 import psycopg
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy.engine import make_url
 
-from pipeline.dev.embedded import EmbeddedPostgres, scratch_dir
 from pipeline.log import EventStore, encode_event
-from pipeline.log.db import migrate
 from pipeline.log.store import COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
-from pipeline.settings import libpq_url
 from schemas import ChatMessage, FunctionCall, ToolCall, TurnCompleted, TurnReply, TurnRequest
+
+from common import machine, note, postgres_server, scratch_database
+from common import summary as print_summary
 
 VOCAB_SIZE = 151_936
 PROMPT_TOKENS = 1_000
@@ -76,10 +72,6 @@ BARE_COLUMNS = (
 
 # Rich assumes 80 columns when the output is not a terminal; the table with --repeat needs more.
 console = Console(width=None if sys.stdout.isatty() else 132)
-
-
-def note(message: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,38 +141,6 @@ def make_events(count: int, seed: int) -> list[TurnCompleted]:
 
 
 # --- server and scratch database -----------------------------------------------------------------
-
-
-@contextmanager
-def postgres_server(tmp_dir: Path | None) -> Iterator[str]:
-    """The URL of TURNSTILE_DATABASE_URL's server, or of an embedded one that lives for the block."""
-    url = os.environ.get("TURNSTILE_DATABASE_URL")
-    if url:
-        yield url
-        return
-    with scratch_dir("turnstile-bench-", tmp_dir) as data_dir:
-        server = EmbeddedPostgres(Path(data_dir) / "postgres")
-        server.start()
-        try:
-            yield server.url
-        finally:
-            server.stop()
-
-
-@contextmanager
-def scratch_database(server_url: str) -> Iterator[str]:
-    """A migrated database of this run's own on the server; dropped at the end."""
-    name = f"bench_{uuid.uuid4().hex[:12]}"
-    admin_url = libpq_url(server_url)
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        url = libpq_url(make_url(admin_url).set(database=name).render_as_string(hide_password=False))
-        migrate(url)
-        yield url
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def describe_server(url: str) -> str:
@@ -353,10 +313,13 @@ def print_report(results: Sequence[Measurement], args: argparse.Namespace) -> No
         table.add_row(*cells, *([each] if several else []))
     console.print(table)
     print(f"target: >= {TARGET_RATIO:.2f} of COPY at {TARGET_LEVEL}")
-    if str(TARGET_LEVEL) in summary:
-        ratio = summary[str(TARGET_LEVEL)][0].ratio
-        verdict = "met" if ratio >= TARGET_RATIO else "not met"
-        print(f"measured: {ratio:.2f} of COPY at {TARGET_LEVEL} ({verdict})")
+    for label in (str(level) for level in args.levels if level > 1):
+        run = summary[label][0]
+        baseline = run.rate / run.ratio
+        print_summary(
+            "ingest", f"x COPY at {label} appenders", f"{run.rate:,.0f} events/s",
+            f"COPY {baseline:,.0f} rows/s", run.ratio, f">= {TARGET_RATIO:.2f}", run.ratio >= TARGET_RATIO,
+        )  # fmt: skip
     level = str(max(args.levels))
     if f"{level} {UNGUARDED}" in summary:
         guarded, unguarded = summary[level][0].ratio, summary[f"{level} {UNGUARDED}"][0].ratio
@@ -413,8 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     events = make_events(count, args.seed)
     elapsed = time.perf_counter() - started
     note(f"built {count:,} events in {elapsed:.1f} s: {describe_payload(events)}")
-    with postgres_server(args.tmp_dir) as server_url, scratch_database(server_url) as url:
-        note(f"{describe_server(url)}; Python {platform.python_version()}, {os.cpu_count()} CPUs")
+    with postgres_server(args.tmp_dir) as (server_url, _), scratch_database(server_url) as url:
+        note(f"{describe_server(url)}; {machine()}")
         results = asyncio.run(measure(url, args, events))
     print_report(results, args)
     return 0

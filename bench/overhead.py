@@ -46,17 +46,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import cProfile
 import math
 import os
-import platform
-import signal
 import socket
-import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,29 +60,39 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.dev.embedded import EmbeddedNats, scratch_dir
 from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.client import NatsLLMClient
 from pipeline.inference.service import InferenceService
 from schemas import ChatMessage, LLMRequest, LLMResponse, parse_wire
+
+from common import (  # bench/common.py
+    CpuMeter,
+    Processes,
+    child,
+    consumer,
+    cpu_text,
+    machine,
+    nats_server,
+    note,
+    percentile,
+    profiled,
+    summary,
+    wait_for_stdin_eof,
+)
 
 POLICY = "bench"
 PATHS = ("in-process", "nats", "http")
 BASELINE = "in-process"
 TARGET_P50_MS = 1.0
 TARGET_P99_MS = 5.0
-TARGET_RATIO = 0.5
-READY_TIMEOUT_S = 60.0
+TARGET_RATIO = 0.3
+"""NATS overhead over the HTTP proxy's at concurrency 1 (issue 21)."""
+TARGET_THROUGHPUT = 0.8
+"""NATS turns/s over in-process turns/s at the largest level (issue 21)."""
 SCRIPT = str(Path(__file__).resolve())
 
 Call = Callable[[LLMRequest], Awaitable[Any]]
-Processes = dict[str, int | None]
-"""The processes whose CPU time a measurement reports: name -> pid (None: this process)."""
 console = Console(width=None if sys.stdout.isatty() else 150)
-
-
-def note(message: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +108,8 @@ class Result:
     def rate(self) -> float:
         return len(self.latencies_ms) / self.seconds
 
-    def cpu_text(self) -> str:
-        return "  ".join(f"{name} {value:,.0f}" for name, value in self.cpu_us.items())
-
     def percentile(self, q: float) -> float:
-        """Nearest-rank percentile, q in (0, 100]."""
-        ordered = sorted(self.latencies_ms)
-        rank = min(len(ordered), max(1, math.ceil(q / 100 * len(ordered))))
-        return ordered[rank - 1]
+        return percentile(self.latencies_ms, q)
 
 
 # --- the turn ------------------------------------------------------------------------------------
@@ -181,28 +180,6 @@ async def run_turns(
     return latencies, time.perf_counter() - started
 
 
-def cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU time of a process (Linux /proc), or of this one; None if unreadable."""
-    if pid is None:
-        return time.process_time()
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_snapshot(processes: Processes) -> dict[str, float | None]:
-    return {name: cpu_seconds(pid) for name, pid in processes.items()}
-
-
-def cpu_per_turn(
-    before: dict[str, float | None], after: dict[str, float | None], turns: int
-) -> dict[str, float]:
-    spent = {name: (after[name] or 0.0) - start for name, start in before.items() if start is not None}
-    return {name: seconds / turns * 1e6 for name, seconds in spent.items() if after[name] is not None}
-
-
 async def measure_level(
     path: str, call: Call, concurrency: int, args: argparse.Namespace, processes: Processes
 ) -> Result:
@@ -210,30 +187,17 @@ async def measure_level(
     tag = f"{path}-{concurrency}-{os.urandom(4).hex()}"
     await run_turns(call, messages, concurrency, max(args.warmup, concurrency), tag)
     target = args.profile_dir / f"{path}-client-{concurrency}.prof" if args.profile_dir else None
-    before = cpu_snapshot(processes)
+    meter = CpuMeter(processes)
+    meter.start()
     with profiled(target):
         latencies, seconds = await run_turns(call, messages, concurrency, args.turns, tag)
-    cpu = cpu_per_turn(before, cpu_snapshot(processes), len(latencies))
+    cpu = meter.per(len(latencies))
     result = Result(path, concurrency, latencies, seconds, cpu)
     note(
         f"{path} x{concurrency}: p50 {result.percentile(50):.3f} ms, p99 {result.percentile(99):.3f} ms, "
-        f"{result.rate:,.0f} turns/s; CPU us/turn: {result.cpu_text()}"
+        f"{result.rate:,.0f} turns/s; CPU us/turn: {cpu_text(result.cpu_us)}"
     )
     return result
-
-
-@contextlib.contextmanager
-def profiled(target: Path | None) -> Iterator[None]:
-    if target is None:
-        yield
-        return
-    profiler = cProfile.Profile()
-    profiler.enable()
-    try:
-        yield
-    finally:
-        profiler.disable()
-        profiler.dump_stats(target)
 
 
 async def measure_path(path: str, call: Call, args: argparse.Namespace, processes: Processes) -> list[Result]:
@@ -241,59 +205,6 @@ async def measure_path(path: str, call: Call, args: argparse.Namespace, processe
 
 
 # --- child processes -----------------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def child(*role: str) -> AsyncIterator[tuple[int, str]]:
-    """This script in a process of its own in a server role; yields its pid and what it printed after
-    ``ready``.
-
-    It stops when its stdin closes, so it also goes away if this process dies.
-    """
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        SCRIPT,
-        "--serve",
-        *role,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    try:
-        line = await asyncio.wait_for(process.stdout.readline(), READY_TIMEOUT_S)
-        if not line.startswith(b"ready"):
-            raise RuntimeError(f"{role[0]} process did not start (exit status {await process.wait()})")
-        yield process.pid, line.decode().removeprefix("ready").strip()
-    finally:
-        await stop_child(process)
-
-
-async def stop_child(process: asyncio.subprocess.Process) -> None:
-    if process.stdin is not None:
-        process.stdin.close()
-    try:
-        await asyncio.wait_for(process.wait(), 30)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-    if process.returncode not in (0, -signal.SIGKILL):
-        note(f"a server process exited with status {process.returncode}")
-
-
-async def wait_for_stdin_eof() -> None:
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.buffer.read)
-
-
-async def serve_consumer(nats_url: str, profile_dir: Path | None) -> None:
-    from consumers.inference import InferenceConfig, create_app
-
-    config = InferenceConfig(nats_url, POLICY, backend="scripted", consumer_id="bench-consumer")
-    app, _ = create_app(config, ScriptedBackend())
-    await app.start()
-    print("ready", flush=True)
-    with profiled(profile_dir / "nats-consumer.prof" if profile_dir else None):
-        await wait_for_stdin_eof()
-    await app.stop()
 
 
 def openai_reply(reply: LLMResponse, model: str) -> dict[str, Any]:
@@ -386,9 +297,7 @@ def server_stack(config: Any) -> str:
 
 
 def run_server_role(role: Sequence[str], profile_dir: Path | None) -> int:
-    if role[0] == "consumer":
-        asyncio.run(serve_consumer(role[1], profile_dir))
-    elif role[0] == "http":
+    if role[0] == "http":
         asyncio.run(serve_http(profile_dir))
     else:
         raise SystemExit(f"unknown server role {role[0]!r}")
@@ -398,27 +307,12 @@ def run_server_role(role: Sequence[str], profile_dir: Path | None) -> int:
 # --- the paths -----------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def nats_server() -> Iterator[tuple[str, int | None]]:
-    """TURNSTILE_NATS_URL, or an embedded nats-server in a temporary directory for the block: its URL
-    and, if embedded, its pid."""
-    url = os.environ.get("TURNSTILE_NATS_URL")
-    if url:
-        note(f"nats-server at TURNSTILE_NATS_URL {url} (its CPU time is not reported)")
-        yield url, None
-        return
-    with scratch_dir("turnstile-bench-") as data_dir:
-        server = EmbeddedNats(Path(data_dir) / "nats")
-        server.start()
-        note(f"embedded nats-server at {server.url}")
-        try:
-            yield server.url, server.process.pid if server.process else None
-        finally:
-            server.stop()
-
-
 def profile_option(args: argparse.Namespace) -> list[str]:
     return ["--profile-dir", str(args.profile_dir)] if args.profile_dir else []
+
+
+def profile_file(args: argparse.Namespace, name: str) -> Path | None:
+    return args.profile_dir / name if args.profile_dir else None
 
 
 async def bench_in_process(args: argparse.Namespace) -> list[Result]:
@@ -428,7 +322,9 @@ async def bench_in_process(args: argparse.Namespace) -> list[Result]:
 
 async def bench_nats(args: argparse.Namespace) -> list[Result]:
     with nats_server() as (url, server_pid):
-        async with child("consumer", url, *profile_option(args)) as (consumer_pid, _):
+        note(f"nats-server at {url}")
+        profile = profile_file(args, "nats-consumer.prof")
+        async with consumer(url, POLICY, profile) as (consumer_pid, _):
             processes: Processes = {"bench": None, "consumer": consumer_pid}
             if server_pid is not None:
                 processes["nats-server"] = server_pid
@@ -442,7 +338,8 @@ async def bench_nats(args: argparse.Namespace) -> list[Result]:
 async def bench_http(args: argparse.Namespace) -> list[Result]:
     import httpx
 
-    async with child("http", *profile_option(args)) as (proxy_pid, ready):
+    proxy = child(SCRIPT, "--serve", "http", *profile_option(args), name="HTTP proxy")
+    async with proxy as (proxy_pid, ready):
         port, stack = ready.split()
         note(f"HTTP proxy on 127.0.0.1:{port} ({stack}), client httpx {httpx.__version__}")
         limits = httpx.Limits(max_connections=max(args.levels), max_keepalive_connections=max(args.levels))
@@ -492,7 +389,7 @@ def print_table(results: Sequence[Result], baselines: dict[int, Result]) -> None
             fmt(overhead(result, baseline, 50)),
             fmt(overhead(result, baseline, 99)),
             f"{result.rate:,.0f}",
-            result.cpu_text(),
+            cpu_text(result.cpu_us),
         )
     console.print(table)
 
@@ -532,11 +429,34 @@ def ratio_text(label: str, nats: float | None, http: float | None) -> str:
     return f"{label} {ratio:.2f}x ({verdict(ratio <= TARGET_RATIO)})"
 
 
+def print_summaries(results: Sequence[Result], baselines: dict[int, Result]) -> None:
+    """One line per issue-21 target: overhead vs HTTP at the smallest level, throughput at the largest."""
+    by_key = {(result.path, result.concurrency): result for result in results}
+    low, high = min(baselines), max(baselines)
+    nats, http = by_key.get(("nats", low)), by_key.get(("http", low))
+    if nats is not None and http is not None:
+        ours, theirs = overhead(nats, baselines[low], 50) or 0.0, overhead(http, baselines[low], 50) or 0.0
+        ratio = ours / theirs if theirs > 0 else math.inf
+        summary(
+            "overhead", f"NATS/HTTP overhead p50 at {low}", f"NATS {ours:.3f} ms", f"HTTP {theirs:.3f} ms",
+            ratio, f"<= {TARGET_RATIO:g}", ratio <= TARGET_RATIO,
+        )  # fmt: skip
+    nats = by_key.get(("nats", high))
+    if nats is not None:
+        ratio = nats.rate / baselines[high].rate
+        summary(
+            "overhead", f"NATS/in-process turns/s at {high}", f"NATS {nats.rate:,.0f} turns/s",
+            f"in-process {baselines[high].rate:,.0f}", ratio, f">= {TARGET_THROUGHPUT:g}",
+            ratio >= TARGET_THROUGHPUT,
+        )  # fmt: skip
+
+
 def print_report(results: Sequence[Result]) -> None:
     baselines = {result.concurrency: result for result in results if result.path == BASELINE}
     print_table(results, baselines)
     if baselines:
         print_targets(results, baselines)
+        print_summaries(results, baselines)
     else:
         print("no in-process baseline in this run: overheads not computed")
 
@@ -586,9 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.profile_dir:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
     note(
-        f"Python {platform.python_version()}, {os.cpu_count()} CPUs; {args.turns:,} turns per level "
-        f"after {args.warmup:,} warm-up; {args.prompt_chars:,} chars per request; load average "
-        f"{os.getloadavg()[0]:.2f} (other work on the machine skews every number)"
+        f"{machine()}; {args.turns:,} turns per level after {args.warmup:,} warm-up; "
+        f"{args.prompt_chars:,} chars per request"
     )
     results = asyncio.run(measure(args))
     print_report(results)

@@ -33,8 +33,7 @@ from rich.table import Table
 
 from pipeline.dev.embedded import EmbeddedNats, EmbeddedNatsCluster, scratch_dir
 
-sys.path.insert(0, str(Path(__file__).parent))
-from materialize import postgres_server, scratch_database  # a sibling script
+from common import machine, postgres_server, scratch_database, summary
 
 REPO = Path(__file__).resolve().parent.parent
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
@@ -119,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
     console = Console(width=160)
-    console.print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start")
+    console.print(f"{machine()} at the start")
     with (
         postgres_server(None) as (server_url, _),
         scratch_database(server_url) as url,
@@ -148,6 +147,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     for (runners, consumers), rate in results.items():
         table.add_row(str(runners), str(consumers), f"{rate:,.0f}", f"{rate / base:.2f}")
     console.print(table)
+    (runners, consumers), best = max(results.items(), key=lambda item: item[1])
+    summary(
+        "scaleout", f"best: {runners} runners x {consumers} consumers", f"{best:,.0f} turns/s",
+        f"1 x 1 {base:,.0f} turns/s", best / base, None,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -61,8 +61,7 @@ from schemas import (
 )
 from schemas.common import Timings
 
-sys.path.insert(0, str(Path(__file__).parent))
-from materialize import postgres_server, scratch_database  # a sibling script: the same scratch servers
+from common import machine, note, percentile, postgres_server, scratch_database, summary
 
 TARGET_MS = 300.0
 TURNS_PER_EPISODE = 4
@@ -82,10 +81,6 @@ LIST_VIEWS = {
     "render drift, by turns": "render_drift=1&sort=turns",
     "page 40": "page=40",
 }
-
-
-def note(message: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
 # --- the log -------------------------------------------------------------------------------------------
@@ -267,11 +262,6 @@ def write_read_models(url: str, episodes: int, recorded: dict[int, list[TurnComp
 # --- measuring -----------------------------------------------------------------------------------------
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 async def serve(url: str) -> tuple[asyncio.subprocess.Process, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
     env["TURNSTILE_READER_URL"] = url
@@ -369,6 +359,7 @@ def main() -> None:
     episodes = turns // TURNS_PER_EPISODE
     rng = random.Random(args.seed)
     sampled = sorted(rng.sample(range(episodes), min(args.with_events, episodes)))
+    note(machine())
     with postgres_server(args.tmp_dir) as (server, _), scratch_database(server) as url:
         started = time.perf_counter()
         recorded = asyncio.run(record_events(url, sampled))
@@ -395,15 +386,32 @@ def main() -> None:
         f"{'view':32} {'p50 ms':>8} {'p95 ms':>8} {'base p50':>9} {'base p95':>9} {'x baseline':>10}  target"
     )
     for name, pages, queries in results:
-        p50, p95 = statistics.median(pages), percentile(pages, 0.95)
+        p50, p95 = statistics.median(pages), percentile(pages, 95)
         if queries:
-            q50, q95 = statistics.median(queries), percentile(queries, 0.95)
+            q50, q95 = statistics.median(queries), percentile(queries, 95)
             ratio = f"{p95 / q95:10.1f}"
             base = f"{q50:9.1f} {q95:9.1f}"
         else:
             ratio, base = f"{'':10}", f"{'':9} {'':9}"
         verdict = ("met" if p95 < TARGET_MS else "NOT met") if queries else ""
         print(f"{name:32} {p50:8.1f} {p95:8.1f} {base} {ratio}  {verdict}")
+    print_summaries(results)
+
+
+def print_summaries(results: list[tuple[str, list[float], list[float]]]) -> None:
+    """The slowest list view and the episode page: p95 against their own query's p95."""
+    timed = [
+        (name, percentile(pages, 95), percentile(queries, 95)) for name, pages, queries in results if queries
+    ]
+    lists = [row for row in timed if row[0].startswith("list:")]
+    pages = [row for row in timed if not row[0].startswith("list:")]
+    for what, rows in (("slowest list view", lists), ("episode page", pages)):
+        if rows:
+            name, p95, q95 = max(rows, key=lambda row: row[1])
+            summary(
+                "ui", f"{what} p95 ({name})", f"{p95:.1f} ms", f"its query {q95:.1f} ms", p95 / q95,
+                f"p95 < {TARGET_MS:g} ms", p95 < TARGET_MS,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":
