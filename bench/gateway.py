@@ -55,35 +55,43 @@ import contextlib
 import cProfile
 import dataclasses
 import json
-import math
 import os
-import platform
-import signal
 import statistics
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
-import psycopg
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy.engine import make_url
 
-from pipeline.dev.embedded import EmbeddedServers, scratch_dir
 from pipeline.episodes import EpisodeSession
 from pipeline.inference.backends import Generation
 from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
-from pipeline.log.db import migrate
-from pipeline.settings import libpq_url
+
+from common import (
+    READY_TIMEOUT_S,
+    CpuMeter,
+    Processes,
+    Servers,
+    cpu_text,
+    machine,
+    note,
+    percentile,
+    scratch_database,
+    servers,
+    stop_child,
+    summary,
+    wait_for_stdin_eof,
+)
 
 POLICY = "bench"
 LONG_POLICY = "benchlong"
@@ -96,16 +104,9 @@ ADMIN_KEY = "bench-admin-" + uuid.uuid4().hex
 PATHS = ("llm.chat", "llm.openai()", "gateway")
 BASELINE = "llm.chat"
 MAX_TOKENS = 6
-READY_TIMEOUT_S = 60.0
 SCRIPT = str(Path(__file__).resolve())
 
-Processes = dict[str, int | None]
-"""The processes whose CPU time a measurement reports: name -> pid (None: this process)."""
 console = Console(width=None if sys.stdout.isatty() else 150)
-
-
-def note(message: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +122,10 @@ class Result:
         return len(self.latencies_ms) / self.seconds
 
     def percentile(self, q: float) -> float:
-        """Nearest-rank percentile, q in (0, 100]."""
-        ordered = sorted(self.latencies_ms)
-        return ordered[min(len(ordered), max(1, math.ceil(q / 100 * len(ordered)))) - 1]
+        return percentile(self.latencies_ms, q)
 
     def cpu_text(self) -> str:
-        return "  ".join(f"{name} {value:,.0f}" for name, value in self.cpu_us.items())
+        return cpu_text(self.cpu_us)
 
 
 # --- an episode on each path ---------------------------------------------------------------------
@@ -332,11 +331,10 @@ async def measure_path(
     results = []
     for level in args.levels:
         await run_turns(make, level, max(args.warmup, level), args.turns_per_episode)
-        before = cpu_snapshot(processes)
+        meter = CpuMeter(processes)
+        meter.start()
         latencies, seconds = await run_turns(make, level, args.turns, args.turns_per_episode)
-        result = Result(
-            path, level, latencies, seconds, cpu_per_turn(before, cpu_snapshot(processes), len(latencies))
-        )
+        result = Result(path, level, latencies, seconds, meter.per(len(latencies)))
         note(
             f"{path} x{level}: p50 {result.percentile(50):.2f} ms, p99 {result.percentile(99):.2f} ms, "
             f"{result.rate:,.0f} turns/s; CPU us/turn: {result.cpu_text()}"
@@ -535,95 +533,11 @@ async def serve_in_process(turns: str, tokens: str, episodes: str) -> None:
 # --- CPU time ------------------------------------------------------------------------------------
 
 
-def proc_stat(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def cpu_seconds(pid: int | None, children: bool = False) -> float | None:
-    """User + system CPU of a process (or this one); with ``children``, of its children too (PostgreSQL's
-    backends)."""
-    if pid is None:
-        return time.process_time()
-    fields = proc_stat(pid)
-    if fields is None:
-        return None
-    ticks = int(fields[11]) + int(fields[12])
-    if children:
-        ticks += int(fields[13]) + int(fields[14])
-        for task in Path(f"/proc/{pid}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                for child_pid in task.read_text().split():
-                    child = proc_stat(int(child_pid))
-                    if child is not None:
-                        ticks += int(child[11]) + int(child[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_snapshot(processes: Processes) -> dict[str, float | None]:
-    return {name: cpu_seconds(pid, children=name == "postgres") for name, pid in processes.items()}
-
-
-def cpu_per_turn(
-    before: dict[str, float | None], after: dict[str, float | None], turns: int
-) -> dict[str, float]:
-    spent = {name: (after[name] or 0.0) - start for name, start in before.items() if start is not None}
-    return {name: seconds / turns * 1e6 for name, seconds in spent.items() if after[name] is not None}
-
-
-# --- servers and child processes -----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Servers:
-    database_url: str
-    nats_url: str
-    pids: Processes
-
-
-@contextlib.contextmanager
-def servers() -> Iterator[Servers]:
-    """TURNSTILE_DATABASE_URL and TURNSTILE_NATS_URL, or embedded servers for the block."""
-    database_url = os.environ.get("TURNSTILE_DATABASE_URL")
-    nats_url = os.environ.get("TURNSTILE_NATS_URL")
-    if database_url and nats_url:
-        note("servers from TURNSTILE_DATABASE_URL and TURNSTILE_NATS_URL (their CPU time is not reported)")
-        yield Servers(database_url, nats_url, {})
-        return
-    with (
-        scratch_dir("turnstile-bench-") as data_dir,
-        EmbeddedServers(Path(data_dir)) as embedded,
-    ):
-        pids: Processes = {}
-        if embedded.postgres.process is not None:
-            pids["postgres"] = embedded.postgres.process.pid
-        if embedded.nats.process is not None:
-            pids["nats"] = embedded.nats.process.pid
-        yield Servers(embedded.postgres.url, embedded.nats.url, pids)
-
-
-@contextlib.contextmanager
-def scratch_database(server_url: str) -> Iterator[str]:
-    name = f"bench_{uuid.uuid4().hex[:12]}"
-    admin_url = libpq_url(server_url)
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        url = libpq_url(make_url(admin_url).set(database=name).render_as_string(hide_password=False))
-        migrate(url)
-        yield url
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 @contextlib.asynccontextmanager
 async def child(*role: str, tree: str | None = None) -> AsyncIterator[tuple[int, str]]:
-    """This script in a server role in a process of its own; its pid and what it printed after ``ready``.
-    It stops when its stdin closes, so it also goes away if this process dies. ``tree``: another checkout
-    whose ``pipeline`` it imports (first on ``PYTHONPATH``), for before/after runs."""
+    """This script in a server role in a process of its own (``common.child``, with an environment):
+    ``tree`` is another checkout whose ``pipeline`` it imports (first on ``PYTHONPATH``), for before/after
+    runs."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
     process = await asyncio.create_subprocess_exec(
         sys.executable, SCRIPT, "--serve", *role, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
@@ -635,19 +549,7 @@ async def child(*role: str, tree: str | None = None) -> AsyncIterator[tuple[int,
             raise RuntimeError(f"the {role[0]} process did not start (exit status {await process.wait()})")
         yield process.pid, line.decode().removeprefix("ready").strip()
     finally:
-        if process.stdin is not None:
-            process.stdin.close()
-        try:
-            await asyncio.wait_for(process.wait(), 30)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-        if process.returncode not in (0, -signal.SIGKILL):
-            note(f"the {role[0]} process exited with status {process.returncode}")
-
-
-async def wait_for_stdin_eof() -> None:
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.buffer.read)
+        await stop_child(process, role[0])
 
 
 async def serve_consumer(nats_url: str, policy: str = POLICY) -> None:
@@ -859,6 +761,37 @@ def print_long_report(results: Sequence[LongResult], args: argparse.Namespace) -
             )
 
 
+def print_summary(results: Sequence[Result], long_results: Sequence[LongResult]) -> None:
+    """The ``SUMMARY`` lines (``common.summary``): issue 21's gateway row and issue 16's part 7."""
+    by_key = {(r.path, r.concurrency): r for r in results}
+    for level in (1, 16):
+        gateway, chat = by_key.get(("gateway", level)), by_key.get(("llm.chat", level))
+        if gateway is None or chat is None:
+            continue
+        ratio = gateway.rate / chat.rate
+        figure, baseline = f"{gateway.rate:,.0f} turns/s", f"llm.chat {chat.rate:,.0f}"
+        target = ">= 0.6x" if level == 16 else None
+        summary("gateway", f"turns/s x{level} / llm.chat", figure, baseline, ratio, target, ratio >= 0.6)
+        if "gateway" in gateway.cpu_us and "bench" in chat.cpu_us:
+            cpu, base = gateway.cpu_us["gateway"], chat.cpu_us["bench"]
+            figure, baseline = f"gateway {cpu:,.0f}", f"llm.chat {base:,.0f}"
+            target = "<= 500 us" if level == 1 else None
+            summary(
+                "gateway",
+                f"CPU us/turn x{level} / llm.chat's",
+                figure,
+                baseline,
+                cpu / base,
+                target,
+                cpu <= 500,
+            )
+    for result in long_results:
+        if result.label == "gateway":
+            figure = f"turn {len(result.cpu_ms)} {result.cpu_ms[-1]:.2f} ms"
+            summary("gateway", f"{result.dialect} CPU growth", figure, f"turn 1 {result.cpu_ms[0]:.2f} ms",
+                    result.ratio, "<= 1.5x", result.ratio <= 1.5)  # fmt: skip
+
+
 def versus(result: Result, other: Result) -> str:
     p50, other_p50 = result.percentile(50), other.percentile(50)
     return f"p50 {p50 - other_p50:+.2f} ms ({p50 / other_p50:.2f}x), turns/s {result.rate / other.rate:.2f}x"
@@ -927,17 +860,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.profile:
         os.environ[PROFILE_ENV] = str(Path(args.profile).resolve())
     if args.in_process:
-        note(f"in process; load average {os.getloadavg()[0]:.2f}")
+        note(f"{machine()}; in process")
         asyncio.run(in_process_report(args))
         return 0
-    note(
-        f"Python {platform.python_version()}, {os.cpu_count()} CPUs; {args.turns:,} turns per path and level "
-        f"after {args.warmup:,} warm-up; load average {os.getloadavg()[0]:.2f} (other work skews the numbers)"
-    )
+    note(f"{machine()}; {args.turns:,} turns per path and level after {args.warmup:,} warm-up")
     with servers() as found, scratch_database(found.database_url) as database_url:
         results, long_results = asyncio.run(measure(args, found, database_url))
     print_report(results, args)
     print_long_report(long_results, args)
+    print_summary(results, long_results)
     return 0
 
 
