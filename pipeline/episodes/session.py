@@ -325,12 +325,12 @@ class EpisodeSession:
             await asyncio.gather(*self._appends, return_exceptions=True)
         if self.finished:
             return
-        # From what the session holds, not a fold of its events (that would rebuild every turn's prompt).
+        episode = self.episode()
         summary = {
-            "turns": float(len(self.turns)),
-            "prompt_tokens": float(sum(turn.prompt_token_count for turn in self.turns)),
-            "completion_tokens": float(sum(len(turn.completion_token_ids) for turn in self.turns)),
-            "reward": sum(event.value for event in self.events if isinstance(event, RewardAssigned)),
+            "turns": float(len(episode.turns)),
+            "prompt_tokens": float(sum(len(t.prompt_token_ids) for t in episode.turns)),
+            "completion_tokens": float(sum(len(t.completion_token_ids) for t in episode.turns)),
+            "reward": episode.total_reward,
             "duration_s": round(time.monotonic() - self._started_at, 6),
             "llm_s": round(self.llm_seconds, 6),
         }
