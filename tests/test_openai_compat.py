@@ -597,6 +597,10 @@ def test_a_parse_memo_parses_only_what_a_call_adds_and_hands_back_the_same_objec
     with pytest.raises(OpenAIRequestError) as refused:  # a bad new message is refused, named by its index
         parse_chat_request({"messages": [*grown, {"role": "bot", "content": "x"}]}, memo=memo)
     assert refused.value.param == "messages[3].role"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with_tools = parse_chat_request({"messages": [user], "tools": [tool]}, memo=memo)
+    again_tools = parse_chat_request({"messages": [user], "tools": [copy.deepcopy(tool)]}, memo=memo)
+    assert again_tools.tools[0] is with_tools.tools[0]  # tools too: their schemas are checked once
 
 
 def test_a_parse_memo_keeps_anthropic_system_messages_and_tool_results_as_without_one() -> None:

@@ -122,8 +122,9 @@ def parse_messages_request(
     if not isinstance(stream, bool):
         raise _invalid("stream", "must be true or false", stream)
     _refuse_unserved(given)
-    tools = _parse_tools(given.get("tools", []))
-    system, conversation = _parse_messages(given.get("messages"), known_arguments, memo)
+    tools = _parse_tools(given.get("tools", []), memo.part("tools") if memo is not None else None)
+    messages_memo = memo.part("messages") if memo is not None else None
+    system, conversation = _parse_messages(given.get("messages"), known_arguments, messages_memo)
     system_texts = ([_text_of(given["system"], "system")] if "system" in given else []) + system
     messages = [ChatMessage(role="system", content="\n".join(system_texts))] if system_texts else []
     messages += conversation
@@ -347,28 +348,34 @@ def _arguments_text(call_id: str, arguments: dict[str, Any], known: Mapping[str,
     return json.dumps(arguments, ensure_ascii=False)
 
 
-def _parse_tools(raw: object) -> list[ToolSpec]:
+def _parse_tools(raw: object, memo: ParseMemo | None = None) -> list[ToolSpec]:
     if not isinstance(raw, list):
         raise _invalid("tools", "must be a list of tools", raw)
-    tools = []
-    for index, tool in enumerate(raw):
-        path = f"tools[{index}]"
-        if not isinstance(tool, dict):
-            raise _invalid(path, "must be a tool object", tool)
-        if tool.get("type") not in (None, "custom"):
-            if not isinstance(tool.get("type"), str):
-                raise _invalid(f"{path}.type", "must be a string", tool.get("type"))
-            continue  # a server tool (web_search_..., bash_..., ...): accepted, not offered to the policy
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
-            raise _invalid(f"{path}.input_schema", "is required: a JSON Schema object", schema)
-        function = {
-            "name": tool.get("name"),
-            "description": tool.get("description") or "",
-            "parameters": schema,
-        }
-        tools.append(_validated(ToolSpec, {"type": "function", "function": function}, path))
-    return tools
+    if memo is not None:  # agents send the same tools on every call: the same objects come back
+        parsed = memo.parse(raw, _parse_tool)
+    else:
+        parsed = [_parse_tool(index, tool) for index, tool in enumerate(raw)]
+    return [tool for tool in parsed if tool is not None]
+
+
+def _parse_tool(index: int, tool: object) -> ToolSpec | None:
+    """A tool offered to the policy; None for a server tool (accepted, not offered)."""
+    path = f"tools[{index}]"
+    if not isinstance(tool, dict):
+        raise _invalid(path, "must be a tool object", tool)
+    if tool.get("type") not in (None, "custom"):
+        if not isinstance(tool.get("type"), str):
+            raise _invalid(f"{path}.type", "must be a string", tool.get("type"))
+        return None  # a server tool (web_search_..., bash_..., ...): accepted, not offered to the policy
+    schema = tool.get("input_schema")
+    if not isinstance(schema, dict):
+        raise _invalid(f"{path}.input_schema", "is required: a JSON Schema object", schema)
+    function = {
+        "name": tool.get("name"),
+        "description": tool.get("description") or "",
+        "parameters": schema,
+    }
+    return _validated(ToolSpec, {"type": "function", "function": function}, path)
 
 
 def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> ToolChoice | None:

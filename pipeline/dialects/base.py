@@ -120,6 +120,11 @@ class ParseMemo:
 
     def __init__(self) -> None:
         self._histories: list[tuple[list[object], list[Any]]] = []
+        self._parts: dict[str, ParseMemo] = {}
+
+    def part(self, name: str) -> ParseMemo:
+        """The memo of one list of the request (``messages``, ``tools``): each is compared with its own."""
+        return self._parts.setdefault(name, ParseMemo())
 
     def parse(self, raw: list[object], parse_item: Callable[[int, object], _Parsed]) -> list[_Parsed]:
         best, reused = -1, 0

@@ -113,9 +113,9 @@ def parse_chat_request(
     options = _validated(_CallOptions, given, "")
     if options.top_logprobs and not options.logprobs:
         raise _invalid("top_logprobs", "needs logprobs set to true", options.top_logprobs)
-    tools = _parse_tools(given.get("tools", []))
+    tools = _parse_tools(given.get("tools", []), memo.part("tools") if memo is not None else None)
     return ChatCall(
-        messages=_parse_messages(given.get("messages"), memo),
+        messages=_parse_messages(given.get("messages"), memo.part("messages") if memo is not None else None),
         tools=tools,
         sampling=_parse_sampling(given, defaults or SamplingParams()),
         n=options.n,
@@ -181,10 +181,16 @@ def _content_text(content: object, path: str) -> str | None:
     return "\n".join(texts)
 
 
-def _parse_tools(raw: object) -> list[ToolSpec]:
+def _parse_tools(raw: object, memo: ParseMemo | None = None) -> list[ToolSpec]:
     if not isinstance(raw, list):
         raise _invalid("tools", "must be a list of function tools", raw)
-    return [_validated(ToolSpec, tool, f"tools[{index}]") for index, tool in enumerate(raw)]
+
+    def parse_tool(index: int, tool: object) -> ToolSpec:
+        return _validated(ToolSpec, tool, f"tools[{index}]")
+
+    if memo is not None:  # agents send the same tools on every call: the same objects come back
+        return memo.parse(raw, parse_tool)
+    return [parse_tool(index, tool) for index, tool in enumerate(raw)]
 
 
 def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> ToolChoice | None:

@@ -14,6 +14,7 @@ import itertools
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -489,13 +490,30 @@ def check_tool_schemas(tools: Sequence[ToolSpec]) -> None:
     """``InvalidLLMCall`` naming the tool whose ``parameters`` is not a valid JSON Schema (Draft 2020-12,
     what OpenAI and Anthropic take): it would be recorded, rendered into the prompt and trained on."""
     for index, tool in enumerate(tools):
-        problem = _schema_problem(json.dumps(tool.function.parameters, sort_keys=True))
+        problem = _tool_problem(tool)
         if problem is not None:
             raise InvalidLLMCall(
                 f"llm.chat: tools[{index}].function.parameters ({tool.function.name!r}) is not a valid JSON "
                 f"Schema: {problem}",
                 field=f"tools[{index}].function.parameters",
             )
+
+
+_CHECKED: OrderedDict[int, tuple[ToolSpec, str | None]] = OrderedDict()
+"""Tools checked lately, by identity: the gateway hands back the same objects for the tools a session
+sends again (``ParseMemo``), so a call with ~20 large tools costs lookups, not a JSON dump of each schema."""
+CHECKED_KEPT: Final = 4096
+
+
+def _tool_problem(tool: ToolSpec) -> str | None:
+    known = _CHECKED.get(id(tool))
+    if known is not None and known[0] is tool:  # the tool is held here, so its id is not reused
+        return known[1]
+    problem = _schema_problem(json.dumps(tool.function.parameters, sort_keys=True))
+    _CHECKED[id(tool)] = (tool, problem)
+    if len(_CHECKED) > CHECKED_KEPT:
+        _CHECKED.popitem(last=False)
+    return problem
 
 
 @functools.lru_cache(maxsize=4096)
