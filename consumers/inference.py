@@ -47,6 +47,9 @@ class InferenceConfig:
     heartbeat_interval: float = 5.0
     held_tokens: int = DEFAULT_BUDGET_TOKENS
     metrics_port: int | None = None  # /metrics and /health over HTTP (0: a free port)
+    script: Path | None = (
+        None  # torch backend: answer with this script's replies (pipeline/inference/script.py)
+    )
 
 
 def default_consumer_id() -> str:
@@ -54,6 +57,10 @@ def default_consumer_id() -> str:
 
 
 def create_backend(config: InferenceConfig) -> Backend:
+    if config.script is not None and config.backend != "torch":
+        raise ConfigError(
+            f"--script needs the torch backend (it scores the scripted replies), not {config.backend}"
+        )
     if config.backend == "scripted":
         from pipeline.inference.backends.scripted import ScriptedBackend
 
@@ -67,8 +74,10 @@ def create_backend(config: InferenceConfig) -> Backend:
 
         return VllmBackend(config.model)
     from pipeline.inference.backends.torch_backend import TorchBackend
+    from pipeline.inference.script import Script
 
-    return TorchBackend(config.model, max_batch=config.max_batch)
+    script = Script.load(config.script) if config.script is not None else None
+    return TorchBackend(config.model, max_batch=config.max_batch, script=script)
 
 
 class RequestSubscriptions:

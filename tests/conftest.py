@@ -149,3 +149,17 @@ def tiny_model_dir() -> Iterator[Path]:
         yield build_tiny_model(directory / "tiny")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def long_model_dir() -> Iterator[Path]:
+    """The tiny model for agent prompts (``turnstile model init-long``: 131,072-token context, sliding-window
+    attention on every layer), built once per session like ``tiny_model_dir``."""
+    from pipeline.inference.tinymodel import build_long_model
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    directory = Path(tempfile.mkdtemp(prefix="turnstile-test-long-model-"))
+    try:
+        yield build_long_model(directory / "long")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

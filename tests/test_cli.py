@@ -168,6 +168,45 @@ def test_model_init_tiny_and_serve_inference_answer_over_nats(tmp_path: Path, se
         assert consumer.wait(60) == 0, consumer.stderr.read() if consumer.stderr else ""
 
 
+def test_model_init_long_and_serve_inference_with_a_script_answer_the_scripted_reply(
+    tmp_path: Path, servers: Servers, long_model_dir: Path
+) -> None:
+    model_dir = tmp_path / "long"
+    built = subprocess.run([*TURNSTILE, "model", "init-long", str(model_dir)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    assert json.loads((model_dir / "config.json").read_text())["max_position_embeddings"] == 131072
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        # offline and deterministic: byte-identical to the fixture's build
+        assert (model_dir / name).read_bytes() == (long_model_dir / name).read_bytes(), name
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"rules": [{"when": {"tools": False}, "reply": {"content": "Scripted."}}]}))
+    policy = "cli-script-test"
+    consumer = subprocess.Popen(
+        [
+            *TURNSTILE,
+            "serve",
+            "inference",
+            "--policy",
+            policy,
+            "--model",
+            str(model_dir),
+            "--script",
+            str(script),
+        ],
+        env=clean_env(TURNSTILE_NATS_URL=servers.nats_url, HF_HUB_OFFLINE="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        response = asyncio.run(ask_when_ready(servers.nats_url, policy))
+        assert (response.text, response.finish_reason) == ("Scripted.", "stop")
+        assert len(response.completion_token_ids) == len(response.completion_logprobs) > 1
+    finally:
+        consumer.send_signal(signal.SIGTERM)
+        assert consumer.wait(60) == 0, consumer.stderr.read() if consumer.stderr else ""
+
+
 async def ask_when_ready(nats_url: str, policy: str) -> LLMResponse:
     client = await NatsLLMClient.connect(nats_url, wait_for_consumer=120)
     try:

@@ -25,6 +25,7 @@ from consumers.gateway import GatewayConfig, serve_gateway
 from consumers.inference import InferenceConfig
 from pipeline.dialects import ChoiceData
 from pipeline.dialects.anthropic import AnthropicRequestError, parse_messages_request, stop_reason
+from pipeline.dialects.base import restore_arguments
 from pipeline.episodes import EpisodeSession
 from pipeline.episodes.fold import whole_events
 from pipeline.examples import ARITHMETIC_TASKS
@@ -36,6 +37,7 @@ from pipeline.runners import load_agent
 from pipeline.runners.proxy import ProxyAgentAdapter
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec
 from schemas import (
+    ChatMessage,
     EpisodeFinished,
     EpisodeStarted,
     Event,
@@ -341,6 +343,59 @@ async def test_anthropic_tool_arguments_round_trip_exactly_when_json_would_diffe
     assert second.request.messages[-2].tool_calls is not None
     assert second.request.messages[-2].tool_calls[0].function.arguments == '{"expression":"1+1"}'
     assert_token_exact_child(first, second)
+
+
+@pytest.mark.parametrize("route", ["chat", "responses"])
+async def test_openai_tool_arguments_sent_back_re_serialized_still_continue_the_turn(
+    gateway: Gateway, store: EventStore, route: str
+) -> None:
+    """opencode (the Vercel AI SDK) sends a tool call's arguments back through ``JSON.stringify``, without
+    the model's spaces: the gateway restores the recorded text, so the next call continues the turn."""
+    session = await gateway.session()
+    headers = {"Authorization": f"Bearer {session['api_key']}"}
+    question = {"role": "user", "content": "What is 2 + 3?"}
+    tools = [CALCULATOR_TOOL]
+    async with httpx.AsyncClient(base_url=gateway.url, headers=headers) as http:
+        if route == "chat":
+            first = await http.post("/v1/chat/completions", json={"messages": [question], "tools": tools})
+            call = first.json()["choices"][0]["message"]["tool_calls"][0]
+            compact = json.dumps(json.loads(call["function"]["arguments"]), separators=(",", ":"))
+            assert compact != call["function"]["arguments"]
+            call["function"]["arguments"] = compact
+            sent = [question, {"role": "assistant", "content": "", "tool_calls": [call]}]
+            sent.append({"role": "tool", "tool_call_id": call["id"], "content": "5"})
+            second = await http.post("/v1/chat/completions", json={"messages": sent, "tools": tools})
+        else:
+            tool = {"type": "function", **CALCULATOR_TOOL["function"]}
+            first = await http.post("/v1/responses", json={"input": [question], "tools": [tool]})
+            item = next(i for i in first.json()["output"] if i["type"] == "function_call")
+            item["arguments"] = json.dumps(json.loads(item["arguments"]), separators=(",", ":"))
+            output = {"type": "function_call_output", "call_id": item["call_id"], "output": "5"}
+            sent = [question, item, output]
+            second = await http.post("/v1/responses", json={"input": sent, "tools": [tool]})
+        assert second.status_code == 200, second.text
+    first_turn, second_turn = await turns_of(store, session["session_id"])
+    assert_token_exact_child(first_turn, second_turn)
+    recorded = second_turn.request.messages[-2].tool_calls
+    assert recorded is not None
+    assert recorded[0].function.arguments == first_turn.reply.tool_calls[0].function.arguments
+
+
+def test_re_serialized_arguments_are_restored_only_when_they_hold_the_same_json() -> None:
+    known = {"a": '{"x": 1, "y": [true, "z"]}'}
+
+    def sent_back(arguments: str, call_id: str = "a") -> str:
+        call = ToolCall(id=call_id, function=FunctionCall(name="f", arguments=arguments))
+        message = ChatMessage(role="assistant", content="", tool_calls=[call])
+        restored = restore_arguments([message], known)[0].tool_calls
+        assert restored is not None
+        return restored[0].function.arguments
+
+    assert sent_back('{"y":[true,"z"],"x":1.0}') == known["a"]  # order, spacing, 1 and 1.0: one JSON value
+    assert sent_back('{"x":1,"y":[1,"z"]}') == '{"x":1,"y":[1,"z"]}'  # true is not 1
+    assert sent_back('{"x":2,"y":[true,"z"]}') == '{"x":2,"y":[true,"z"]}'  # another value
+    assert sent_back("not json") == "not json"
+    assert sent_back('{"x":1,"y":[true,"z"]}', call_id="b") == '{"x":1,"y":[true,"z"]}'  # not recorded here
 
 
 def test_anthropic_translation_keeps_block_order_and_reads_stop_reasons() -> None:

@@ -1,7 +1,8 @@
 """The ``turnstile`` command: the composition root, one module per command group.
 
-``servers`` (up, migrate, export-schemas, model init-tiny), ``runs`` (run, submit, demo), ``serve`` (the
-services), ``data`` (rematerialize, sql, replay, episodes, plot, ui); shared option types are in ``common``.
+``servers`` (up, migrate, export-schemas, model init-tiny / init-long), ``runs`` (run, submit, demo),
+``serve`` (the services), ``data`` (rematerialize, sql, replay, episodes, plot, ui); shared option types are
+in ``common``.
 A command imports the services and library pieces it runs when it runs: importing all of them takes seconds,
 which ``turnstile --help`` and every quick command would otherwise pay.
 """
@@ -43,6 +44,7 @@ serve_app.command("gateway")(serve.gateway)
 
 app.add_typer(model_app, name="model")
 model_app.command("init-tiny")(servers.init_tiny_model)
+model_app.command("init-long")(servers.init_long_model)
 
 
 def main() -> None:

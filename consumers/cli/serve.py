@@ -57,6 +57,11 @@ def inference(
         help="token ids of recent turns kept (with their messages), so a request continuing one need not "
         "send them again; least recently used first",
     ),
+    script: Path = typer.Option(
+        None,
+        help="torch backend: answer with the replies of this script (JSON rules matched on the request; "
+        "see pipeline/inference/script.py), scored by the model: engine token ids and logprobs",
+    ),
     metrics_port: MetricsPort = None,
 ) -> None:
     """Answer LLM requests for POLICY over NATS (queue group `inference`), reloading published versions."""
@@ -75,6 +80,7 @@ def inference(
         max_batch=max_batch,
         held_tokens=held_tokens,
         metrics_port=metrics_port,
+        script=script,
     )
     application, service = create_app(config)
     console.print(

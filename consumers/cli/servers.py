@@ -90,3 +90,15 @@ def init_tiny_model(directory: Path = typer.Argument(..., help="where to write t
 
     build_tiny_model(directory)
     console.print(f"tiny model written to {directory}")
+
+
+def init_long_model(
+    directory: Path = typer.Argument(..., help="where to write the model"),
+    window: int = typer.Option(256, min=2, help="the sliding attention window of every layer, in tokens"),
+) -> None:
+    """Build the tiny model for agent prompts: 131,072-token context, sliding-window attention, so a turn
+    costs the same at 60k prompt tokens as at 1k (offline, byte-identical)."""
+    from pipeline.inference.tinymodel import build_long_model
+
+    build_long_model(directory, window=window)
+    console.print(f"long-context tiny model written to {directory}")

@@ -9,6 +9,7 @@ API's servers do. It does no I/O and knows nothing of sessions: the gateway and 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -225,3 +226,54 @@ def validated(
 def invalid(param: str, problem: str, got: object, *, error: type[RequestError]) -> RequestError:
     """``error`` saying ``invalid <param>: <problem>, got <what was sent>``."""
     return error(f"invalid {param}: {problem}, got {shown(got)}", param=param)
+
+
+# ---- tool-call arguments sent back re-serialized ------------------------------------------------------
+
+
+def restore_arguments(messages: list[ChatMessage], known: Mapping[str, str]) -> list[ChatMessage]:
+    """``messages`` with each assistant tool call's arguments put back to the text the model wrote, where a
+    client sent back the same JSON re-serialized (``known``: recorded arguments text by tool call id).
+
+    The Vercel AI SDK (opencode) parses a call's arguments and sends them back through ``JSON.stringify``:
+    ``{"cmd":"ls"}`` for the model's ``{"cmd": "ls"}``. Unrestored, the history no longer matches the
+    recorded reply and every call after a tool call would start a new lineage instead of continuing."""
+    if not known:
+        return messages
+    return [_restored(message, known) if message.tool_calls else message for message in messages]
+
+
+def _restored(message: ChatMessage, known: Mapping[str, str]) -> ChatMessage:
+    calls = message.tool_calls or []
+    restored = [_restored_call(call, known.get(call.id)) for call in calls]
+    if all(new is old for new, old in zip(restored, calls, strict=True)):
+        return message
+    return message.model_copy(update={"tool_calls": restored})
+
+
+def _restored_call(call: ToolCall, recorded: str | None) -> ToolCall:
+    sent = call.function.arguments
+    if recorded is None or sent == recorded or not same_json_text(sent, recorded):
+        return call
+    return call.model_copy(update={"function": call.function.model_copy(update={"arguments": recorded})})
+
+
+def same_json_text(first: str, second: str) -> bool:
+    """Whether two texts hold the same JSON value as a JavaScript client sees it: key order and spacing
+    aside, ``1`` and ``1.0`` alike (one number type), ``true`` and ``1`` not (Python's ``True == 1``)."""
+    try:
+        return _same_json(json.loads(first), json.loads(second))
+    except ValueError:
+        return False
+
+
+def _same_json(first: object, second: object) -> bool:
+    if isinstance(first, bool) or isinstance(second, bool):
+        return type(first) is type(second) and first == second
+    if isinstance(first, dict) and isinstance(second, dict):
+        return first.keys() == second.keys() and all(_same_json(first[k], second[k]) for k in first)
+    if isinstance(first, list) and isinstance(second, list):
+        return len(first) == len(second) and all(map(_same_json, first, second))
+    if isinstance(first, dict | list) or isinstance(second, dict | list):
+        return False
+    return first == second

@@ -24,6 +24,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any, Final
 
@@ -38,6 +39,7 @@ from pipeline.dialects.base import (
     WireReply,
     bracket_path,
     invalid,
+    restore_arguments,
     shown,
     validated,
 )
@@ -401,8 +403,9 @@ class OpenAIChat:
         known_arguments: Mapping[str, str],
         memo: ParseMemo | None = None,
     ) -> ChatCall:
-        # arguments travel as text: nothing to restore
-        return parse_chat_request(body, defaults=defaults, memo=memo)
+        call = parse_chat_request(body, defaults=defaults, memo=memo)
+        # restore_arguments hands back the very message where nothing is restored (the memo's identity holds)
+        return replace(call, messages=restore_arguments(call.messages, known_arguments))
 
     def render(self, call: ChatCall, result: ChatResult, *, model: str) -> WireReply:
         shape: dict[str, Any] = {

@@ -40,7 +40,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Final
 
@@ -53,6 +53,7 @@ from pipeline.dialects.base import (
     WireReply,
     bracket_path,
     invalid,
+    restore_arguments,
     shown,
     validated,
 )
@@ -542,7 +543,8 @@ class OpenAIResponses:
         # no memo: an input item's meaning depends on the items around it (function calls join the
         # assistant message before them); clients that continue with previous_response_id send only
         # what is new anyway
-        return parse_responses_request(body, defaults=defaults)  # arguments travel as text
+        call = parse_responses_request(body, defaults=defaults)
+        return replace(call, messages=restore_arguments(call.messages, known_arguments))
 
     def render(self, call: ChatCall, result: ChatResult, *, model: str) -> WireReply:
         responses_call = call if isinstance(call, ResponsesCall) else ResponsesCall(**vars(call))

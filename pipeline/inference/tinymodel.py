@@ -40,6 +40,10 @@ MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_respo
 VOCAB_SIZE = 1000
 """The whole vocabulary, added tokens included."""
 MAX_POSITIONS = 4096
+LONG_MAX_POSITIONS = 131072
+"""The long model's context: Claude Code asks for 128,000 output tokens; agent prompts run 20k-60k tokens."""
+LONG_WINDOW = 256
+"""The long model's sliding attention window, on every layer (see ``build_long_model``)."""
 
 _CORPUS_SEED = 20240601
 _CORPUS_DOCUMENTS = 4000
@@ -229,7 +233,7 @@ def _train_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return model["vocab"], [(left, right) for left, right in model["merges"]]
 
 
-def _tokenizer() -> Qwen2Tokenizer:
+def _tokenizer(max_positions: int = MAX_POSITIONS) -> Qwen2Tokenizer:
     """The trained BPE as a ``Qwen2Tokenizer``: control tokens are ids 0-2, markup tokens the last six."""
     vocab, merges = _train_bpe()
     tokenizer = Qwen2Tokenizer(
@@ -238,7 +242,7 @@ def _tokenizer() -> Qwen2Tokenizer:
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
         chat_template=CHAT_TEMPLATE,
-        model_max_length=MAX_POSITIONS,
+        model_max_length=max_positions,
         clean_up_tokenization_spaces=False,
     )
     tokenizer.add_tokens([AddedToken(IM_START, special=True, normalized=False)])
@@ -252,7 +256,15 @@ def _token_id(tokenizer: Qwen2Tokenizer, token: str) -> int:
     return token_id
 
 
-def _model(vocab_size: int, eos_id: int, pad_id: int, seed: int) -> Qwen2ForCausalLM:
+def _model(
+    vocab_size: int,
+    eos_id: int,
+    pad_id: int,
+    seed: int,
+    *,
+    max_positions: int = MAX_POSITIONS,
+    window: int | None = None,
+) -> Qwen2ForCausalLM:
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -260,13 +272,16 @@ def _model(vocab_size: int, eos_id: int, pad_id: int, seed: int) -> Qwen2ForCaus
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,  # tied, the next token would mostly repeat the current one
         bos_token_id=None,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         dtype="float32",
     )
+    if window is not None:  # on every layer, so that the reach of the whole model is bounded
+        config.use_sliding_window, config.sliding_window, config.max_window_layers = True, window, 0
+        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
     with torch.random.fork_rng(devices=[]):  # seed the weights without touching the caller's generator
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
@@ -283,4 +298,24 @@ def build_tiny_model(directory: Path, *, seed: int = 0) -> Path:
     tokenizer.save_pretrained(directory)
     eos_id, pad_id = _token_id(tokenizer, IM_END), _token_id(tokenizer, ENDOFTEXT)
     _model(len(tokenizer), eos_id, pad_id, seed).save_pretrained(directory)
+    return directory
+
+
+def build_long_model(directory: Path, *, seed: int = 0, window: int = LONG_WINDOW) -> Path:
+    """The tiny model for agent prompts: a 131,072-token context and sliding-window attention on every layer.
+
+    Agent CLIs send 15k-60k-token prompts (a long system prompt and a dozen or more tools). Full attention
+    over them costs the square of the prompt per turn; with a window of ``window`` tokens on each of the two
+    layers, the logits at a position depend only on the ``2 * (window - 1)`` tokens before it, so an engine
+    may run just that tail of the prompt (``TorchBackend`` does) and still produce exactly the numbers of a
+    forward pass over the whole prompt, at a cost that does not grow with the prompt. The weights, the
+    tokenizer and the chat template are the tiny model's (same seed, same weights: a window changes no
+    parameter), so what the tests know of one holds for the other.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer(LONG_MAX_POSITIONS)
+    tokenizer.save_pretrained(directory)
+    eos_id, pad_id = _token_id(tokenizer, IM_END), _token_id(tokenizer, ENDOFTEXT)
+    model = _model(len(tokenizer), eos_id, pad_id, seed, max_positions=LONG_MAX_POSITIONS, window=window)
+    model.save_pretrained(directory)
     return directory

@@ -4,6 +4,15 @@ Requests that arrive while a batch runs wait and form the next batch (static bat
 left-padded prefill and a decode loop over the KV cache; every row samples with its own temperature,
 top-p, top-k, seed, stop strings and max_tokens. Logprobs are ``log_softmax`` of the raw logits, before
 temperature or truncation, as vLLM reports them.
+
+A model whose every layer attends within a sliding window (``turnstile model init-long``) is run on the tail
+of each prompt only: the logits at a position depend on at most ``layers * (window - 1)`` tokens before it
+(``attention_reach``), so the prefill starts there, at the true positions, and gives the numbers of a forward
+pass over the whole prompt at a cost that does not grow with the prompt.
+
+With a ``Script`` (``--script FILE``) the backend does not sample: the first matching rule's reply text,
+as the tokenizer's ids, is the completion, scored by one forward pass over prompt + completion (teacher
+forcing) — what the engine would have returned had it sampled that text.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline.inference.backends import Generation
 from pipeline.inference.chat import ChatRenderer, token_bytes
 from pipeline.inference.client import RequestRejected
+from pipeline.inference.script import Script, describe
 from schemas import FinishReason, LLMRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -34,12 +44,23 @@ class _Row:
     prefix_break: bool
     render_drift: bool | None
     future: asyncio.Future[Generation]
+    forced: tuple[list[int], FinishReason] | None = None
+    """The scripted completion and how it ends (teacher forcing); None: sample."""
     completion: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     started_at: float = 0.0
     first_token_at: float = 0.0
+
+
+def attention_reach(config: Any) -> int | None:
+    """How many tokens before a position its logits can depend on: ``layers * (window - 1)`` when every
+    layer attends within a sliding window of ``window`` tokens (itself included); None when one sees all."""
+    window, kinds = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if not window or not kinds or any(kind != "sliding_attention" for kind in kinds):
+        return None
+    return len(kinds) * (int(window) - 1)
 
 
 def load_model(directory: str | Path, device: str, dtype: torch.dtype) -> Any:
@@ -56,6 +77,7 @@ class TorchBackend:
         dtype: torch.dtype = torch.float32,
         max_batch: int = 16,
         policy_version: int = 0,
+        script: Script | None = None,
     ) -> None:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = dtype
@@ -64,6 +86,8 @@ class TorchBackend:
         self.model = load_model(model_dir, self.device, dtype)
         self.policy_version = policy_version
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 4096))
+        self.reach = attention_reach(self.model.config)
+        self.script = script
         self.eos_ids = self._eos_ids()
         self.renderer = ChatRenderer(self.tokenizer, stop_ids=self.eos_ids)  # the glue knows what we stop on
         for problem in self.renderer.diagnose():
@@ -98,10 +122,36 @@ class TorchBackend:
             )
         future = asyncio.get_running_loop().create_future()
         row = _Row(request, prompt.token_ids, prompt.prefix_break, prompt.render_drift, future)
+        if self.script is not None:
+            row.forced = self._scripted(request, len(prompt.token_ids))
         if self._worker is None:
             self._worker = asyncio.create_task(self._run(), name="torch-backend-batches")
         await self._queue.put(row)
         return await row.future
+
+    def _scripted(self, request: LLMRequest, prompt_length: int) -> tuple[list[int], FinishReason]:
+        """The script's reply as completion ids (the end-of-message token after it), cut where an engine
+        would have stopped sampling it: after the first token that completes a stop string, or at the
+        budget."""
+        assert self.script is not None
+        rule = self.script.match(request)
+        if rule is None:
+            raise RequestRejected(
+                "messages", f"no rule of the script matches this request: {describe(request)}"
+            )
+        ids = [*self.tokenizer.encode(rule.reply.text(), add_special_tokens=False), self.eos_ids[0]]
+        budget = min(request.sampling.max_tokens, self.context_length - prompt_length)
+        stops = request.sampling.stop
+        for length in range(1, len(ids)):  # the checks of _finished, in its order
+            if stops and any(stop in self._text(ids[:length]) for stop in stops):
+                return ids[:length], "stop"
+            if length >= budget:
+                return ids[:length], "length"
+        return ids, "stop"  # ends on the end-of-message token (within the budget: budget >= 1)
+
+    def _tail_start(self, prompt_length: int) -> int:
+        """Where the prefill may start: the first position the last prompt token's logits depend on."""
+        return 0 if self.reach is None else max(0, prompt_length - 1 - self.reach)
 
     def token_bytes(self, token_id: int) -> bytes:
         return token_bytes(self.tokenizer, token_id)
@@ -110,6 +160,7 @@ class TorchBackend:
         model = await asyncio.to_thread(load_model, checkpoint, self.device, self.dtype)
         async with self._swap:
             self.model, self.policy_version = model, version
+            self.reach = attention_reach(model.config)
         log.info("loaded policy version %d from %s", version, checkpoint)
 
     async def close(self) -> None:
@@ -171,15 +222,44 @@ class TorchBackend:
 
     @torch.inference_mode()
     def _generate_batch(self, rows: list[_Row], model: Any) -> None:
+        for row in rows:
+            if row.forced is not None:
+                self._teacher_force(row, model)
+        rows = [row for row in rows if row.forced is None]
+        if rows:
+            self._sample_batch(rows, model)
+
+    def _teacher_force(self, row: _Row, model: Any) -> None:
+        """Score the scripted completion with one forward pass over the prompt's tail + the completion."""
+        assert row.forced is not None
+        row.started_at = time.monotonic()
+        completion, finish_reason = row.forced
+        start = self._tail_start(len(row.prompt))
+        ids = [*row.prompt[start:], *completion]
+        positions = torch.arange(start, start + len(ids), device=self.device)[None]
+        logits = model(input_ids=torch.tensor([ids], device=self.device), position_ids=positions).logits[0]
+        scored = torch.log_softmax(logits[len(row.prompt) - start - 1 : -1].float(), dim=-1)
+        chosen = scored.gather(1, torch.tensor(completion, device=self.device)[:, None])[:, 0]
+        row.completion, row.logprobs = list(completion), [float(v) for v in chosen]
+        if row.request.top_logprobs is not None:
+            row.top = [_top(position, row.request.top_logprobs) for position in scored]
+        row.first_token_at = time.monotonic()
+        row.finish_reason = finish_reason
+
+    def _sample_batch(self, rows: list[_Row], model: Any) -> None:
+        """Left-padded prefill of each prompt's tail at its true positions, then a decode loop."""
         started = time.monotonic()
-        width = max(len(row.prompt) for row in rows)
+        starts = [self._tail_start(len(row.prompt)) for row in rows]
+        width = max(len(row.prompt) - start for row, start in zip(rows, starts, strict=True))
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (row, start) in enumerate(zip(rows, starts, strict=True)):
             row.started_at = started
-            input_ids[i, width - len(row.prompt) :] = torch.tensor(row.prompt)
-            attention[i, width - len(row.prompt) :] = 1
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            fed = len(row.prompt) - start
+            input_ids[i, width - fed :] = torch.tensor(row.prompt[start:])
+            attention[i, width - fed :] = 1
+            positions[i, width - fed :] = torch.arange(start, len(row.prompt))
         generators = [_generator(row.request.sampling) for row in rows]
         budgets = [
             min(row.request.sampling.max_tokens, self.context_length - len(row.prompt)) for row in rows
@@ -206,14 +286,8 @@ class TorchBackend:
                 token = _sample(logits[i], row.request.sampling, generators[i])
                 row.completion.append(token)
                 row.logprobs.append(float(raw_logprobs[i, token]))
-                if row.request.top_logprobs:
-                    k = min(row.request.top_logprobs, raw_logprobs.shape[-1])
-                    best = torch.topk(raw_logprobs[i], k)
-                    row.top.append(
-                        [(int(t), float(v)) for v, t in zip(best.values, best.indices, strict=True)]
-                    )
-                elif row.request.top_logprobs == 0:
-                    row.top.append([])
+                if row.request.top_logprobs is not None:
+                    row.top.append(_top(raw_logprobs[i], row.request.top_logprobs))
                 if len(row.completion) == 1:
                     row.first_token_at = time.monotonic()
                 row.finish_reason = self._finished(row, budgets[i])
@@ -233,6 +307,14 @@ class TorchBackend:
         if len(row.completion) >= budget:
             return "length"
         return None
+
+
+def _top(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely (token id, logprob) at one position (none for k = 0)."""
+    if k == 0:
+        return []
+    best = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+    return [(int(t), float(v)) for v, t in zip(best.values, best.indices, strict=True)]
 
 
 def _generator(sampling: SamplingParams) -> torch.Generator:
