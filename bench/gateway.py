@@ -20,11 +20,31 @@ turn's latency runs from the call to the parsed reply; turns/s is timed turns ov
 /proc, Linux only, 10 ms ticks: meaningful over a second or more); on a small machine the processes
 compete for cores, so read the ratios, measured side by side in one run.
 
+Then a long conversation (``--long-turns``, default 30, growing to ``--long-tokens``, default 30,000): one
+episode at a time through the gateway, each turn a new ~1,000-token user message after the whole history
+(sent again by the client, as agents do), on a consumer whose prompt is one token per 4 bytes of text, so
+the recorded prompt grows as a real one would. For each dialect (``--long-dialects``: chat completions with
+the OpenAI SDK, the Responses API with its whole input, Anthropic Messages with the anthropic SDK) it prints
+the gateway's CPU per turn at turn 1 and at the last turn (the median over ``--long-episodes`` episodes, from
+``/proc/<pid>/task/*/schedstat``: nanoseconds, not ticks) and their ratio: a turn's cost must not grow with
+the history it carries.
+
+``--before DIR`` runs a second gateway from another checkout (``git archive main | tar -x -C DIR``) beside
+this one, in the same run, on the same servers and consumer: "gateway@before" rows, and the long
+conversation for both; ``--before-without httptools`` leaves out what that checkout's install lacks.
+
+``--in-process`` measures only what the gateway adds: the long conversation through ``llm.chat`` and through
+the gateway app called straight through ASGI, in one process with an in-memory log and an instant client
+(no servers, no sockets: ``time.process_time`` per turn), for this checkout and ``--before``'s.
+``--profile PREFIX`` writes a CPU-time cProfile of each gateway process.
+
 Servers: ``TURNSTILE_DATABASE_URL`` and ``TURNSTILE_NATS_URL``, or embedded ones in a temporary directory;
 the run gets a migrated scratch database of its own, dropped at the end.
 
-    python bench/gateway.py                       # defaults: --levels 1,16 --turns 600 (about a minute)
+    python bench/gateway.py                       # defaults: --levels 1,16 --turns 600 (a few minutes)
     python bench/gateway.py --levels 1 --turns 300
+    python bench/gateway.py --before /tmp/main-tree --before-without httptools
+    python bench/gateway.py --in-process --before /tmp/main-tree
 """
 
 from __future__ import annotations
@@ -32,49 +52,61 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
+import cProfile
+import dataclasses
+import json
 import os
-import platform
-import signal
+import statistics
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
-import psycopg
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy.engine import make_url
 
-from pipeline.dev.embedded import EmbeddedServers, scratch_dir
 from pipeline.episodes import EpisodeSession
+from pipeline.inference.backends import Generation
 from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
-from pipeline.log.db import migrate
-from pipeline.settings import libpq_url
+
+from common import (
+    READY_TIMEOUT_S,
+    CpuMeter,
+    Processes,
+    Servers,
+    cpu_text,
+    machine,
+    note,
+    percentile,
+    scratch_database,
+    servers,
+    stop_child,
+    summary,
+    wait_for_stdin_eof,
+)
 
 POLICY = "bench"
+LONG_POLICY = "benchlong"
+LONG_DIALECTS = ("chat", "responses", "messages")
+BYTES_PER_TOKEN = 4
+PROFILE_ENV = "TURNSTILE_BENCH_PROFILE"
+"""A path prefix: each gateway process writes its cProfile statistics to <prefix>.<pid> when it stops
+(``--profile``); read them with ``python -m pstats``."""
 ADMIN_KEY = "bench-admin-" + uuid.uuid4().hex
 PATHS = ("llm.chat", "llm.openai()", "gateway")
 BASELINE = "llm.chat"
 MAX_TOKENS = 6
-READY_TIMEOUT_S = 60.0
 SCRIPT = str(Path(__file__).resolve())
 
-Processes = dict[str, int | None]
-"""The processes whose CPU time a measurement reports: name -> pid (None: this process)."""
 console = Console(width=None if sys.stdout.isatty() else 150)
-
-
-def note(message: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +122,10 @@ class Result:
         return len(self.latencies_ms) / self.seconds
 
     def percentile(self, q: float) -> float:
-        """Nearest-rank percentile, q in (0, 100]."""
-        ordered = sorted(self.latencies_ms)
-        return ordered[min(len(ordered), max(1, math.ceil(q / 100 * len(ordered)))) - 1]
+        return percentile(self.latencies_ms, q)
 
     def cpu_text(self) -> str:
-        return "  ".join(f"{name} {value:,.0f}" for name, value in self.cpu_us.items())
+        return cpu_text(self.cpu_us)
 
 
 # --- an episode on each path ---------------------------------------------------------------------
@@ -163,6 +193,108 @@ class GatewayEpisode(Episode):
 MakeEpisode = Callable[[], Episode]
 
 
+# --- the long conversation -----------------------------------------------------------------------
+
+
+class LengthBackend(ScriptedBackend):
+    """The scripted reply, with a prompt as long as a real one: one token per ``BYTES_PER_TOKEN`` bytes of
+    each message after the prefix (the prefix's ids as they came), so a 30-turn conversation records a
+    30k-token prompt and the consumer's work per turn stays what the turn adds."""
+
+    async def generate(self, request: Any) -> Generation:
+        generation = await super().generate(request)
+        prefix = request.prefix
+        prompt = list(prefix.ids) if prefix is not None else []
+        for message in request.messages[prefix.message_count if prefix is not None else 0 :]:
+            size = len((message.content or "").encode())
+            prompt += [100 + index % 900 for index in range(max(1, size // BYTES_PER_TOKEN))]
+        return dataclasses.replace(generation, prompt_token_ids=prompt)
+
+
+def user_text(turn: int, tokens: int) -> str:
+    """A user message of about ``tokens`` tokens (4 bytes each), different on every turn."""
+    words = [f"w{(turn * 7919 + index) % 10007}" for index in range(tokens * BYTES_PER_TOKEN // 6 + 1)]
+    return f"turn {turn}: " + " ".join(words)[: tokens * BYTES_PER_TOKEN]
+
+
+def schedstat_seconds(pid: int) -> float:
+    """CPU time of every thread of ``pid`` in seconds, from ``/proc/<pid>/task/*/schedstat`` (nanoseconds:
+    fine enough to time one turn, unlike the 10 ms ticks of ``/proc/<pid>/stat``)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError, ValueError):
+            total += int(task.read_text().split()[0])
+    return total / 1e9
+
+
+LongTurn = Callable[[list[dict[str, Any]]], Awaitable[dict[str, Any]]]
+"""Sends the whole history (user/assistant text messages) and returns the assistant message to append."""
+
+
+@contextlib.asynccontextmanager
+async def long_client(dialect: str, url: str, api_key: str) -> AsyncIterator[tuple[LongTurn, list[int]]]:
+    """A real SDK client of ``dialect`` on the session ``api_key``, as a function of the history; and a
+    list that gets each reply's (prompt tokens, body bytes)."""
+    seen: list[int] = []
+    if dialect == "messages":
+        import anthropic
+
+        async with anthropic.AsyncAnthropic(base_url=url, api_key=api_key, max_retries=0) as claude:
+
+            async def message_turn(history: list[dict[str, Any]]) -> dict[str, Any]:
+                raw = await claude.messages.with_raw_response.create(
+                    model=LONG_POLICY, max_tokens=MAX_TOKENS, messages=history
+                )
+                reply = await raw.parse()
+                seen[:] = [reply.usage.input_tokens, len(await raw.read())]
+                return {
+                    "role": "assistant",
+                    "content": "".join(b.text for b in reply.content if b.type == "text"),
+                }
+
+            yield message_turn, seen
+        return
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0) as client:
+
+        async def chat_turn(history: list[dict[str, Any]]) -> dict[str, Any]:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=LONG_POLICY, messages=history, max_tokens=MAX_TOKENS
+            )
+            completion = raw.parse()
+            assert completion.usage is not None
+            seen[:] = [completion.usage.prompt_tokens, len(raw.content)]
+            return completion.choices[0].message.model_dump(exclude_none=True)
+
+        async def responses_turn(history: list[dict[str, Any]]) -> dict[str, Any]:
+            raw = await client.responses.with_raw_response.create(
+                model=LONG_POLICY,
+                input=history,
+                max_output_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+            )
+            response = raw.parse()
+            assert response.usage is not None
+            seen[:] = [response.usage.input_tokens, len(raw.content)]
+            return {"role": "assistant", "content": response.output_text}
+
+        yield (chat_turn if dialect == "chat" else responses_turn), seen
+
+
+@dataclass(frozen=True, slots=True)
+class LongResult:
+    label: str
+    dialect: str
+    cpu_ms: list[float]
+    """Per turn index: the gateway's median CPU (ms) over the episodes."""
+    latency_ms: list[float]
+    prompt_tokens: int
+    response_bytes: int
+    """The last turn's reply body (JSON or event stream)."""
+
+    @property
+    def ratio(self) -> float:
+        return self.cpu_ms[-1] / self.cpu_ms[0]
+
+
 async def run_turns(
     make: MakeEpisode, concurrency: int, turns: int, per_episode: int
 ) -> tuple[list[float], float]:
@@ -199,11 +331,10 @@ async def measure_path(
     results = []
     for level in args.levels:
         await run_turns(make, level, max(args.warmup, level), args.turns_per_episode)
-        before = cpu_snapshot(processes)
+        meter = CpuMeter(processes)
+        meter.start()
         latencies, seconds = await run_turns(make, level, args.turns, args.turns_per_episode)
-        result = Result(
-            path, level, latencies, seconds, cpu_per_turn(before, cpu_snapshot(processes), len(latencies))
-        )
+        result = Result(path, level, latencies, seconds, meter.per(len(latencies)))
         note(
             f"{path} x{level}: p50 {result.percentile(50):.2f} ms, p99 {result.percentile(99):.2f} ms, "
             f"{result.rate:,.0f} turns/s; CPU us/turn: {result.cpu_text()}"
@@ -212,99 +343,204 @@ async def measure_path(
     return results
 
 
+async def measure_long(
+    label: str, dialect: str, url: str, admin: httpx.AsyncClient, gateway_pid: int, args: argparse.Namespace
+) -> LongResult:
+    """``--long-episodes`` conversations of ``--long-turns`` turns, one at a time; the gateway's CPU per
+    turn index (the median over the episodes: a turn's work happens inside its call, the reply is sent
+    after the turn is recorded)."""
+    per_turn = max(1, args.long_tokens // args.long_turns)
+    cpu: list[list[float]] = [[] for _ in range(args.long_turns)]
+    latency: list[list[float]] = [[] for _ in range(args.long_turns)]
+    seen: list[int] = []  # the last reply's (prompt tokens, body bytes)
+    for episode in range(args.long_episodes + 1):  # the first one warms up
+        response = await admin.post("/admin/sessions", json={"policy": LONG_POLICY, "agent": "bench.long"})
+        response.raise_for_status()
+        session = response.json()
+        async with long_client(dialect, url, session["api_key"]) as (turn, last):
+            history: list[dict[str, Any]] = []
+            for index in range(args.long_turns):
+                history.append({"role": "user", "content": user_text(index, per_turn)})
+                before, started = schedstat_seconds(gateway_pid), time.perf_counter()
+                history.append(await turn(history))
+                seen = last
+                if episode:
+                    latency[index].append((time.perf_counter() - started) * 1000)
+                    cpu[index].append((schedstat_seconds(gateway_pid) - before) * 1000)
+        ended = await admin.post(f"/admin/sessions/{session['session_id']}/end", json={})
+        ended.raise_for_status()
+    result = LongResult(
+        label,
+        dialect,
+        [statistics.median(values) for values in cpu],
+        [statistics.median(values) for values in latency],
+        seen[0],
+        seen[1],
+    )
+    note(
+        f"{label} {dialect}, {args.long_turns} turns to {result.prompt_tokens:,} prompt tokens: gateway CPU "
+        f"turn 1 {result.cpu_ms[0]:.2f} ms, turn {args.long_turns} {result.cpu_ms[-1]:.2f} ms "
+        f"({result.ratio:.2f}x); last reply {result.response_bytes:,} bytes"
+    )
+    return result
+
+
+# --- the gateway's own cost, in process ---------------------------------------------------------
+
+
+class InstantLLM:
+    """An LLM client answered in process, like a consumer that holds each turn's tokens (``tokens_key``):
+    a request that names the turn it continues carries only its new messages; the prompt is one token per
+    ``BYTES_PER_TOKEN`` bytes of each new message. No NATS, no consumer: what is left is the session's and,
+    through the gateway, the gateway's own work."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, int] = {}
+
+    async def __call__(self, request: Any) -> Any:
+        from pipeline.inference.client import PrefixUnknown
+        from schemas import LLMResponse
+
+        prefix, known = request.prefix, 0
+        if prefix is not None and prefix.key is not None:
+            if prefix.key not in self.held:
+                raise PrefixUnknown(f"prefix {prefix.key} not held")
+            known = self.held.pop(prefix.key)
+        elif prefix is not None:
+            known = len(prefix.ids)
+        new = request.messages[prefix.message_count if prefix is not None else 0 :]
+        added = [100 + i % 900 for m in new for i in range(max(1, len((m.content or "").encode()) // 4))]
+        key = uuid.uuid4().hex
+        self.held[key] = known + len(added) + 3
+        return LLMResponse(
+            request_id=request.request_id, text="ok", finish_reason="stop", prompt_token_ids=added,
+            prompt_prefix_tokens=known, completion_token_ids=[11, 12, 2], completion_logprobs=[-0.5] * 3,
+            policy_version=0, consumer_id="in-process", tokens_key=key,
+        )  # fmt: skip
+
+
+async def asgi_call(app: Any, path: str, body: dict[str, Any] | bytes, headers: dict[str, str]) -> Any:
+    """One request straight into the ASGI app (no socket, no HTTP client): its JSON reply (bytes: the body
+    encoded already, so that a caller can time the app alone)."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    sent: list[dict[str, Any]] = []
+    pending = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()  # the client stays connected
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    fields = {**headers, "content-type": "application/json", "content-length": str(len(raw))}
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(k.encode(), v.encode()) for k, v in fields.items()], "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    await app(scope, receive, send)
+    return json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+
+
+async def measure_in_process(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Per turn index, the median CPU (ms, ``time.process_time``: one process) of the long conversation
+    through ``llm.chat`` and through the gateway app, both on an in-memory log and ``InstantLLM``."""
+    from pipeline.gateway import create_gateway
+    from pipeline.log import InMemoryStore
+
+    per_turn = max(1, args.long_tokens // args.long_turns)
+    cpu: dict[str, list[list[float]]] = {
+        p: [[] for _ in range(args.long_turns)] for p in ("llm.chat", "gateway")
+    }
+    store, llm = InMemoryStore(), InstantLLM()
+    app = create_gateway(store, llm, admin_key="k", policy_default=LONG_POLICY)
+    admin = {"authorization": "Bearer k"}
+    for episode in range(args.long_episodes + 1):  # the first one warms up
+        session = EpisodeSession(store, llm, policy=LONG_POLICY)
+        await session.start()
+        opened = await asgi_call(app, "/admin/sessions", {}, admin)
+        key = {"authorization": f"Bearer {opened['api_key']}"}
+        chat_history: list[dict[str, Any]] = []
+        gateway_history: list[dict[str, Any]] = []
+        for index in range(args.long_turns):
+            text = user_text(index, per_turn)
+            chat_history.append({"role": "user", "content": text})
+            started = time.process_time()
+            reply = await session.chat(chat_history, sampling={"max_tokens": MAX_TOKENS})
+            spent = time.process_time() - started
+            chat_history.append(reply.message.model_dump(exclude_none=True))
+            if episode:
+                cpu["llm.chat"][index].append(spent * 1000)
+            gateway_history.append({"role": "user", "content": text})
+            body = {"model": LONG_POLICY, "messages": gateway_history, "max_tokens": MAX_TOKENS}
+            encoded = json.dumps(body).encode()  # the client's work: not timed
+            started = time.process_time()
+            completion = await asgi_call(app, "/v1/chat/completions", encoded, key)
+            spent = time.process_time() - started
+            gateway_history.append(completion["choices"][0]["message"])
+            if episode:
+                cpu["gateway"][index].append(spent * 1000)
+        await session.finish("done")
+        await asgi_call(app, f"/admin/sessions/{opened['session_id']}/end", {}, admin)
+    return {path: [statistics.median(values) for values in rows] for path, rows in cpu.items()}
+
+
+async def in_process_report(args: argparse.Namespace) -> None:
+    trees = [("now", None)] + ([("before", args.before)] if args.before else [])
+    found: dict[str, dict[str, list[float]]] = {}
+    for label, tree in trees:
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")])),
+        }
+        sizes = [str(args.long_turns), str(args.long_tokens), str(args.long_episodes)]
+        command = [sys.executable, SCRIPT, "--serve", "in-process", *sizes]
+        done = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE, env=env)
+        out, _ = await done.communicate()
+        found[label] = json.loads(out.decode().strip().splitlines()[-1])
+    table = Table(
+        title=f"in process: the {args.long_turns}-turn conversation on an in-memory log and an instant "
+        f"client (median of {args.long_episodes} episodes; CPU ms per turn, time.process_time)",
+        caption="gateway - llm.chat: what the gateway adds (HTTP app, dialect, retry keys, the reply)",
+    )
+    for column in ["code", "path", "turn 1", f"turn {args.long_turns}", "growth", "mean"]:
+        table.add_column(column, justify="right")
+    for label, paths in found.items():
+        gateway, chat = paths["gateway"], paths["llm.chat"]
+        own = [g - c for g, c in zip(gateway, chat, strict=True)]
+        for path, values in (("llm.chat", chat), ("gateway", gateway), ("gateway - llm.chat", own)):
+            growth = f"{values[-1] / values[0]:.2f}x"
+            table.add_row(
+                label,
+                path,
+                f"{values[0]:.3f}",
+                f"{values[-1]:.3f}",
+                growth,
+                f"{statistics.fmean(values):.3f}",
+            )
+    console.print(table)
+
+
+async def serve_in_process(turns: str, tokens: str, episodes: str) -> None:
+    args = argparse.Namespace(long_turns=int(turns), long_tokens=int(tokens), long_episodes=int(episodes))
+    print(json.dumps(await measure_in_process(args)), flush=True)
+
+
 # --- CPU time ------------------------------------------------------------------------------------
 
 
-def proc_stat(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def cpu_seconds(pid: int | None, children: bool = False) -> float | None:
-    """User + system CPU of a process (or this one); with ``children``, of its children too (PostgreSQL's
-    backends)."""
-    if pid is None:
-        return time.process_time()
-    fields = proc_stat(pid)
-    if fields is None:
-        return None
-    ticks = int(fields[11]) + int(fields[12])
-    if children:
-        ticks += int(fields[13]) + int(fields[14])
-        for task in Path(f"/proc/{pid}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                for child_pid in task.read_text().split():
-                    child = proc_stat(int(child_pid))
-                    if child is not None:
-                        ticks += int(child[11]) + int(child[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_snapshot(processes: Processes) -> dict[str, float | None]:
-    return {name: cpu_seconds(pid, children=name == "postgres") for name, pid in processes.items()}
-
-
-def cpu_per_turn(
-    before: dict[str, float | None], after: dict[str, float | None], turns: int
-) -> dict[str, float]:
-    spent = {name: (after[name] or 0.0) - start for name, start in before.items() if start is not None}
-    return {name: seconds / turns * 1e6 for name, seconds in spent.items() if after[name] is not None}
-
-
-# --- servers and child processes -----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Servers:
-    database_url: str
-    nats_url: str
-    pids: Processes
-
-
-@contextlib.contextmanager
-def servers() -> Iterator[Servers]:
-    """TURNSTILE_DATABASE_URL and TURNSTILE_NATS_URL, or embedded servers for the block."""
-    database_url = os.environ.get("TURNSTILE_DATABASE_URL")
-    nats_url = os.environ.get("TURNSTILE_NATS_URL")
-    if database_url and nats_url:
-        note("servers from TURNSTILE_DATABASE_URL and TURNSTILE_NATS_URL (their CPU time is not reported)")
-        yield Servers(database_url, nats_url, {})
-        return
-    with (
-        scratch_dir("turnstile-bench-") as data_dir,
-        EmbeddedServers(Path(data_dir)) as embedded,
-    ):
-        pids: Processes = {}
-        if embedded.postgres.process is not None:
-            pids["postgres"] = embedded.postgres.process.pid
-        if embedded.nats.process is not None:
-            pids["nats"] = embedded.nats.process.pid
-        yield Servers(embedded.postgres.url, embedded.nats.url, pids)
-
-
-@contextlib.contextmanager
-def scratch_database(server_url: str) -> Iterator[str]:
-    name = f"bench_{uuid.uuid4().hex[:12]}"
-    admin_url = libpq_url(server_url)
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        url = libpq_url(make_url(admin_url).set(database=name).render_as_string(hide_password=False))
-        migrate(url)
-        yield url
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 @contextlib.asynccontextmanager
-async def child(*role: str) -> AsyncIterator[tuple[int, str]]:
-    """This script in a server role in a process of its own; its pid and what it printed after ``ready``.
-    It stops when its stdin closes, so it also goes away if this process dies."""
+async def child(*role: str, tree: str | None = None) -> AsyncIterator[tuple[int, str]]:
+    """This script in a server role in a process of its own (``common.child``, with an environment):
+    ``tree`` is another checkout whose ``pipeline`` it imports (first on ``PYTHONPATH``), for before/after
+    runs."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, SCRIPT, "--serve", *role, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        sys.executable, SCRIPT, "--serve", *role, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
     )
     assert process.stdout is not None
     try:
@@ -313,27 +549,14 @@ async def child(*role: str) -> AsyncIterator[tuple[int, str]]:
             raise RuntimeError(f"the {role[0]} process did not start (exit status {await process.wait()})")
         yield process.pid, line.decode().removeprefix("ready").strip()
     finally:
-        if process.stdin is not None:
-            process.stdin.close()
-        try:
-            await asyncio.wait_for(process.wait(), 30)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-        if process.returncode not in (0, -signal.SIGKILL):
-            note(f"the {role[0]} process exited with status {process.returncode}")
+        await stop_child(process, role[0])
 
 
-async def wait_for_stdin_eof() -> None:
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.buffer.read)
-
-
-async def serve_consumer(nats_url: str) -> None:
+async def serve_consumer(nats_url: str, policy: str = POLICY) -> None:
     from consumers.inference import InferenceConfig, create_app
 
-    app, _ = create_app(
-        InferenceConfig(nats_url, POLICY, backend="scripted", consumer_id="bench"), ScriptedBackend()
-    )
+    backend = LengthBackend() if policy == LONG_POLICY else ScriptedBackend()
+    app, _ = create_app(InferenceConfig(nats_url, policy, backend="scripted", consumer_id=policy), backend)
     await app.start()
     print("ready", flush=True)
     await wait_for_stdin_eof()
@@ -347,8 +570,15 @@ async def serve_gateway(database_url: str, nats_url: str, admin_key: str) -> Non
     llm = await NatsLLMClient.connect(nats_url)
     server = HttpServer(create_gateway(store, llm, admin_key=admin_key, policy_default=POLICY))
     await server.start()
+    profile = os.environ.get(PROFILE_ENV)
+    profiler = cProfile.Profile(time.process_time) if profile else None  # CPU time: a loaded machine preempts
+    if profiler is not None:
+        profiler.enable()
     print(f"ready {server.url}", flush=True)
     await wait_for_stdin_eof()
+    if profiler is not None and profile:
+        profiler.disable()
+        profiler.dump_stats(f"{profile}.{os.getpid()}")
     await server.stop()
     await llm.close()
     await store.close()
@@ -357,9 +587,15 @@ async def serve_gateway(database_url: str, nats_url: str, admin_key: str) -> Non
 # --- the run -------------------------------------------------------------------------------------
 
 
-async def measure(args: argparse.Namespace, found: Servers, database_url: str) -> list[Result]:
+async def measure(
+    args: argparse.Namespace, found: Servers, database_url: str
+) -> tuple[list[Result], list[LongResult]]:
     results: list[Result] = []
-    async with child("consumer", found.nats_url) as (consumer_pid, _):
+    long_results: list[LongResult] = []
+    async with (
+        child("consumer", found.nats_url) as (consumer_pid, _),
+        child("consumer", found.nats_url, LONG_POLICY) as (long_consumer_pid, _),
+    ):
         processes: Processes = {"bench": None, "consumer": consumer_pid, **found.pids}
         store = await EventStore.connect(database_url)
         llm = await NatsLLMClient.connect(found.nats_url)
@@ -369,25 +605,60 @@ async def measure(args: argparse.Namespace, found: Servers, database_url: str) -
             if "llm.openai()" in args.paths:
                 make = lambda: InProcessOpenAIEpisode(store, llm)  # noqa: E731
                 results += await measure_path("llm.openai()", make, args, processes)
-            if "gateway" in args.paths:
-                async with child("gateway", database_url, found.nats_url, ADMIN_KEY) as (gateway_pid, url):
-                    note(f"gateway on {url} (uvicorn, its own process), client openai {openai.__version__}")
-                    http_client = openai.DefaultAsyncHttpxClient(limits=sdk_limits(max(args.levels)))
+            gateways = [("gateway", None)] if "gateway" in args.paths else []
+            if args.before:
+                gateways.append(("gateway@before", without(args.before, args.before_without)))
+            for label, tree in gateways:
+                async with child("gateway", database_url, found.nats_url, ADMIN_KEY, tree=tree) as (
+                    gateway_pid,
+                    url,
+                ):
+                    where = f" from {tree}" if tree else ""
+                    note(
+                        f"{label} on {url}{where} (uvicorn, its own process), "
+                        f"client openai {openai.__version__}"
+                    )
+                    gateway_processes = {**processes, "gateway": gateway_pid}
+                    results += await measure_gateway(label, url, args, gateway_processes)
                     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-                    async with (
-                        httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as admin,
-                        openai.AsyncOpenAI(
-                            base_url=f"{url}/v1", api_key="-", max_retries=0, http_client=http_client
-                        ) as client,
-                    ):
-                        gateway_processes = {**processes, "gateway": gateway_pid}
-                        results += await measure_path(
-                            "gateway", lambda: GatewayEpisode(admin, client), args, gateway_processes
-                        )
+                    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as admin:
+                        for dialect in args.long_dialects if args.long_episodes else []:
+                            long_results.append(
+                                await measure_long(label, dialect, url, admin, gateway_pid, args)
+                            )
         finally:
             await llm.close()
             await store.close()
-    return results
+    del long_consumer_pid
+    return results, long_results
+
+
+async def measure_gateway(
+    label: str, url: str, args: argparse.Namespace, processes: Processes
+) -> list[Result]:
+    http_client = openai.DefaultAsyncHttpxClient(limits=sdk_limits(max(args.levels)))
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with (
+        httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as admin,
+        openai.AsyncOpenAI(
+            base_url=f"{url}/v1", api_key="-", max_retries=0, http_client=http_client
+        ) as client,
+    ):
+        return await measure_path(label, lambda: GatewayEpisode(admin, client), args, processes)
+
+
+def without(tree: str, packages: Sequence[str]) -> str:
+    """``tree`` on a path where ``packages`` cannot be imported (a stub of each raises ImportError): the
+    before-gateway runs as its own install would, without what this checkout added (httptools)."""
+    if not packages:
+        return tree
+    stubs = Path(tree) / ".bench-without"
+    for package in packages:
+        (stubs / package).mkdir(parents=True, exist_ok=True)
+        (stubs / package / "__init__.py").write_text(
+            f"raise ImportError('{package} left out for --before')\n"
+        )
+    return os.pathsep.join([str(stubs), tree])
 
 
 def sdk_limits(connections: int) -> Any:
@@ -440,9 +711,85 @@ def print_report(results: Sequence[Result], args: argparse.Namespace) -> None:
         if gateway is None:
             continue
         line = f"x{level}: gateway vs llm.chat {versus(gateway, base)}"
+        if "gateway" in gateway.cpu_us and "bench" in base.cpu_us:
+            # the gateway process holds the sessions, so it does llm.chat's work (NATS, the log) too
+            own = gateway.cpu_us["gateway"] - base.cpu_us["bench"]
+            line += f"; gateway CPU {gateway.cpu_us['gateway']:,.0f} us/turn, {own:,.0f} over llm.chat's"
         if in_process is not None:
             line += f"; vs llm.openai() {versus(gateway, in_process)}"
         print(line)
+    for result in results:
+        before = by_key.get(("gateway@before", result.concurrency))
+        if result.path == "gateway" and before is not None:
+            now, then = result.cpu_us.get("gateway", 0.0), before.cpu_us.get("gateway", 0.0)
+            cpu = f", gateway CPU {now:,.0f} vs {then:,.0f} us/turn ({now / then:.2f}x)" if then else ""
+            print(f"x{result.concurrency}: gateway vs gateway@before {versus(result, before)}{cpu}")
+
+
+def print_long_report(results: Sequence[LongResult], args: argparse.Namespace) -> None:
+    if not results:
+        return
+    table = Table(
+        title=f"a {args.long_turns}-turn conversation through the gateway, one episode at a time "
+        f"(median of {args.long_episodes} episodes)",
+        caption="gateway CPU per turn from /proc/<pid>/task/*/schedstat; growth: last turn ÷ turn 1",
+    )
+    for column in ["gateway", "dialect", "prompt tokens", "turn 1 ms", "last turn ms", "growth",
+                   "mean ms", "p50 latency ms", "last reply bytes"]:  # fmt: skip
+        table.add_column(column, justify="right")
+    for result in results:
+        table.add_row(
+            result.label,
+            result.dialect,
+            f"{result.prompt_tokens:,}",
+            f"{result.cpu_ms[0]:.2f}",
+            f"{result.cpu_ms[-1]:.2f}",
+            f"{result.ratio:.2f}x",
+            f"{statistics.fmean(result.cpu_ms):.2f}",
+            f"{statistics.median(result.latency_ms):.2f}",
+            f"{result.response_bytes:,}",
+        )
+    console.print(table)
+    by_key = {(r.label, r.dialect): r for r in results}
+    for result in results:
+        before = by_key.get(("gateway@before", result.dialect))
+        if result.label == "gateway" and before is not None:
+            now, then = statistics.fmean(result.cpu_ms), statistics.fmean(before.cpu_ms)
+            print(
+                f"{result.dialect}: gateway CPU per turn {now:.2f} ms vs {then:.2f} ms before "
+                f"({now / then:.2f}x)"
+            )
+
+
+def print_summary(results: Sequence[Result], long_results: Sequence[LongResult]) -> None:
+    """The ``SUMMARY`` lines (``common.summary``): issue 21's gateway row and issue 16's part 7."""
+    by_key = {(r.path, r.concurrency): r for r in results}
+    for level in (1, 16):
+        gateway, chat = by_key.get(("gateway", level)), by_key.get(("llm.chat", level))
+        if gateway is None or chat is None:
+            continue
+        ratio = gateway.rate / chat.rate
+        figure, baseline = f"{gateway.rate:,.0f} turns/s", f"llm.chat {chat.rate:,.0f}"
+        target = ">= 0.6x" if level == 16 else None
+        summary("gateway", f"turns/s x{level} / llm.chat", figure, baseline, ratio, target, ratio >= 0.6)
+        if "gateway" in gateway.cpu_us and "bench" in chat.cpu_us:
+            cpu, base = gateway.cpu_us["gateway"], chat.cpu_us["bench"]
+            figure, baseline = f"gateway {cpu:,.0f}", f"llm.chat {base:,.0f}"
+            target = "<= 500 us" if level == 1 else None
+            summary(
+                "gateway",
+                f"CPU us/turn x{level} / llm.chat's",
+                figure,
+                baseline,
+                cpu / base,
+                target,
+                cpu <= 500,
+            )
+    for result in long_results:
+        if result.label == "gateway":
+            figure = f"turn {len(result.cpu_ms)} {result.cpu_ms[-1]:.2f} ms"
+            summary("gateway", f"{result.dialect} CPU growth", figure, f"turn 1 {result.cpu_ms[0]:.2f} ms",
+                    result.ratio, "<= 1.5x", result.ratio <= 1.5)  # fmt: skip
 
 
 def versus(result: Result, other: Result) -> str:
@@ -462,6 +809,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--warmup", type=int, default=100, help="untimed turns first (default 100)")
     add("--turns-per-episode", type=int, default=5, help="turns of each episode (default 5)")
     add("--paths", type=parse_list, default=list(PATHS), help=f"default {','.join(PATHS)}")
+    add("--long-turns", type=int, default=30, help="turns of the long conversation (default 30)")
+    add("--long-tokens", type=int, default=30_000, help="its prompt at the last turn (default 30,000)")
+    add("--long-episodes", type=int, default=5, help="long conversations per dialect (default 5; 0: none)")
+    add(
+        "--long-dialects",
+        type=parse_list,
+        default=list(LONG_DIALECTS),
+        help=f"default {','.join(LONG_DIALECTS)}",
+    )
+    add("--in-process", action="store_true", help="only the gateway's own cost: in process, no servers")
+    add("--before", default=None, help="another checkout whose gateway runs beside this one (gateway@before)")
+    add(
+        "--before-without",
+        type=parse_list,
+        default=[],
+        help="packages the --before checkout's install lacks (e.g. httptools): made unimportable for it",
+    )
+    add("--profile", default=None, help="cProfile each gateway process to PREFIX.<pid> (python -m pstats)")
     add("--serve", nargs="+", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if (
@@ -471,6 +836,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         or args.warmup < 0
     ):
         parser.error("--levels, --turns and --turns-per-episode must be at least 1, --warmup 0 or more")
+    if unknown := set(args.long_dialects) - set(LONG_DIALECTS):
+        parser.error(
+            f"--long-dialects are some of {','.join(LONG_DIALECTS)}, not {','.join(sorted(unknown))}"
+        )
+    if args.long_turns < 1 or args.long_episodes < 0:
+        parser.error("--long-turns must be at least 1, --long-episodes 0 or more")
     if unknown := set(args.paths) - set(PATHS):
         parser.error(f"--paths are some of {','.join(PATHS)}, not {','.join(sorted(unknown))}")
     return args
@@ -482,16 +853,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         role: dict[str, Callable[..., Awaitable[None]]] = {
             "consumer": serve_consumer,
             "gateway": serve_gateway,
+            "in-process": serve_in_process,
         }
         asyncio.run(role[args.serve[0]](*args.serve[1:]))
         return 0
-    note(
-        f"Python {platform.python_version()}, {os.cpu_count()} CPUs; {args.turns:,} turns per path and level "
-        f"after {args.warmup:,} warm-up; load average {os.getloadavg()[0]:.2f} (other work skews the numbers)"
-    )
+    if args.profile:
+        os.environ[PROFILE_ENV] = str(Path(args.profile).resolve())
+    if args.in_process:
+        note(f"{machine()}; in process")
+        asyncio.run(in_process_report(args))
+        return 0
+    note(f"{machine()}; {args.turns:,} turns per path and level after {args.warmup:,} warm-up")
     with servers() as found, scratch_database(found.database_url) as database_url:
-        results = asyncio.run(measure(args, found, database_url))
+        results, long_results = asyncio.run(measure(args, found, database_url))
     print_report(results, args)
+    print_long_report(long_results, args)
+    print_summary(results, long_results)
     return 0
 
 

@@ -115,6 +115,12 @@ class TurnCompleted(Contract):
         description="False: the reply reached no client (it disconnected before the turn was recorded), so "
         "the agent never saw it and it is no training sample; None: delivered, or not known (older turns)",
     )
+    train: bool | None = Field(
+        default=None,
+        description="False: marked not for training (a side call such as a title or a small model's call, by "
+        "the gateway's x-turnstile-train header or the session's untrained_models): recorded and shown, no "
+        "sample and no share of the episode's reward; None: trained (older turns too)",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -191,6 +191,16 @@ async def test_openai_sdk_multi_turn_tool_calls_are_recorded_token_exact(
     extra = second.model_dump()["turnstile"]
     assert extra["turn_ids"] == [str(turns[1].turn_id)]
     assert extra["completion_token_ids"] == [turns[1].completion_token_ids]
+    # the prompt's ids as the turn records them: the parent's first prefix_tokens ids, then the added ones
+    # (a reply stays small as the conversation grows); the whole prompt only when asked for
+    assert extra["parent_turn_id"] == str(turns[0].turn_id)
+    assert extra["prefix_tokens"] == len(turns[0].prompt_token_ids) + len(turns[0].completion_token_ids)
+    parent_ids = [*turns[0].prompt_token_ids, *turns[0].completion_token_ids]
+    assert parent_ids[: extra["prefix_tokens"]] + extra["added_prompt_token_ids"] == turns[1].prompt_token_ids
+    assert "prompt_token_ids" not in extra
+    first_extra = first.model_dump()["turnstile"]
+    assert (first_extra["parent_turn_id"], first_extra["prefix_tokens"]) == (None, 0)
+    assert first_extra["added_prompt_token_ids"] == turns[0].prompt_token_ids
 
     reward = await gateway.admin.post(
         f"/admin/sessions/{session['session_id']}/reward", json={"value": 1.0, "turn_id": "last"}

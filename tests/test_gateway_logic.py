@@ -262,3 +262,60 @@ async def test_reasoning_comes_back_in_each_apis_field_and_continues_whether_sen
         assert backend.requests[-1].prefix is not None
     turns = [r.event for r in await store.read_all() if isinstance(r.event, TurnCompleted)]
     assert {t.reply.reasoning for t in turns} == {"Think first."}
+
+
+async def test_side_calls_are_marked_not_for_training_by_header_or_by_the_sessions_model_rule() -> None:
+    store = InMemoryStore()
+    app = create_gateway(store, PrefixEcho(), admin_key="admin-key", policy_default="main")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+        spec = {"untrained_models": ["claude-haiku-*", "title-?"]}
+        session = (await client.post("/admin/sessions", json=spec, headers=ADMIN)).json()
+        key = {"x-api-key": session["api_key"]}
+
+        async def messages(model: str, text: str, **headers: str) -> httpx.Response:
+            body = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": text}]}
+            return await client.post("/v1/messages", json=body, headers={**key, **headers})
+
+        async def chat(model: str, text: str, **headers: str) -> httpx.Response:
+            body = {"model": model, "messages": [{"role": "user", "content": text}]}
+            return await client.post("/v1/chat/completions", json=body, headers={**key, **headers})
+
+        answered = [
+            await messages("claude-sonnet-4-5", "the task"),  # the agent's loop: trained
+            await messages("claude-haiku-4-5-20251001", "is this a new topic?"),  # matches: a side call
+            await chat("title-1", "name this chat"),  # matches title-?
+            await chat("title-10", "name it again"),  # ? is one character: trained
+            await chat("main", "a summary", **{"x-turnstile-train": "false"}),  # the header marks it
+            await messages(
+                "claude-haiku-4-5", "trained anyway", **{"x-turnstile-train": "True"}
+            ),  # overrides
+        ]
+        assert [r.status_code for r in answered] == [200] * 6
+        bad = await chat("main", "x", **{"x-turnstile-train": "maybe"})
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "x-turnstile-train"
+        assert "must be true or false, got 'maybe'" in bad.json()["error"]["message"]
+    turns = [r.event for r in await store.read_all() if isinstance(r.event, TurnCompleted)]
+    assert [t.train for t in turns] == [None, False, False, None, False, None]  # the bad call: not recorded
+
+
+async def test_the_whole_prompt_ids_come_back_only_when_asked_for(
+    gateway: tuple[httpx.AsyncClient, InMemoryStore],
+) -> None:
+    client, store = gateway
+    session = (await client.post("/admin/sessions", json={}, headers=ADMIN)).json()
+    key = {"Authorization": f"Bearer {session['api_key']}"}
+    history = [{"role": "user", "content": "hi"}]
+    first = await client.post("/v1/chat/completions", json={"model": "m", "messages": history}, headers=key)
+    history += [first.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+    whole = {**key, "x-turnstile-prompt-ids": "whole"}
+    second = await client.post(
+        "/v1/chat/completions", json={"model": "m", "messages": history}, headers=whole
+    )
+    turns = [r.event for r in await store.read_all() if isinstance(r.event, TurnCompleted)]
+    assert "prompt_token_ids" not in first.json()["turnstile"]
+    assert first.json()["turnstile"]["added_prompt_token_ids"] == turns[0].prompt_token_ids
+    extra = second.json()["turnstile"]
+    assert extra["parent_turn_id"] == str(turns[0].turn_id)
+    assert extra["prompt_token_ids"] == [*turns[0].prompt_token_ids, *turns[0].completion_token_ids, 104]
+    assert second.json()["usage"]["prompt_tokens"] == len(extra["prompt_token_ids"])

@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import sys
+import uuid
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +25,14 @@ from pipeline.batches.relay import OutboxRelay
 from pipeline.errors import ConfigError
 from pipeline.log import EventStore
 from pipeline.log.db import create_engine
-from pipeline.materialize.materializer import Fold, LogRow, Materializer, MaterializerConfig
+from pipeline.materialize.materializer import (
+    SAMPLE_COLUMNS,
+    TURN_COLUMNS,
+    Fold,
+    LogRow,
+    Materializer,
+    MaterializerConfig,
+)
 from pipeline.settings import libpq_url
 from schemas import (
     ChatMessage,
@@ -648,3 +656,110 @@ async def test_batched_samples_and_published_payloads_leave_only_references_and_
     }
     with pytest.raises(ConfigError, match="retention"):
         OutboxRelay(engine, connection, retention=-1.0)
+
+
+# ---- episodes with several lineages (pipeline/materialize/lineages.py) -------------------------------
+
+
+def lineage_group() -> tuple[list[tuple[str, Event]], dict[str, TurnCompleted]]:
+    """A group of two, each episode holding several lineages, as a black-box agent records them.
+
+    Episode "a" (reward 1.0): the agent's loop m1 -> m2 -> m3, a subagent k1 (its own root), and a title
+    call s1 marked not for training, recorded last (under the old rule the episode's reward went to the
+    episode's last turn: the title call). Episode "b" (reward 0.0): the loop b1 -> b2 and an unmarked side
+    call sb (its own root, trained)."""
+    t = {
+        "m1": turn([1, 10, 2], [20, 2]),
+        "m2": turn([1, 10, 2, 20, 2, 1, 30, 2], [21, 2]),
+        "k1": turn([1, 60, 2], [61, 2]),
+        "m3": turn([1, 10, 2, 20, 2, 1, 30, 2, 21, 2, 1, 31, 2], [22, 2]),
+        "s1": turn([1, 50, 2], [51, 2]).model_copy(update={"train": False}),
+        "b1": turn([1, 11, 2], [23, 2]),
+        "sb": turn([1, 52, 2], [53, 2]),
+        "b2": turn([1, 11, 2, 23, 2, 1, 32, 2], [24, 2]),
+    }
+    a = [started("a", group="g", size=2), t["m1"], t["m2"], t["k1"], t["m3"], t["s1"],
+         RewardAssigned(value=1.0), EpisodeFinished(termination="done")]  # fmt: skip
+    b = [started("b", group="g", size=2), t["b1"], t["sb"], t["b2"], RewardAssigned(value=0.0),
+         EpisodeFinished(termination="done")]  # fmt: skip
+    return [*(("episode-a", e) for e in a), *(("episode-b", e) for e in b)], t
+
+
+def lineage_fold(style: str) -> tuple[Fold, dict[str, TurnCompleted]]:
+    config = MaterializerConfig(discount=0.5, style=style, advantage="mean", batch_samples=1)  # type: ignore[arg-type]
+    fold = Fold(config)
+    events, turns = lineage_group()
+    for row in fold_rows(events):
+        fold.apply(row)
+    return fold, turns
+
+
+@pytest.mark.parametrize("style", ["individual", "concat"])
+def test_the_episode_reward_reaches_every_trained_lineage_and_marked_calls_make_no_sample(style: str) -> None:
+    fold, t = lineage_fold(style)
+    [payload] = [entry[2] for entry in fold.writes.outbox]
+    samples = {
+        (s.episode_id, tuple(tok for tok, m in zip(s.input_ids, s.loss_mask, strict=True) if m)): s
+        for s in decode_batch(payload).samples
+    }
+    got = {key: (s.reward, s.advantage) for key, s in samples.items()}
+    if style == "individual":
+        # a: the reward 1.0 goes to m3 (the loop's last turn) and to k1 (the subagent's only turn); with
+        # discount 0.5: m3 1.0, m2 0.5, m1 0.25, k1 1.0; the title call s1 gets nothing and no sample.
+        # b: everything 0. Peers ("mean" advantages): the loop's turns by depth (slots 0, 1, 2), the side
+        # lineages' turns with each other (slot -1): k1 against sb, never against b1.
+        #   slot 0: m1 0.25 vs b1 0 -> +0.125 / -0.125; slot 1: m2 0.5 vs b2 0 -> +0.25 / -0.25;
+        #   slot 2: only a reaches it -> 0; slot -1: k1 1.0 vs sb 0 -> +0.5 / -0.5.
+        assert got == (  # binary fractions: exact
+            {("a", (20, 2)): (0.25, 0.125), ("a", (21, 2)): (0.5, 0.25), ("a", (22, 2)): (1.0, 0.0),
+             ("a", (61, 2)): (1.0, 0.5), ("b", (23, 2)): (0.0, -0.125), ("b", (24, 2)): (0.0, -0.25),
+             ("b", (53, 2)): (0.0, -0.5)}
+        )  # fmt: skip
+    else:
+        # One sample per root-to-leaf path of the trained tree: a's loop carries m1's value 0.25, a's
+        # subagent 1.0; b's two paths 0. Loops against loops (slot 0), side paths against side paths (-1).
+        assert got == (  # binary fractions: exact
+            {("a", (20, 2, 21, 2, 22, 2)): (0.25, 0.125), ("a", (61, 2)): (1.0, 0.5),
+             ("b", (23, 2, 24, 2)): (0.0, -0.125), ("b", (53, 2)): (0.0, -0.5)}
+        )  # fmt: skip
+    slots = {s.sample_id: row[SAMPLE_COLUMNS.index("slot")] for s in samples.values() for row in
+             [fold.writes.samples[s.sample_id]]}  # fmt: skip
+    assert sorted(slots.values()) == ([-1, -1, 0, 0, 1, 1, 2] if style == "individual" else [-1, -1, 0, 0])
+    # the turns read model keeps every turn, the marked one too, with what it was given
+    turn_rows = {row[0]: row for row in fold.writes.turns}
+    reward, value = TURN_COLUMNS.index("reward"), TURN_COLUMNS.index("discounted_return")
+    given = [
+        (turn_rows[t[n].turn_id][reward], turn_rows[t[n].turn_id][value]) for n in ("m1", "m3", "k1", "s1")
+    ]
+    assert given == [(0.0, 0.25), (1.0, 1.0), (1.0, 1.0), (0.0, 0.0)]
+
+
+def test_lineages_main_is_the_longest_and_a_turn_under_an_untrained_one_starts_a_lineage() -> None:
+    from pipeline.materialize.lineages import (
+        episode_reward_targets,
+        main_root,
+        peer_slot,
+        roots,
+        trained_tree,
+    )
+    from pipeline.materialize.trajectory import Turn
+
+    ids = {name: uuid.uuid4() for name in ("s", "a1", "a2", "c", "b1", "b2", "b3")}
+    # s: a side root; a1 -> a2 -> c (a compaction call, untrained) -> b1 -> b2 -> b3 (the restart, which
+    # does not extend c token for token in real life; here it does, to show the cut)
+    tree = {ids["s"]: None, ids["a1"]: None, ids["a2"]: ids["a1"], ids["c"]: ids["a2"], ids["b1"]: ids["c"],
+            ids["b2"]: ids["b1"], ids["b3"]: ids["b2"]}  # fmt: skip
+    kept = trained_tree(tree, {ids["c"]})
+    assert ids["c"] not in kept
+    assert kept[ids["b1"]] is None  # a trained turn under an untrained one: a root
+    lineage = roots(kept)
+    assert {lineage[ids[n]] for n in ("b1", "b2", "b3")} == {ids["b1"]}
+    assert (lineage[ids["a2"]], lineage[ids["s"]]) == (ids["a1"], ids["s"])
+    order = ["s", "a1", "a2", "c", "b1", "b2", "b3"]
+    turns = [Turn(ids[n], "e", order.index(n), (1,), (2,), (-0.5,), 0) for n in order if n != "c"]
+    assert main_root(turns, lineage) == ids["b1"]  # 3 turns against 2 and 1
+    assert main_root(turns[:4], lineage) == ids["a1"]  # before the restart outlasts it: a 2, b 1, s 1
+    assert main_root(turns[:2], lineage) == ids["s"]  # a tie (1 and 1): the earliest root
+    assert episode_reward_targets(turns, lineage) == [ids["s"], ids["a2"], ids["b3"]]
+    assert [peer_slot(0, main=True), peer_slot(2, main=True)] == [0, 2]
+    assert [peer_slot(0, main=False), peer_slot(1, main=False)] == [-1, -2]

@@ -11,6 +11,8 @@ import pytest
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageFunctionToolCall
 
 from pipeline.dialects import ChatCall, ChatResult, ChoiceData, OpenAIRequestError, openai_client
+from pipeline.dialects.anthropic import parse_messages_request
+from pipeline.dialects.base import ParseMemo
 from pipeline.dialects.openai import completion_body, completion_chunks, parse_chat_request, sse
 from pipeline.errors import TurnstileError
 from schemas import ChatMessage, FunctionCall, FunctionSpec, SamplingParams, ToolCall, ToolChoice, ToolSpec
@@ -575,3 +577,45 @@ async def test_sdk_models_and_unknown_paths() -> None:
             await client.embeddings.create(model="policy-a", input="hi")
 
     assert [model.id for model in models.data] == ["policy-a"]
+
+
+def test_a_parse_memo_parses_only_what_a_call_adds_and_hands_back_the_same_objects() -> None:
+    memo = ParseMemo()
+    user = {"role": "user", "content": "a"}
+    reply = {"role": "assistant", "content": "b"}
+    first = parse_chat_request({"messages": [user]}, memo=memo)
+    grown = [user, reply, {"role": "user", "content": "c"}]
+    second = parse_chat_request({"messages": copy.deepcopy(grown)}, memo=memo)  # new JSON, equal items
+    assert second.messages[0] is first.messages[0]  # not parsed again: the session compares by identity
+    assert second.messages == parse_chat_request({"messages": grown}).messages  # what no memo gives
+    side = parse_chat_request({"messages": [{"role": "user", "content": "a title?"}]}, memo=memo)
+    again = parse_chat_request({"messages": [*grown, reply, {"role": "user", "content": "d"}]}, memo=memo)
+    assert [m is n for m, n in zip(again.messages, second.messages, strict=False)] == [True] * 3  # kept
+    assert side.messages[0].content == "a title?"
+    edited = parse_chat_request({"messages": [{"role": "user", "content": "A"}, reply]}, memo=memo)
+    assert (edited.messages[0].content, edited.messages[0] is first.messages[0]) == ("A", False)
+    with pytest.raises(OpenAIRequestError) as refused:  # a bad new message is refused, named by its index
+        parse_chat_request({"messages": [*grown, {"role": "bot", "content": "x"}]}, memo=memo)
+    assert refused.value.param == "messages[3].role"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with_tools = parse_chat_request({"messages": [user], "tools": [tool]}, memo=memo)
+    again_tools = parse_chat_request({"messages": [user], "tools": [copy.deepcopy(tool)]}, memo=memo)
+    assert again_tools.tools[0] is with_tools.tools[0]  # tools too: their schemas are checked once
+
+
+def test_a_parse_memo_keeps_anthropic_system_messages_and_tool_results_as_without_one() -> None:
+    body = {
+        "max_tokens": 8,
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "4"}]},
+        ],
+    }
+    memo = ParseMemo()
+    once = parse_messages_request(copy.deepcopy(body), memo=memo)
+    twice = parse_messages_request(copy.deepcopy(body), memo=memo)
+    assert once.messages == twice.messages == parse_messages_request(body).messages
+    assert [m.role for m in twice.messages] == ["system", "user", "assistant", "tool"]
+    assert twice.messages[1] is once.messages[1]

@@ -132,3 +132,15 @@ def test_sampling_numbers_the_engines_cannot_take_are_refused(field: str, value:
     with pytest.raises(ValidationError, match=field):
         SamplingParams.model_validate({field: value})
     assert SamplingParams.model_validate({"seed": 2**63 - 1, "max_tokens": 2**31 - 1}).seed == 2**63 - 1
+
+
+def test_a_turn_recorded_before_the_train_mark_existed_reads_as_trained() -> None:
+    recorded = turn().model_dump(mode="json")
+    del recorded["train"]  # what older writers stored
+    for tolerant in (False, True):
+        stored = parse_event(recorded, tolerant=tolerant)
+        assert isinstance(stored, TurnCompleted)
+        assert stored.train is None  # None: trained; only False marks a side call
+    marked = parse_event({**recorded, "train": False})
+    assert isinstance(marked, TurnCompleted)
+    assert marked.train is False

@@ -217,3 +217,14 @@ async def test_a_session_made_with_only_a_policy_records_the_documented_defaults
     )  # fmt: skip
     assert (started.sampling, started.tags, started.retry_of) == (SamplingParams(), {}, None)
     assert not record.metadata
+
+
+async def test_llm_chat_train_false_records_a_side_call_and_sampling_keywords_still_reach_the_turn() -> None:
+    session = EpisodeSession(InMemoryStore(), PrefixEcho(), policy="main")
+    await session.start()
+    question = [{"role": "user", "content": "q"}]
+    await session.llm.chat(question, temperature=0.5)
+    await session.llm.chat([{"role": "user", "content": "a title for this chat"}], train=False, max_tokens=7)
+    turns = session.episode().turns
+    assert [t.train for t in turns] == [None, False]  # None: trained, as on every older turn
+    assert (turns[0].request.sampling.temperature, turns[1].request.sampling.max_tokens) == (0.5, 7)

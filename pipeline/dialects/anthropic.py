@@ -48,6 +48,7 @@ from pipeline.dialects.base import (
     ChatCall,
     ChatResult,
     ChoiceData,
+    ParseMemo,
     RequestError,
     WireReply,
     dotted_path,
@@ -102,6 +103,7 @@ def parse_messages_request(
     *,
     defaults: SamplingParams | None = None,
     known_arguments: Mapping[str, str] | None = None,
+    memo: ParseMemo | None = None,
 ) -> ChatCall:
     """An Anthropic Messages request body -> ``ChatCall`` (``n`` 1, no logprobs).
 
@@ -120,8 +122,9 @@ def parse_messages_request(
     if not isinstance(stream, bool):
         raise _invalid("stream", "must be true or false", stream)
     _refuse_unserved(given)
-    tools = _parse_tools(given.get("tools", []))
-    system, conversation = _parse_messages(given.get("messages"), known_arguments)
+    tools = _parse_tools(given.get("tools", []), memo.part("tools") if memo is not None else None)
+    messages_memo = memo.part("messages") if memo is not None else None
+    system, conversation = _parse_messages(given.get("messages"), known_arguments, messages_memo)
     system_texts = ([_text_of(given["system"], "system")] if "system" in given else []) + system
     messages = [ChatMessage(role="system", content="\n".join(system_texts))] if system_texts else []
     messages += conversation
@@ -192,30 +195,45 @@ def _text_of(raw: object, path: str) -> str:
 
 
 def _parse_messages(
-    raw: object, known_arguments: Mapping[str, str] | None
+    raw: object, known_arguments: Mapping[str, str] | None, memo: ParseMemo | None = None
 ) -> tuple[list[str], list[ChatMessage]]:
     """The text of the ``system`` messages (merged into the system prompt), and the other messages."""
     if not isinstance(raw, list) or not raw:
         raise _invalid("messages", "must be a non-empty list of message objects", raw)
+
+    def parse_item(index: int, item: object) -> str | list[ChatMessage]:
+        return _parse_item(item, f"messages[{index}]", known_arguments or {})
+
+    if memo is not None:
+        parsed = memo.parse(raw, parse_item)
+    else:
+        parsed = [parse_item(index, item) for index, item in enumerate(raw)]
     system: list[str] = []
     messages: list[ChatMessage] = []
-    for index, item in enumerate(raw):
-        path = f"messages[{index}]"
-        if not isinstance(item, dict):
-            raise _invalid(path, "must be a message object", item)
-        role = item.get("role")
-        if role not in ("user", "assistant", "system"):
-            raise _invalid(f"{path}.role", "must be 'user', 'assistant' or 'system'", role)
-        content = item.get("content")
-        if role == "system":
-            system.append(_text_of(content, f"{path}.content"))
-        elif role == "user":
-            messages += _user_messages(content, f"{path}.content")
+    for one in parsed:
+        if isinstance(one, str):
+            system.append(one)
         else:
-            messages.append(_assistant_message(content, f"{path}.content", known_arguments or {}))
+            messages += one
     if not messages:
         raise _invalid("messages", "must hold a user or assistant message besides system ones", raw)
     return system, messages
+
+
+def _parse_item(item: object, path: str, known_arguments: Mapping[str, str]) -> str | list[ChatMessage]:
+    """One message of ``messages``: a system message's text, or the messages it makes (a user message
+    with tool results makes one tool message each)."""
+    if not isinstance(item, dict):
+        raise _invalid(path, "must be a message object", item)
+    role = item.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise _invalid(f"{path}.role", "must be 'user', 'assistant' or 'system'", role)
+    content = item.get("content")
+    if role == "system":
+        return _text_of(content, f"{path}.content")
+    if role == "user":
+        return _user_messages(content, f"{path}.content")
+    return [_assistant_message(content, f"{path}.content", known_arguments)]
 
 
 def _blocks(content: object, path: str) -> list[dict[str, Any]]:
@@ -330,28 +348,34 @@ def _arguments_text(call_id: str, arguments: dict[str, Any], known: Mapping[str,
     return json.dumps(arguments, ensure_ascii=False)
 
 
-def _parse_tools(raw: object) -> list[ToolSpec]:
+def _parse_tools(raw: object, memo: ParseMemo | None = None) -> list[ToolSpec]:
     if not isinstance(raw, list):
         raise _invalid("tools", "must be a list of tools", raw)
-    tools = []
-    for index, tool in enumerate(raw):
-        path = f"tools[{index}]"
-        if not isinstance(tool, dict):
-            raise _invalid(path, "must be a tool object", tool)
-        if tool.get("type") not in (None, "custom"):
-            if not isinstance(tool.get("type"), str):
-                raise _invalid(f"{path}.type", "must be a string", tool.get("type"))
-            continue  # a server tool (web_search_..., bash_..., ...): accepted, not offered to the policy
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
-            raise _invalid(f"{path}.input_schema", "is required: a JSON Schema object", schema)
-        function = {
-            "name": tool.get("name"),
-            "description": tool.get("description") or "",
-            "parameters": schema,
-        }
-        tools.append(_validated(ToolSpec, {"type": "function", "function": function}, path))
-    return tools
+    if memo is not None:  # agents send the same tools on every call: the same objects come back
+        parsed = memo.parse(raw, _parse_tool)
+    else:
+        parsed = [_parse_tool(index, tool) for index, tool in enumerate(raw)]
+    return [tool for tool in parsed if tool is not None]
+
+
+def _parse_tool(index: int, tool: object) -> ToolSpec | None:
+    """A tool offered to the policy; None for a server tool (accepted, not offered)."""
+    path = f"tools[{index}]"
+    if not isinstance(tool, dict):
+        raise _invalid(path, "must be a tool object", tool)
+    if tool.get("type") not in (None, "custom"):
+        if not isinstance(tool.get("type"), str):
+            raise _invalid(f"{path}.type", "must be a string", tool.get("type"))
+        return None  # a server tool (web_search_..., bash_..., ...): accepted, not offered to the policy
+    schema = tool.get("input_schema")
+    if not isinstance(schema, dict):
+        raise _invalid(f"{path}.input_schema", "is required: a JSON Schema object", schema)
+    function = {
+        "name": tool.get("name"),
+        "description": tool.get("description") or "",
+        "parameters": schema,
+    }
+    return _validated(ToolSpec, {"type": "function", "function": function}, path)
 
 
 def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> ToolChoice | None:
@@ -536,9 +560,14 @@ class AnthropicMessages:
     paths: tuple[str, ...] = ("/v1/messages", "/v1/v1/messages")
 
     def parse(
-        self, body: object, *, defaults: SamplingParams, known_arguments: Mapping[str, str]
+        self,
+        body: object,
+        *,
+        defaults: SamplingParams,
+        known_arguments: Mapping[str, str],
+        memo: ParseMemo | None = None,
     ) -> ChatCall:
-        return parse_messages_request(body, defaults=defaults, known_arguments=known_arguments)
+        return parse_messages_request(body, defaults=defaults, known_arguments=known_arguments, memo=memo)
 
     def render(self, call: ChatCall, result: ChatResult, *, model: str) -> WireReply:
         shape: dict[str, Any] = {

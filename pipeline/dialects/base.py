@@ -41,6 +41,10 @@ class ChatCall:
     previous_turn: UUID | None = None
     """A recorded turn of the session whose conversation and reply come before ``messages`` (the Responses
     API's ``previous_response_id``); the gateway resolves it."""
+    whole_prompt_ids: bool = False
+    """The reply's ``turnstile`` field carries the whole prompt's ids (opt-in: see ``chat_result``)."""
+    train: bool = True
+    """False: the turns are recorded as not for training (a side call: ``TurnCompleted.train``)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,45 @@ class RequestError(TurnstileError):
         super().__init__(message)
 
 
+_Parsed = TypeVar("_Parsed")
+MEMO_HISTORIES = 4
+"""Histories a ``ParseMemo`` keeps: the conversations of a session that interleave (its loop, a subagent,
+a title call) each find their own."""
+
+
+class ParseMemo:
+    """What a session's recent calls sent and what each item of it parsed to, so that a call parses only
+    what it adds.
+
+    Agents send the whole history on every call. The leading items that are equal to those of a recent
+    call (``==`` on the parsed JSON: a comparison in C, no validation) are not parsed and validated again:
+    they come back as the very objects that call got, which the session then compares by identity when it
+    looks for the turn the call continues. A call's cost grows with what it adds, not with its history.
+    Parsing an item must depend on nothing but the item (an error names it by its index)."""
+
+    def __init__(self) -> None:
+        self._histories: list[tuple[list[object], list[Any]]] = []
+        self._parts: dict[str, ParseMemo] = {}
+
+    def part(self, name: str) -> ParseMemo:
+        """The memo of one list of the request (``messages``, ``tools``): each is compared with its own."""
+        return self._parts.setdefault(name, ParseMemo())
+
+    def parse(self, raw: list[object], parse_item: Callable[[int, object], _Parsed]) -> list[_Parsed]:
+        best, reused = -1, 0
+        for index, (items, _) in enumerate(self._histories):
+            shared, limit = 0, min(len(raw), len(items))
+            while shared < limit and raw[shared] == items[shared]:
+                shared += 1
+            if shared > reused:
+                best, reused = index, shared
+        items, kept = self._histories.pop(best) if best >= 0 else ([], [])
+        parsed = kept[:reused] + [parse_item(index, raw[index]) for index in range(reused, len(raw))]
+        # the items already held stay (their strings are the parsed messages' own): memory of one history
+        self._histories = [*self._histories[-(MEMO_HISTORIES - 1) :], (items[:reused] + raw[reused:], parsed)]
+        return parsed
+
+
 class Dialect(Protocol):
     """One wire API. The gateway adds a POST route for each of ``paths``; the registry is in
     ``pipeline.dialects``. Adding an API is one module with one of these and one line in the registry."""
@@ -108,10 +151,16 @@ class Dialect(Protocol):
     """The chat routes, e.g. ``/v1/chat/completions``."""
 
     def parse(
-        self, body: object, *, defaults: SamplingParams, known_arguments: Mapping[str, str]
+        self,
+        body: object,
+        *,
+        defaults: SamplingParams,
+        known_arguments: Mapping[str, str],
+        memo: ParseMemo | None = None,
     ) -> ChatCall:
         """A request body -> ``ChatCall``, or ``RequestError`` naming the field. ``known_arguments``: the
-        recorded argument text of the session's tool calls by id (for APIs that send arguments parsed)."""
+        recorded argument text of the session's tool calls by id (for APIs that send arguments parsed).
+        ``memo``: the session's (``ParseMemo``), for dialects that reuse what earlier calls parsed."""
         ...
 
     def render(self, call: ChatCall, result: ChatResult, *, model: str) -> WireReply:

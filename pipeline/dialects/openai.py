@@ -34,6 +34,7 @@ from pipeline.dialects.base import (
     ChatCall,
     ChatResult,
     ChoiceData,
+    ParseMemo,
     RequestError,
     WireReply,
     bracket_path,
@@ -100,7 +101,9 @@ class _CallOptions(BaseModel):
     stream_options: _StreamOptions | None = None
 
 
-def parse_chat_request(body: object, *, defaults: SamplingParams | None = None) -> ChatCall:
+def parse_chat_request(
+    body: object, *, defaults: SamplingParams | None = None, memo: ParseMemo | None = None
+) -> ChatCall:
     """An OpenAI chat.completions request body -> ``ChatCall``; unknown top-level keys are ignored.
 
     Raises ``OpenAIRequestError`` whose ``param`` is the path of the offending field
@@ -112,9 +115,9 @@ def parse_chat_request(body: object, *, defaults: SamplingParams | None = None) 
     options = _validated(_CallOptions, given, "")
     if options.top_logprobs and not options.logprobs:
         raise _invalid("top_logprobs", "needs logprobs set to true", options.top_logprobs)
-    tools = _parse_tools(given.get("tools", []))
+    tools = _parse_tools(given.get("tools", []), memo.part("tools") if memo is not None else None)
     return ChatCall(
-        messages=_parse_messages(given.get("messages")),
+        messages=_parse_messages(given.get("messages"), memo.part("messages") if memo is not None else None),
         tools=tools,
         sampling=_parse_sampling(given, defaults or SamplingParams()),
         n=options.n,
@@ -127,9 +130,11 @@ def parse_chat_request(body: object, *, defaults: SamplingParams | None = None) 
     )
 
 
-def _parse_messages(raw: object) -> list[ChatMessage]:
+def _parse_messages(raw: object, memo: ParseMemo | None = None) -> list[ChatMessage]:
     if not isinstance(raw, list) or not raw:
         raise _invalid("messages", "must be a non-empty list of message objects", raw)
+    if memo is not None:
+        return memo.parse(raw, lambda index, item: _parse_message(item, f"messages[{index}]"))
     return [_parse_message(item, f"messages[{index}]") for index, item in enumerate(raw)]
 
 
@@ -178,10 +183,16 @@ def _content_text(content: object, path: str) -> str | None:
     return "\n".join(texts)
 
 
-def _parse_tools(raw: object) -> list[ToolSpec]:
+def _parse_tools(raw: object, memo: ParseMemo | None = None) -> list[ToolSpec]:
     if not isinstance(raw, list):
         raise _invalid("tools", "must be a list of function tools", raw)
-    return [_validated(ToolSpec, tool, f"tools[{index}]") for index, tool in enumerate(raw)]
+
+    def parse_tool(index: int, tool: object) -> ToolSpec:
+        return _validated(ToolSpec, tool, f"tools[{index}]")
+
+    if memo is not None:  # agents send the same tools on every call: the same objects come back
+        return memo.parse(raw, parse_tool)
+    return [parse_tool(index, tool) for index, tool in enumerate(raw)]
 
 
 def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> ToolChoice | None:
@@ -385,9 +396,15 @@ class OpenAIChat:
     paths: tuple[str, ...] = ("/v1/chat/completions",)
 
     def parse(
-        self, body: object, *, defaults: SamplingParams, known_arguments: Mapping[str, str]
+        self,
+        body: object,
+        *,
+        defaults: SamplingParams,
+        known_arguments: Mapping[str, str],
+        memo: ParseMemo | None = None,
     ) -> ChatCall:
-        call = parse_chat_request(body, defaults=defaults)
+        call = parse_chat_request(body, defaults=defaults, memo=memo)
+        # restore_arguments hands back the very message where nothing is restored (the memo's identity holds)
         return replace(call, messages=restore_arguments(call.messages, known_arguments))
 
     def render(self, call: ChatCall, result: ChatResult, *, model: str) -> WireReply:

@@ -48,6 +48,7 @@ from pipeline.dialects.base import (
     ChatCall,
     ChatResult,
     ChoiceData,
+    ParseMemo,
     RequestError,
     WireReply,
     bracket_path,
@@ -532,8 +533,16 @@ class OpenAIResponses:
     paths: tuple[str, ...] = ("/v1/responses",)
 
     def parse(
-        self, body: object, *, defaults: SamplingParams, known_arguments: Mapping[str, str]
+        self,
+        body: object,
+        *,
+        defaults: SamplingParams,
+        known_arguments: Mapping[str, str],
+        memo: ParseMemo | None = None,
     ) -> ChatCall:
+        # no memo: an input item's meaning depends on the items around it (function calls join the
+        # assistant message before them); clients that continue with previous_response_id send only
+        # what is new anyway
         call = parse_responses_request(body, defaults=defaults)
         return replace(call, messages=restore_arguments(call.messages, known_arguments))
 

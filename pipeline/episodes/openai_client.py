@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from openai import AsyncOpenAI
 
@@ -19,8 +20,17 @@ ChatTurn = Callable[
 """One recorded turn of an episode (``EpisodeSession.chat``)."""
 
 
-def chat_result(episode_id: str, replies: Sequence[ChatReply]) -> ChatResult:
-    """The OpenAI-shaped result of ``n`` recorded turns, with the ``turnstile`` field (turn ids, tokens)."""
+def chat_result(episode_id: str, replies: Sequence[ChatReply], *, whole_prompt: bool = False) -> ChatResult:
+    """The OpenAI-shaped result of ``n`` recorded turns, with the ``turnstile`` field: the turn ids, the
+    turn's token ids as it records them, and the policy version.
+
+    The prompt's ids come as the turn records them, not whole: ``prefix_tokens`` (how many leading ids are
+    the ``parent_turn_id`` turn's prompt + completion ids, which an earlier reply carried) and
+    ``added_prompt_token_ids`` (the rest), so a reply's size and the work to encode it stay flat as the
+    conversation grows (a 30k-token history would otherwise travel back on every turn: ~120 KB of JSON
+    numbers). ``whole_prompt`` (the gateway's ``x-turnstile-prompt-ids: whole`` header) adds the whole
+    prompt as ``prompt_token_ids`` for clients that want it without stitching.
+    """
     choices = [
         ChoiceData(
             text=reply.text,
@@ -35,16 +45,19 @@ def chat_result(episode_id: str, replies: Sequence[ChatReply]) -> ChatResult:
         )
         for reply in replies
     ]
-    extra = {
-        "turnstile": {
-            "episode_id": episode_id,
-            "turn_ids": [str(reply.turn_id) for reply in replies],
-            "prompt_token_ids": replies[0].prompt_token_ids,
-            "completion_token_ids": [reply.completion_token_ids for reply in replies],
-            "policy_version": replies[0].policy_version,
-        }
+    first = replies[0]
+    extra: dict[str, Any] = {
+        "episode_id": episode_id,
+        "turn_ids": [str(reply.turn_id) for reply in replies],
+        "parent_turn_id": str(first.parent_turn_id) if first.parent_turn_id else None,
+        "prefix_tokens": first.prefix_tokens,
+        "added_prompt_token_ids": first.added_prompt_ids,
+        "completion_token_ids": [reply.completion_token_ids for reply in replies],
+        "policy_version": first.policy_version,
     }
-    return ChatResult(choices=choices, prompt_tokens=len(replies[0].prompt_token_ids), extra=extra)
+    if whole_prompt:
+        extra["prompt_token_ids"] = first.prompt_token_ids
+    return ChatResult(choices=choices, prompt_tokens=first.prompt_token_count, extra={"turnstile": extra})
 
 
 def wanted_detail(call: ChatCall) -> int | None:

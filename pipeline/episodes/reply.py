@@ -29,6 +29,18 @@ class ChatReply:
     top_logprobs: list[list[TokenLogprob]] | None = None
     reasoning: str | None = None
     """The model's reasoning, split from ``text`` (see ``schemas.TurnReply.reasoning``)."""
+    parent_turn_id: uuid.UUID | None = None
+    """The recorded turn this one continues token-exactly (None: a root)."""
+    prefix_tokens: int = 0
+    """How many leading prompt ids are the parent turn's prompt + completion ids."""
+    added_prompt_ids: list[int] = field(default_factory=list, repr=False)
+    """The prompt ids after those: what this turn adds (the whole prompt for a root). With the parent's
+    ids they make the whole prompt; alone they keep a reply's size flat as the conversation grows."""
+
+    @property
+    def prompt_token_count(self) -> int:
+        """The whole prompt's length, without building it."""
+        return self.prefix_tokens + len(self.added_prompt_ids)
 
     @functools.cached_property
     def prompt_token_ids(self) -> list[int]:

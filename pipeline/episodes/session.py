@@ -14,6 +14,7 @@ import itertools
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -173,13 +174,15 @@ class EpisodeSession:
         tool_choice: ToolChoice | None = None,
         top_logprobs: int | None = None,
         listening: Callable[[], Awaitable[bool]] | None = None,
+        train: bool = True,
     ) -> ChatReply:
         """One LLM turn: the request goes to inference, the turn is recorded, then the reply returns.
 
         ``top_logprobs`` (0-20): the reply carries each completion token's text and bytes and its most
         likely alternatives (``ChatReply.token_logprobs``, ``top_logprobs``); they are not recorded.
         ``listening``: asked once the reply is generated; False records the turn as never delivered (the
-        gateway's client disconnected)."""
+        gateway's client disconnected). ``train`` False records the turn as not for training
+        (``TurnCompleted.train``: a side call; see ``pipeline.materialize.lineages``)."""
         if self.finished:
             raise TurnstileError(f"episode {self.episode_id} is finished; start a new episode")
         if self.max_turns is not None and self._calls >= self.max_turns:
@@ -226,6 +229,7 @@ class EpisodeSession:
             render_drift=response.render_drift,
             chat_template=response.chat_template,
             delivered=delivered,
+            train=None if train else False,
         )
         await self._append([turn])
         context = _Context(
@@ -254,6 +258,9 @@ class EpisodeSession:
             token_logprobs=response.token_logprobs,
             top_logprobs=response.top_logprobs,
             reasoning=response.reasoning,
+            parent_turn_id=turn.parent_turn_id,
+            prefix_tokens=taken,
+            added_prompt_ids=response.prompt_token_ids,
         )
         self.turns.append(reply)
         self._contexts.append(context)
@@ -459,10 +466,13 @@ class EpisodeLLM:
         self,
         messages: Sequence[ChatMessage | Mapping[str, Any]],
         tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
+        *,
+        train: bool = True,
         **sampling: Any,
     ) -> ChatReply:
-        """``await llm.chat(messages, tools=None, temperature=..., max_tokens=...)``."""
-        return await self._session.chat(messages, tools, sampling)
+        """``await llm.chat(messages, tools=None, temperature=..., max_tokens=...)``; ``train=False``: a side
+        call, recorded but not for training (``pipeline.materialize.lineages``)."""
+        return await self._session.chat(messages, tools, sampling, train=train)
 
     async def reward(self, value: float, turn_id: uuid.UUID | str | None = None) -> None:
         """Record a reward now (for a turn, or the episode), besides what ``run`` returns."""
@@ -483,13 +493,30 @@ def check_tool_schemas(tools: Sequence[ToolSpec]) -> None:
     """``InvalidLLMCall`` naming the tool whose ``parameters`` is not a valid JSON Schema (Draft 2020-12,
     what OpenAI and Anthropic take): it would be recorded, rendered into the prompt and trained on."""
     for index, tool in enumerate(tools):
-        problem = _schema_problem(json.dumps(tool.function.parameters, sort_keys=True))
+        problem = _tool_problem(tool)
         if problem is not None:
             raise InvalidLLMCall(
                 f"llm.chat: tools[{index}].function.parameters ({tool.function.name!r}) is not a valid JSON "
                 f"Schema: {problem}",
                 field=f"tools[{index}].function.parameters",
             )
+
+
+_CHECKED: OrderedDict[int, tuple[ToolSpec, str | None]] = OrderedDict()
+"""Tools checked lately, by identity: the gateway hands back the same objects for the tools a session
+sends again (``ParseMemo``), so a call with ~20 large tools costs lookups, not a JSON dump of each schema."""
+CHECKED_KEPT: Final = 4096
+
+
+def _tool_problem(tool: ToolSpec) -> str | None:
+    known = _CHECKED.get(id(tool))
+    if known is not None and known[0] is tool:  # the tool is held here, so its id is not reused
+        return known[1]
+    problem = _schema_problem(json.dumps(tool.function.parameters, sort_keys=True))
+    _CHECKED[id(tool)] = (tool, problem)
+    if len(_CHECKED) > CHECKED_KEPT:
+        _CHECKED.popitem(last=False)
+    return problem
 
 
 @functools.lru_cache(maxsize=4096)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import fnmatch
 import hashlib
 import json
 import logging
@@ -72,6 +74,14 @@ REQUEST_SCHEMAS: Final = {
     "responses": OPENAI_RESPONSES,
 }
 """The request body of each dialect's chat route in ``/openapi.json``, by ``Dialect.name``."""
+
+PROMPT_IDS_HEADER: Final = "x-turnstile-prompt-ids"
+"""``whole``: the reply's ``turnstile`` field also carries the whole prompt's ids (``chat_result``)."""
+
+TRAIN_HEADER: Final = "x-turnstile-train"
+"""``false`` (or ``0``, ``no``, ``off``): the call's turns are recorded as not for training (a side call)."""
+_NO: Final = frozenset({"false", "0", "no", "off"})
+_YES: Final = frozenset({"true", "1", "yes", "on"})
 
 _Spec = TypeVar("_Spec", bound=BaseModel)
 
@@ -140,6 +150,12 @@ def create_gateway(
                     await json_body(request),
                     defaults=entry.session.started.sampling,
                     known_arguments=entry.tool_arguments,
+                    memo=entry.memo(dialect.name),
+                )
+                call = dataclasses.replace(
+                    call,
+                    whole_prompt_ids=request.headers.get(PROMPT_IDS_HEADER, "").strip().lower() == "whole",
+                    train=trained(request, entry, call.model),
                 )
 
                 async def listening() -> bool:
@@ -300,11 +316,26 @@ def create_gateway(
     return app
 
 
+def trained(request: Request, entry: SessionEntry, model: str) -> bool:
+    """Whether the call's turns are for training: the ``x-turnstile-train`` header when sent, else the
+    session's ``untrained_models`` rule (a request ``model`` matching one of its patterns is a side call)."""
+    header = request.headers.get(TRAIN_HEADER)
+    if header is not None:
+        value = header.strip().lower()
+        if value not in _NO | _YES:
+            raise GatewayError(
+                400, f"the {TRAIN_HEADER} header must be true or false, got {header!r}", param=TRAIN_HEADER
+            )
+        return value in _YES
+    return not any(fnmatch.fnmatchcase(model, pattern) for pattern in entry.untrained_models)
+
+
 def retry_keys(request: Request, body: bytes) -> RetryKeys:
     """What tells a retry from a new call: ``Idempotency-Key``, the route and body, and the SDKs'
     ``x-stainless-retry-count`` (a count that is not a number reads as not sent)."""
     count = request.headers.get("x-stainless-retry-count")
-    digest = hashlib.sha256(request.url.path.encode() + b"\n" + body).digest()
+    path: str = request.scope["path"]  # request.url builds and parses the whole URL: not on every call
+    digest = hashlib.sha256(path.encode() + b"\n" + body).digest()
     return RetryKeys(
         idempotency_key=request.headers.get("idempotency-key") or None,
         body=digest,
@@ -381,7 +412,11 @@ async def json_body(request: Request, *, empty: object = None) -> object:
 
 def _check_storable(value: object, where: str) -> None:
     """Refuse what the event log cannot hold before anything runs: a NUL character (PostgreSQL's jsonb has
-    none) and a lone surrogate (not Unicode text). Iterative: the body may nest deeply."""
+    none) and a lone surrogate (not Unicode text). Iterative: the body may nest deeply. A quick pass first
+    (no paths: this runs on every body, a long conversation's included); the path is found only for a body
+    that fails."""
+    if _storable(value):
+        return
     stack: list[tuple[object, str]] = [(value, where)]
     while stack:
         item, path = stack.pop()
@@ -403,6 +438,32 @@ def _check_storable(value: object, where: str) -> None:
                     400,
                     f"{path} holds a lone surrogate (such as \\ud800), which is not Unicode text; remove it",
                 ) from None
+
+
+def _storable(value: object) -> bool:
+    """Whether every string (keys too) in a parsed JSON value is free of NUL and of lone surrogates: the
+    strings are gathered and checked as one (a check per string costs more than the copy)."""
+    texts: list[str] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is str:
+            texts.append(item)
+        elif type(item) is dict:
+            texts.extend(item)
+            stack.extend(item.values())
+        elif type(item) is list:
+            stack.extend(item)
+    text = "".join(texts)
+    if "\x00" in text:
+        return False
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")  # a lone surrogate stays one when joined: it cannot pair with its neighbour
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_spec(model: type[_Spec], body: object) -> _Spec:

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import hmac
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,7 +37,7 @@ from pipeline.inference import (
     RequestRejected,
 )
 from pipeline.log import Store
-from schemas import ChatMessage, PolicyVersionPublished, SamplingParams
+from schemas import ChatMessage, PolicyVersionPublished, RewardAssigned, SamplingParams
 from schemas.episode import Termination
 
 BAD_KEY: Final = (
@@ -68,6 +68,13 @@ class SessionSpec(BaseModel):
     tags: dict[str, str] = Field(default_factory=dict)
     max_turns: int | None = Field(default=None, ge=1)
     episode_id: str | None = Field(default=None, min_length=1, max_length=200)
+    untrained_models: list[str] = Field(
+        default_factory=list,
+        max_length=100,
+        description="fnmatch patterns (case-sensitive) of request model names whose calls are recorded as "
+        "not for training, e.g. ['claude-haiku-*'] for Claude Code's small-model side calls; the "
+        "x-turnstile-train header of a call overrides it",
+    )
 
 
 class RewardSpec(BaseModel):
@@ -221,7 +228,11 @@ class Gateway:
                 ) from None
             except InvalidEvent as error:
                 raise GatewayError(400, f"the session cannot be recorded: {error}") from None
-            return session, self.registry.register(session, owned=True)
+            api_key = self.registry.register(session, owned=True)
+            entry = self.registry.get(session.episode_id)
+            assert entry is not None
+            entry.untrained_models = tuple(spec.untrained_models)
+            return session, api_key
         finally:
             self._starting -= 1
 
@@ -333,22 +344,16 @@ class Gateway:
         if call.previous_turn is not None:
             call = continued(call, session.conversation_of(call.previous_turn))
 
-        async def turns() -> list[ChatReply]:
-            return list(
-                await asyncio.gather(
-                    *(
-                        session.chat(
-                            call.messages,
-                            call.tools,
-                            call.sampling,
-                            call.tool_choice,
-                            wanted_detail(call),
-                            listening,
-                        )
-                        for _ in range(call.n)
-                    )
-                )
+        def turn() -> Coroutine[Any, Any, ChatReply]:
+            detail = wanted_detail(call)
+            return session.chat(
+                call.messages, call.tools, call.sampling, call.tool_choice, detail, listening, call.train
             )
+
+        async def turns() -> list[ChatReply]:
+            if call.n == 1:
+                return [await turn()]  # no gather: a task less per call
+            return list(await asyncio.gather(*(turn() for _ in range(call.n))))
 
         try:
             replies = await entry.run(turns())
@@ -368,7 +373,7 @@ class Gateway:
             known = self.served_versions.get(session.policy, -1)
             self.served_versions[session.policy] = max(known, reply.policy_version)
             entry.tool_arguments.update((call.id, call.function.arguments) for call in reply.tool_calls)
-        return chat_result(session.episode_id, replies)
+        return chat_result(session.episode_id, replies, whole_prompt=call.whole_prompt_ids)
 
 
 def continued(call: ChatCall, history: list[ChatMessage] | None) -> ChatCall:
@@ -389,14 +394,15 @@ def continued(call: ChatCall, history: list[ChatMessage] | None) -> ChatCall:
 
 
 def describe(entry: SessionEntry) -> dict[str, Any]:
+    """The session's state, from what it holds (no fold of its events: that rebuilds every turn's prompt)."""
     session = entry.session
-    episode = session.episode()
+    rewards = [event.value for event in session.events if isinstance(event, RewardAssigned)]
     return {
         "session_id": entry.session_id,
         "policy": session.policy,
-        "turns": len(episode.turns),
-        "last_turn_id": str(episode.turns[-1].turn_id) if episode.turns else None,
-        "reward": episode.total_reward if episode.rewards else None,
+        "turns": len(session.turns),
+        "last_turn_id": str(session.turns[-1].turn_id) if session.turns else None,
+        "reward": sum(rewards) if rewards else None,
         "open": True,
     }
 

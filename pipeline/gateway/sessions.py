@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
+from pipeline.dialects.base import ParseMemo
 from pipeline.episodes import EpisodeSession
 from pipeline.errors import TurnstileError
 from pipeline.gateway.errors import GatewayError
@@ -93,6 +94,11 @@ class SessionEntry:
         sends arguments back parsed (Anthropic's ``tool_use.input``) gets the exact text restored."""
         self.answers: OrderedDict[bytes | str, Answer] = OrderedDict()
         """The latest calls by body hash and by ``Idempotency-Key``, for answering retries."""
+        self.memos: dict[str, ParseMemo] = {}
+        """Per dialect, what the session's recent calls parsed to (a call parses only what it adds)."""
+        self.untrained_models: tuple[str, ...] = ()
+        """Patterns (``fnmatch``, case-sensitive) of request ``model`` names whose calls are side calls, not
+        for training (``SessionSpec.untrained_models``)."""
 
     def prior(self, keys: RetryKeys) -> Answer | None:
         """The earlier call ``keys`` retry, if any: the same ``Idempotency-Key``; or the same body when the
@@ -124,6 +130,9 @@ class SessionEntry:
         """Drop a call that failed: a retry of it runs again."""
         for name in [name for name, known in self.answers.items() if known is answer]:
             del self.answers[name]
+
+    def memo(self, dialect: str) -> ParseMemo:
+        return self.memos.setdefault(dialect, ParseMemo())
 
     @property
     def session_id(self) -> str:

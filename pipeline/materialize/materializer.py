@@ -28,7 +28,7 @@ import re
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any, Final, Literal
 
@@ -38,6 +38,7 @@ from psycopg import sql
 from pipeline.batches.format import BATCHES_CHANNEL, encode_packed, pack_arrays
 from pipeline.errors import ConfigError
 from pipeline.log.tokens import unpack_tokens
+from pipeline.materialize.lineages import episode_reward_targets, main_root, peer_slot, roots, trained_tree
 from pipeline.materialize.trajectory import (
     Turn,
     concat_samples,
@@ -333,7 +334,7 @@ class Fold:
         # Everything that can fail on a malformed event is computed before any state changes.
         started = events[0].data
         episode_id: str = started["episode_id"]
-        turns, turn_rows, tree, values = self._turns(episode_id, events)
+        turns, turn_rows, view = self._turns(episode_id, events)
         termination = _text(row, "termination")
         error = _text(row, "error", None)
         rewards = [_reward(e) for e in events if e.type == "RewardAssigned"]
@@ -345,12 +346,10 @@ class Fold:
             (row.recorded_at - events[0].recorded_at).total_seconds(), row.position,
         ]  # fmt: skip
         usable = termination in USABLE and bool(turns)
-        unseen = _never_delivered(events, tree)
-        trained = [turn for turn in turns if turn.turn_id not in unseen]
         if usable and self.config.style == "concat":
-            samples = concat_samples(trained, {t: p for t, p in tree.items() if t not in unseen}, values)
+            samples = concat_samples(view.turns, view.tree, view.values)
         elif usable:
-            samples = individual_samples(trained, values)
+            samples = individual_samples(view.turns, view.values)
         del self.open[row.stream]
         self._record_finished(episode_id, finished)
         self.writes.turns.extend(turn_rows)
@@ -368,8 +367,14 @@ class Fold:
         group.last_time = row.recorded_at
         group.episodes.add(episode_id)
         if self.config.advantage_peers == "depth":
-            depth_of = depths(tree)
-            slots = [0 if self.config.style == "concat" else depth_of[s.turn_ids[0]] for s in samples]
+            depth_of = depths(view.tree)
+            slots = [
+                peer_slot(
+                    0 if self.config.style == "concat" else depth_of[s.turn_ids[0]],
+                    main=view.lineage[s.turn_ids[0]] == view.main,
+                )
+                for s in samples
+            ]
         else:
             slots = list(range(len(samples)))
         for slot, sample in zip(slots, samples, strict=True):
@@ -405,41 +410,42 @@ class Fold:
 
     def _turns(
         self, episode_id: str, events: list[LogRow]
-    ) -> tuple[list[Turn], list[tuple[Any, ...]], dict[uuid.UUID, uuid.UUID | None], dict[uuid.UUID, float]]:
-        """The episode's turns (each with its own reward; the episode's reward goes to its last turn), their
-        read-model rows, the token-level tree and the discounted values."""
+    ) -> tuple[list[Turn], list[tuple[Any, ...]], Trained]:
+        """The episode's turns (each with its own reward), their read-model rows, and what training makes of
+        them (``Trained``: the lineage rule of ``pipeline.materialize.lineages``)."""
         completed = [e for e in events if e.type == "TurnCompleted"]
         own = {str(e.data["turn_id"]): 0.0 for e in completed}
+        outcome: float | None = None
         for event in events:
             if event.type == "RewardAssigned":
                 target = event.data.get("turn_id")
-                if target is None and completed:
-                    target = str(completed[-1].data["turn_id"])  # the episode's reward: its last turn's
-                if target in own:
+                if target is None:
+                    outcome = _reward(event) + (outcome or 0.0)  # the episode's: see Trained.of
+                elif target in own:
                     own[target] += _reward(event)
         whole: dict[str, Turn] = {}
         turns = [self._turn(episode_id, index, event, own, whole) for index, event in enumerate(completed)]
-        tree = parents(turns)
-        values = discounted_rewards(turns, tree, self.config.discount)
+        view = Trained.of(turns, completed, events, outcome, self.config.discount)
         rows = []
         for turn, event in zip(turns, completed, strict=True):
             data, timings = event.data, event.data.get("timings", {})
             lps = turn.completion_logprobs
+            reward = view.rewards.get(turn.turn_id, turn.reward)
             rows.append(
                 (
-                    turn.turn_id, episode_id, turn.index, tree[turn.turn_id], data.get("parent_turn_id"),
-                    len(turn.prompt_token_ids), len(turn.completion_token_ids),
+                    turn.turn_id, episode_id, turn.index, view.whole_tree[turn.turn_id],
+                    data.get("parent_turn_id"), len(turn.prompt_token_ids), len(turn.completion_token_ids),
                     data["reply"]["finish_reason"],
                     turn.policy_version, data["engine_id"], float(timings.get("queued_ms", 0.0)),
                     float(timings.get("first_token_ms", 0.0)), float(timings.get("total_ms", 0.0)),
-                    sum(lps) / len(lps) if lps else None, turn.reward, values[turn.turn_id],
+                    sum(lps) / len(lps) if lps else None, reward, view.values.get(turn.turn_id, reward),
                     bool(data.get("prefix_break", False)), len(data["reply"].get("tool_calls") or []),
                     event.recorded_at, event.position,
                     data.get("render_drift") if isinstance(data.get("render_drift"), bool) else None,
                     _text(event, "chat_template", None),
                 )
             )  # fmt: skip
-        return turns, rows, tree, values
+        return turns, rows, view
 
     @staticmethod
     def _turn(
@@ -998,6 +1004,45 @@ class Materializer:
                         pass
         finally:
             await listener.close()
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What training makes of an episode's turns (the rule is ``pipeline.materialize.lineages``'s)."""
+
+    whole_tree: dict[uuid.UUID, uuid.UUID | None]
+    """Every turn's parent, as recorded (the turns read model)."""
+    turns: list[Turn]
+    """The trained turns, each with its reward (the episode's added to each lineage's last turn)."""
+    tree: dict[uuid.UUID, uuid.UUID | None]
+    """The trained tree: untrained and never-delivered turns taken out."""
+    lineage: dict[uuid.UUID, uuid.UUID]
+    main: uuid.UUID | None
+    values: dict[uuid.UUID, float]
+    rewards: dict[uuid.UUID, float]
+
+    @classmethod
+    def of(
+        cls,
+        turns: list[Turn],
+        completed: list[LogRow],
+        events: list[LogRow],
+        outcome: float | None,
+        discount: float,
+    ) -> Trained:
+        whole_tree = parents(turns)
+        untrained = {
+            uuid.UUID(str(e.data["turn_id"])) for e in completed if e.data.get("train") is False
+        }  # fmt: skip
+        tree = trained_tree(whole_tree, _never_delivered(events, whole_tree) | untrained)
+        lineage = roots(tree)
+        kept = [turn for turn in turns if turn.turn_id in tree]
+        if outcome is not None:
+            targets = set(episode_reward_targets(kept, lineage))
+            kept = [replace(t, reward=t.reward + outcome) if t.turn_id in targets else t for t in kept]
+        values = discounted_rewards(kept, tree, discount)
+        rewards = {turn.turn_id: turn.reward for turn in kept}
+        return cls(whole_tree, kept, tree, lineage, main_root(kept, lineage), values, rewards)
 
 
 def _never_delivered(events: list[LogRow], tree: dict[uuid.UUID, uuid.UUID | None]) -> set[uuid.UUID]:

@@ -1,0 +1,94 @@
+"""Lineages: the several conversations one episode may hold, and what training makes of each.
+
+A black-box agent's calls are not one conversation. Besides its own loop it makes side calls (opencode's
+title, Claude Code's small-model calls), runs subagents (Claude Code's Agent tool: a fresh conversation
+whose result comes back to the loop as a tool result) and compacts (a summarised restart: a new
+conversation that carries the work on). Every call that does not extend an earlier turn token for token
+starts a new root (``trajectory.parents``); a **lineage** is a root and every turn below it.
+
+The rule, as a demanding RL user wants it:
+
+1. **Marked calls are not trained.** A turn recorded with ``train: false`` (the gateway's
+   ``x-turnstile-train: false`` header, or the session's ``untrained_models`` patterns matching the
+   request's ``model``; ``llm.chat(..., train=False)`` in process) is recorded and shown like any other,
+   but makes no sample and takes no reward. So does a turn never delivered (its client left) that no later
+   turn continues. The rest of this rule works on the **trained tree**: the turn tree with those turns
+   taken out; a trained turn whose parent was taken out is a root there (its sample keeps the whole
+   prompt, the untrained parent's tokens included, with loss mask 0 on them).
+2. **The episode's reward reaches every trained lineage.** A reward without a turn (the outcome) is added
+   to the last turn of each lineage of the trained tree, and flows back along it with ``--discount``. A
+   subagent's work and a compacted restart's work both led to the outcome, so both learn from it; a call
+   that should not learn from it is marked (rule 1). A single-lineage episode gets exactly what it got
+   before lineages had a meaning: the reward on its last turn. A reward for a turn
+   (``RewardAssigned.turn_id``, ``POST .../reward {"turn_id": ...}``) stays on that turn: that is how a
+   lineage gets a reward of its own.
+3. **One lineage is the main one**: the trained lineage with the most turns, the earliest root on a tie
+   (the agent's own loop makes more calls than any one side call or subagent; a restart after compaction
+   is main when it outlasts what came before it). It matters for advantages: with ``--advantage-peers
+   depth`` a sample is compared with samples of the *same kind of lineage* at the same depth across the
+   group (the main lineages' turns with each other, side lineages' turns with each other), never a title
+   call against the agent's first turn. Main lineage samples keep ``slot`` = depth as before; side
+   lineage samples get ``slot`` = -1 - depth.
+
+Pure functions over the turn tree; the materializer (``Fold._turns``) applies them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Collection, Iterable, Mapping
+
+from pipeline.materialize.trajectory import Parents, Turn
+
+
+def trained_tree(tree: Parents, excluded: Collection[uuid.UUID]) -> dict[uuid.UUID, uuid.UUID | None]:
+    """The tree without the ``excluded`` turns; a turn whose parent is excluded becomes a root."""
+    return {
+        turn_id: parent if parent not in excluded else None
+        for turn_id, parent in tree.items()
+        if turn_id not in excluded
+    }
+
+
+def roots(tree: Parents) -> dict[uuid.UUID, uuid.UUID]:
+    """Each turn's lineage: the id of the root above it (a root is its own)."""
+    found: dict[uuid.UUID, uuid.UUID] = {}
+    for turn_id in tree:
+        chain = []
+        node = turn_id
+        while node not in found:
+            parent = tree[node]
+            if parent is None:
+                found[node] = node
+                break
+            chain.append(node)
+            node = parent
+        for member in chain:
+            found[member] = found[node]
+    return found
+
+
+def main_root(turns: Iterable[Turn], lineage: Mapping[uuid.UUID, uuid.UUID]) -> uuid.UUID | None:
+    """The main lineage's root: the most turns, then the earliest root (rule 3); None without turns."""
+    ordered = sorted(turns, key=lambda turn: turn.index)
+    counts: dict[uuid.UUID, int] = {}
+    for turn in ordered:
+        root = lineage[turn.turn_id]
+        counts[root] = counts.get(root, 0) + 1
+    first_index = {turn.turn_id: turn.index for turn in ordered}
+    return min(counts, key=lambda root: (-counts[root], first_index[root]), default=None)
+
+
+def episode_reward_targets(turns: Iterable[Turn], lineage: Mapping[uuid.UUID, uuid.UUID]) -> list[uuid.UUID]:
+    """The turns the episode's reward goes to: the last turn of each lineage (rule 2), in turn order."""
+    last: dict[uuid.UUID, Turn] = {}
+    for turn in turns:
+        root = lineage[turn.turn_id]
+        if root not in last or turn.index > last[root].index:
+            last[root] = turn
+    return [turn.turn_id for turn in sorted(last.values(), key=lambda turn: turn.index)]
+
+
+def peer_slot(depth: int, *, main: bool) -> int:
+    """The ``slot`` a sample is compared in (rule 3): its depth on the main lineage, -1 - depth elsewhere."""
+    return depth if main else -1 - depth
