@@ -39,6 +39,7 @@ from pipeline.batches.format import BATCHES_CHANNEL, encode_packed, pack_arrays
 from pipeline.errors import ConfigError
 from pipeline.log.tokens import unpack_tokens
 from pipeline.materialize.trajectory import (
+    Sample,
     Turn,
     concat_samples,
     depths,
@@ -54,9 +55,14 @@ log = logging.getLogger(__name__)
 
 USABLE: Final = frozenset({"done", "max_turns", "truncated"})
 """Terminations whose episodes become samples; error, timeout, cancelled and aborted ones do not."""
-READ_MODEL_TABLES: Final = ("episodes", "turns", "samples", "batches", "batch_outbox", "skipped_events")
+READ_MODEL_TABLES: Final = (
+    "episodes", "turn_rows", "sample_rows", "batches", "batch_outbox", "skipped_events",
+)  # fmt: skip
+"""The tables the materializer writes (``turns`` and ``samples`` are views over ``turn_rows`` and
+``sample_rows``: migration 0013)."""
 INT4_MAX: Final = 2**31 - 1
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,40}$")
+_ON_TABLE = re.compile(r" ON (?:public\.)?(?P<table>[a-z_]+) USING ")
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,11 @@ class ReadySample:
     slot: int = 0
     advantage: float | None = None
 
+    @property
+    def key(self) -> str:
+        """The sample's own turn (its last: a concat sample's leaf), which keys its ``sample_rows`` row."""
+        return self.turn_ids[-1]
+
 
 @dataclass(slots=True)
 class PendingGroup:
@@ -207,15 +218,16 @@ EPISODE_COLUMNS: Final = (
     "started_position", "finished_position",
 )  # fmt: skip
 TURN_COLUMNS: Final = (
-    "turn_id", "episode_id", "turn_index", "parent_turn_id", "recorded_parent", "prompt_tokens",
-    "completion_tokens", "finish_reason", "policy_version", "engine_id", "queued_ms", "first_token_ms",
-    "latency_ms", "mean_logprob", "reward", "discounted_return", "prefix_break", "tool_calls", "recorded_at",
-    "position", "render_drift", "chat_template",
+    "turn_id", "episode", "position", "mean_logprob", "reward", "discounted_return", "turn_index",
+    "prompt_tokens", "completion_tokens", "policy_version", "parent_turn_id", "prefix_break", "render_drift",
 )  # fmt: skip
+"""``turn_rows``: what the fold derives; the view ``turns`` reads the rest from the event at ``position``."""
 SAMPLE_COLUMNS: Final = (
-    "sample_id", "episode_id", "policy", "group_id", "slot", "turn_ids", "policy_version", "tokens",
-    "model_tokens", "reward", "advantage", "stale", "arrays", "ready_position", "batch_id", "position",
+    "turn_id", "ready_position", "advantage", "reward", "slot", "policy_version", "tokens", "model_tokens",
+    "stale", "path", "batch_id", "turn_ids", "arrays",
 )  # fmt: skip
+"""``sample_rows``, keyed by the sample's own turn (a concat sample's leaf); a value equal to that turn's is
+NULL (the view ``samples`` reads it from the turn), and so are ``turn_ids`` when they are just that turn."""
 BATCH_COLUMNS: Final = (
     "batch_id", "policy", "samples", "groups", "tokens", "stale_samples", "min_policy_version",
     "max_policy_version", "newest_version", "config_hash", "position", "created_at", "payload_bytes",
@@ -372,6 +384,7 @@ class Fold:
             slots = [0 if self.config.style == "concat" else depth_of[s.turn_ids[0]] for s in samples]
         else:
             slots = list(range(len(samples)))
+        by_id = {turn.turn_id: turn for turn in turns}
         for slot, sample in zip(slots, samples, strict=True):
             ready = ReadySample(
                 sample_id=sample.sample_id,
@@ -387,13 +400,32 @@ class Fold:
                 slot=slot,
             )
             group.samples.append(ready)
-            self.writes.samples[ready.sample_id] = [
-                ready.sample_id, episode_id, policy, group_id, slot, list(ready.turn_ids),
-                ready.policy_version, ready.tokens, sum(sample.loss_mask), ready.reward, None, False,
-                ready.arrays, None, None, row.position,
-            ]  # fmt: skip
+            self.writes.samples[ready.sample_id] = self._sample_row(ready, sample, by_id, values, slot)
         if len(group.episodes) >= group.size:
             self._make_ready([group], row)
+
+    @staticmethod
+    def _sample_row(
+        ready: ReadySample,
+        sample: Sample,
+        by_id: dict[uuid.UUID, Turn],
+        values: dict[uuid.UUID, float],
+        slot: int,
+    ) -> list[Any]:
+        """The ``sample_rows`` row of a new sample: what equals its own turn's is left NULL (see
+        ``SAMPLE_COLUMNS``), and its id is its turn's (``:path`` for a concat sample)."""
+        own = by_id[sample.turn_ids[-1]]
+        path = sample.sample_id != ready.key
+        if path and sample.sample_id != f"{ready.key}:path":
+            raise AssertionError(f"sample id {sample.sample_id!r} is neither its turn's id nor '<turn>:path'")
+        whole = len(own.prompt_token_ids) + len(own.completion_token_ids)
+        model_tokens = sum(sample.loss_mask)
+        return [
+            ready.key, None, None, _unless(ready.reward, values[own.turn_id]), slot,
+            _unless(ready.policy_version, own.policy_version), _unless(ready.tokens, whole),
+            _unless(model_tokens, len(own.completion_token_ids)), False, path, None,
+            list(ready.turn_ids) if len(ready.turn_ids) > 1 else None, ready.arrays,
+        ]  # fmt: skip
 
     def _record_finished(self, episode_id: str, finished: list[Any]) -> None:
         inserted = self.writes.episodes.get(episode_id)
@@ -422,21 +454,17 @@ class Fold:
         tree = parents(turns)
         values = discounted_rewards(turns, tree, self.config.discount)
         rows = []
+        started = events[0].position  # episodes.started_position: how turn_rows name their episode
         for turn, event in zip(turns, completed, strict=True):
-            data, timings = event.data, event.data.get("timings", {})
+            data = event.data
             lps = turn.completion_logprobs
             rows.append(
                 (
-                    turn.turn_id, episode_id, turn.index, tree[turn.turn_id], data.get("parent_turn_id"),
-                    len(turn.prompt_token_ids), len(turn.completion_token_ids),
-                    data["reply"]["finish_reason"],
-                    turn.policy_version, data["engine_id"], float(timings.get("queued_ms", 0.0)),
-                    float(timings.get("first_token_ms", 0.0)), float(timings.get("total_ms", 0.0)),
-                    sum(lps) / len(lps) if lps else None, turn.reward, values[turn.turn_id],
-                    bool(data.get("prefix_break", False)), len(data["reply"].get("tool_calls") or []),
-                    event.recorded_at, event.position,
+                    turn.turn_id, started, event.position, sum(lps) / len(lps) if lps else None, turn.reward,
+                    values[turn.turn_id], turn.index, len(turn.prompt_token_ids),
+                    len(turn.completion_token_ids), turn.policy_version, tree[turn.turn_id],
+                    bool(data.get("prefix_break", False)),
                     data.get("render_drift") if isinstance(data.get("render_drift"), bool) else None,
-                    _text(event, "chat_template", None),
                 )
             )  # fmt: skip
         return turns, rows, tree, values
@@ -480,6 +508,7 @@ class Fold:
             data = event.data
             if not isinstance(data["reply"]["finish_reason"], str) or not isinstance(data["engine_id"], str):
                 raise ValueError("its finish_reason or engine_id is not a string")
+            _check_event_fields(event)
             turn = Turn(
                 turn_id=_uuid(data["turn_id"]),
                 episode_id=episode_id,
@@ -534,7 +563,7 @@ class Fold:
                     )
                 for sample, advantage in zip(peers, advantages, strict=True):
                     sample.advantage = advantage
-                    self._update_sample(sample.sample_id, {_S_ADVANTAGE: advantage, _S_READY: row.position})
+                    self._update_sample(sample, {_S_ADVANTAGE: advantage, _S_READY: row.position})
             self.queues.setdefault(group.policy, deque()).append(members)
         for policy in sorted({g.policy for g in groups}):
             self._form_batches(policy, row)
@@ -571,7 +600,7 @@ class Fold:
         for sample in members:
             stale = bound is not None and sample.policy_version < bound
             stale_count += stale
-            self._update_sample(sample.sample_id, {_S_STALE: stale, _S_BATCH: batch_id})
+            self._update_sample(sample, {_S_STALE: stale, _S_BATCH: batch_id})
             if stale and self.config.stale == "drop":
                 continue
             kept.append(sample)
@@ -605,17 +634,17 @@ class Fold:
         if payload:
             self.writes.outbox.append((batch_id, f"batches.{policy}", payload, row.recorded_at))
 
-    def _update_sample(self, sample_id: str, changes: dict[int, Any]) -> None:
-        inserted = self.writes.samples.get(sample_id)
+    def _update_sample(self, sample: ReadySample, changes: dict[int, Any]) -> None:
+        inserted = self.writes.samples.get(sample.sample_id)
         if inserted is not None:
             for index, value in changes.items():
                 inserted[index] = value
             if _S_BATCH in changes:
                 inserted[_S_ARRAYS] = None  # batched in the step that made it: its payload holds the arrays
         elif _S_ADVANTAGE in changes:
-            self.writes.ready.append((changes[_S_ADVANTAGE], changes[_S_READY], sample_id))
+            self.writes.ready.append((changes[_S_ADVANTAGE], changes[_S_READY], sample.key))
         else:
-            self.writes.batched.append((changes[_S_STALE], changes[_S_BATCH], sample_id))
+            self.writes.batched.append((changes[_S_STALE], changes[_S_BATCH], sample.key))
 
 
 REFUSED_WRITES: Final = (psycopg.errors.DataError, psycopg.errors.IntegrityError)
@@ -625,6 +654,31 @@ duplicate key. The transaction is rolled back; ``Materializer.step`` then finds 
 
 def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _check_event_fields(event: LogRow) -> None:
+    """The fields the view ``turns`` reads from the event itself (``events.data``) must be what its casts
+    take: a turn whose fields would break them is not folded (it never reaches ``turn_rows``)."""
+    data = event.data
+    recorded_parent = data.get("parent_turn_id")
+    if recorded_parent is not None and (
+        not isinstance(recorded_parent, str) or str(uuid.UUID(recorded_parent)) != recorded_parent.lower()
+    ):
+        raise ValueError(f"its parent_turn_id {recorded_parent!r} is not a uuid")
+    timings = data.get("timings", {})
+    for name in ("queued_ms", "first_token_ms", "total_ms"):
+        value = timings.get(name, 0.0)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"its timings.{name} is {value!r}, not a number")
+    tool_calls = data["reply"].get("tool_calls")
+    if tool_calls is not None and not isinstance(tool_calls, list):
+        raise ValueError(f"its reply.tool_calls is {tool_calls!r}, not a list")
+    _text(event, "chat_template", None)
+
+
+def _unless(value: Any, same: Any) -> Any:
+    """``value``, or None where it equals ``same`` (a column the view then reads from elsewhere)."""
+    return None if value == same else value
 
 
 def _uuid(value: Any) -> uuid.UUID:
@@ -667,6 +721,7 @@ class Materializer:
         self.fold = Fold(config)
         self.steps = 0
         self._connection: psycopg.AsyncConnection[Any] | None = None
+        self._indexes_built = False
 
     @property
     def position(self) -> int:
@@ -732,10 +787,59 @@ class Materializer:
         await connection.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self.config.schema)))
         for table in READ_MODEL_TABLES:
             await connection.execute(
-                sql.SQL("CREATE TABLE {} (LIKE public.{} INCLUDING ALL)").format(
+                sql.SQL("CREATE TABLE {} (LIKE public.{} INCLUDING ALL EXCLUDING INDEXES)").format(
                     self._table(table), sql.Identifier(table)
                 )
             )
+        # Only the unique indexes now (the keys that updates and the views join on); the others are built once
+        # the rebuild has caught up (build_deferred_indexes): one sort each instead of an insert per row.
+        for _, unique, definition in await self._index_definitions(connection):
+            if unique:
+                await connection.execute(definition)
+        await connection.execute("SELECT turnstile_read_model_views(%s)", (self.config.schema,))
+
+    async def _index_definitions(
+        self, connection: psycopg.AsyncConnection[Any]
+    ) -> list[tuple[str, bool, str]]:
+        """The indexes of the live read models (schema public) as statements for this rebuild's schema:
+        (name, unique, CREATE INDEX ...)."""
+        rows = await (
+            await connection.execute(
+                "SELECT i.relname, x.indisunique, pg_get_indexdef(x.indexrelid) FROM pg_index x "
+                "JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_class t ON t.oid = x.indrelid "
+                "JOIN pg_namespace n ON n.oid = t.relnamespace "
+                "WHERE n.nspname = 'public' AND t.relname = ANY(%s) ORDER BY i.relname",
+                (list(READ_MODEL_TABLES),),
+            )
+        ).fetchall()
+        target = self.config.schema  # rm_<name>: letters, digits and _ (MaterializerConfig checks the name)
+        return [
+            (name, unique, _ON_TABLE.sub(rf" ON {target}.\g<table> USING ", definition, count=1))
+            for name, unique, definition in rows
+        ]
+
+    async def build_deferred_indexes(self) -> int:
+        """A rebuild's schema gets the live read models' other indexes once it has caught up (see
+        ``_create_schema``); also after a restart, when a rebuild stopped before that. The indexes built."""
+        if self.config.schema == "public" or self._indexes_built:
+            return 0
+        connection = self._require()
+        existing = await (
+            await connection.execute(
+                "SELECT count(*) FROM pg_index x JOIN pg_class t ON t.oid = x.indrelid "
+                "JOIN pg_namespace n ON n.oid = t.relnamespace "
+                "WHERE n.nspname = %s AND t.relname = ANY(%s) AND NOT x.indisunique",
+                (self.config.schema, list(READ_MODEL_TABLES)),
+            )
+        ).fetchone()
+        built = 0
+        if existing is not None and existing[0] == 0:  # a rebuild made before this rule has its indexes
+            for _, unique, definition in await self._index_definitions(connection):
+                if not unique:
+                    await connection.execute(definition)
+                    built += 1
+        self._indexes_built = True
+        return built
 
     async def close(self) -> None:
         if self._connection is not None:
@@ -903,9 +1007,9 @@ class Materializer:
         if writes.episodes:
             await copy("episodes", EPISODE_COLUMNS, writes.episodes.values())
         if writes.turns:
-            await copy("turns", TURN_COLUMNS, writes.turns)
+            await copy("turn_rows", TURN_COLUMNS, writes.turns)
         if writes.samples:
-            await copy("samples", SAMPLE_COLUMNS, writes.samples.values())
+            await copy("sample_rows", SAMPLE_COLUMNS, writes.samples.values())
 
         # Rows inserted by earlier steps change through one set-based UPDATE per table: the changes are
         # COPYed into a temporary table (dropped at commit) and joined, instead of one UPDATE per row.
@@ -949,17 +1053,17 @@ class Materializer:
         if writes.ready or writes.batched:
             # one table for both kinds: a sample made ready and batched in this step has both changes
             merged: dict[str, list[Any]] = {}
-            for advantage, ready_position, sample_id in writes.ready:
-                merged.setdefault(sample_id, [None, None, None, None])[0:2] = [advantage, ready_position]
-            for stale, batch_id, sample_id in writes.batched:
-                merged.setdefault(sample_id, [None, None, None, None])[2:4] = [stale, batch_id]
+            for advantage, ready_position, key in writes.ready:
+                merged.setdefault(key, [None, None, None, None])[0:2] = [advantage, ready_position]
+            for stale, batch_id, key in writes.batched:
+                merged.setdefault(key, [None, None, None, None])[2:4] = [stale, batch_id]
             # A batched sample's arrays live in its batch's payload (and in the log): the row keeps the rest,
             # in the same UPDATE. (Samples batched in the step that made them were written without them.)
             await update(
-                "samples",
-                "sample_id",
+                "sample_rows",
+                "turn_id",
                 ("advantage", "ready_position", "stale", "batch_id"),
-                [(*values, sample_id) for sample_id, values in merged.items()],
+                [(*values, key) for key, values in merged.items()],
                 also=sql.SQL("arrays = CASE WHEN c.batch_id IS NULL THEN t.arrays END"),
             )
         if writes.batches:
@@ -983,6 +1087,7 @@ class Materializer:
             total += folded
             if folded == 0 and self.fold.position < target:
                 break
+        await self.build_deferred_indexes()
         return total
 
     async def run(self, stop: asyncio.Event, *, poll_interval: float = 5.0) -> None:
@@ -993,6 +1098,7 @@ class Materializer:
             while not stop.is_set():
                 if await self.step():
                     continue
+                await self.build_deferred_indexes()  # caught up: a rebuild's other indexes, once
                 with contextlib.suppress(TimeoutError):
                     async for _ in listener.notifies(timeout=poll_interval, stop_after=1):
                         pass
