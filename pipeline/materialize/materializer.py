@@ -201,6 +201,8 @@ class Writes:
     step can still change them (an episode that starts and finishes in one step is one INSERT)."""
 
     episodes: dict[str, list[Any]] = field(default_factory=dict)
+    """New episodes rows by stream (not by episode id: two streams that claim one episode id must both reach
+    the table, whose primary key refuses the second; see ``Materializer._fold_one_at_a_time``)."""
     finished: list[tuple[Any, ...]] = field(default_factory=list)
     turns: list[tuple[Any, ...]] = field(default_factory=list)
     samples: dict[str, list[Any]] = field(default_factory=dict)
@@ -306,7 +308,7 @@ class Fold:
         if episode is not None and closing.type == "EpisodeFinished":
             del self.open[closing.stream]
             self._record_finished(
-                episode_id or "", ["finished", None,
+                closing.stream, episode_id or "", ["finished", None,
                 f"not materialized: the event at position {row.position} ({row.type}) was skipped: {reason}",
                 None, None, None, None, None, None, closing.recorded_at,
                 (closing.recorded_at - episode[0].recorded_at).total_seconds(), closing.position],
@@ -336,7 +338,7 @@ class Fold:
             None, None, None, None, None, None, None, row.recorded_at, None, None, row.position, None,
         ]  # fmt: skip
         self.open[row.stream] = [row]
-        self.writes.episodes[episode_id] = values
+        self.writes.episodes[row.stream] = values
 
     def _finished(self, row: LogRow) -> None:
         events = self.open.get(row.stream)
@@ -364,7 +366,7 @@ class Fold:
         elif usable:
             samples = individual_samples(trained, values)
         del self.open[row.stream]
-        self._record_finished(episode_id, finished)
+        self._record_finished(row.stream, episode_id, finished)
         self.writes.turns.extend(turn_rows)
         policy = started["policy"]
         if versions:
@@ -427,8 +429,8 @@ class Fold:
             list(ready.turn_ids) if len(ready.turn_ids) > 1 else None, ready.arrays,
         ]  # fmt: skip
 
-    def _record_finished(self, episode_id: str, finished: list[Any]) -> None:
-        inserted = self.writes.episodes.get(episode_id)
+    def _record_finished(self, stream: str, episode_id: str, finished: list[Any]) -> None:
+        inserted = self.writes.episodes.get(stream)
         if inserted is not None:
             for index, value in zip(_FINISHED_INDEXES, finished, strict=True):
                 inserted[index] = value
