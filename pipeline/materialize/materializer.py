@@ -27,16 +27,17 @@ import math
 import re
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 import psycopg
 from psycopg import sql
 
 from pipeline.batches.format import BATCHES_CHANNEL, encode_packed, pack_arrays
 from pipeline.errors import ConfigError
+from pipeline.log.store import JsonText, JsonTextBinaryDumper
 from pipeline.log.tokens import unpack_tokens
 from pipeline.materialize.trajectory import (
     Sample,
@@ -239,6 +240,37 @@ FINISHED_COLUMNS: Final = (
     "status", "termination", "error", "reward", "turns", "prompt_tokens", "completion_tokens",
     "min_policy_version", "max_policy_version", "finished_at", "duration_s", "finished_position",
 )  # fmt: skip
+
+
+class CopyColumns(NamedTuple):
+    """A table's columns as the materializer COPYs them, and their PostgreSQL types (binary COPY)."""
+
+    names: tuple[str, ...]
+    types: tuple[str, ...]
+
+
+EPISODE_COPY: Final = CopyColumns(EPISODE_COLUMNS, (
+    "text", "text", "text", "text", "text", "text", "int4", "text", "jsonb", "text", "text", "text", "float8",
+    "int4", "int8", "int8", "int4", "int4", "timestamptz", "timestamptz", "float8", "int8", "int8",
+))  # fmt: skip
+TURN_COPY: Final = CopyColumns(TURN_COLUMNS, (
+    "uuid", "int8", "int8", "float8", "float8", "float8", "int4", "int4", "int4", "int4", "uuid", "bool",
+    "bool",
+))  # fmt: skip
+SAMPLE_COPY: Final = CopyColumns(SAMPLE_COLUMNS, (
+    "uuid", "int8", "float8", "float8", "int4", "int4", "int4", "int4", "bool", "bool", "text", "uuid[]",
+    "bytea",
+))  # fmt: skip
+BATCH_COPY: Final = CopyColumns(BATCH_COLUMNS, (
+    "text", "text", "int4", "int4", "int8", "int4", "int4", "int4", "int4", "text", "int8", "timestamptz",
+    "int4", "bytea",
+))  # fmt: skip
+OUTBOX_COPY: Final = CopyColumns(
+    ("batch_id", "subject", "payload", "created_at"), ("text", "text", "bytea", "timestamptz")
+)
+SKIPPED_COPY: Final = CopyColumns(
+    ("position", "stream", "type", "episode_id", "reason"), ("int8", "text", "text", "text", "text")
+)
 _FINISHED_INDEXES: Final = tuple(EPISODE_COLUMNS.index(c) for c in FINISHED_COLUMNS)
 _S_ADVANTAGE, _S_STALE, _S_READY, _S_BATCH, _S_ARRAYS = (
     SAMPLE_COLUMNS.index(column) for column in ("advantage", "stale", "ready_position", "batch_id", "arrays")
@@ -334,8 +366,9 @@ class Fold:
         values = [
             episode_id, row.stream, _text(row, "policy"), _text(row, "agent", ""), _text(row, "task_id", ""),
             _text(row, "group_id", None), _count(row, data.get("group_size", 1), "group_size", least=1),
-            _text(row, "retry_of", None), json.dumps(data.get("tags", {}), sort_keys=True), "running", None,
-            None, None, None, None, None, None, None, row.recorded_at, None, None, row.position, None,
+            _text(row, "retry_of", None), JsonText(json.dumps(data.get("tags", {}), sort_keys=True)),
+            "running", None, None, None, None, None, None, None, None, row.recorded_at, None, None,
+            row.position, None,
         ]  # fmt: skip
         self.open[row.stream] = [row]
         self.writes.episodes[row.stream] = values
@@ -423,10 +456,10 @@ class Fold:
         whole = len(own.prompt_token_ids) + len(own.completion_token_ids)
         model_tokens = sum(sample.loss_mask)
         return [
-            ready.key, None, None, _unless(ready.reward, values[own.turn_id]), slot,
+            own.turn_id, None, None, _unless(ready.reward, values[own.turn_id]), slot,
             _unless(ready.policy_version, own.policy_version), _unless(ready.tokens, whole),
             _unless(model_tokens, len(own.completion_token_ids)), False, path, None,
-            list(ready.turn_ids) if len(ready.turn_ids) > 1 else None, ready.arrays,
+            list(sample.turn_ids) if len(sample.turn_ids) > 1 else None, ready.arrays,
         ]  # fmt: skip
 
     def _record_finished(self, stream: str, episode_id: str, finished: list[Any]) -> None:
@@ -723,6 +756,9 @@ class Materializer:
         self.fold = Fold(config)
         self.steps = 0
         self._connection: psycopg.AsyncConnection[Any] | None = None
+        """Reads the log and the tables (autocommit)."""
+        self._writer: psycopg.Connection[Any] | None = None
+        """Writes each step in one transaction, from a worker thread (``_commit``)."""
         self._indexes_built = False
 
     @property
@@ -779,6 +815,7 @@ class Materializer:
                     "choose another --name, or drop it with --replace"
                 )
         await self._load()
+        self._writer = await asyncio.to_thread(psycopg.Connection.connect, self.database_url, autocommit=True)
 
     async def _create_schema(self, connection: psycopg.AsyncConnection[Any], create: bool) -> None:
         if not create:
@@ -847,6 +884,9 @@ class Materializer:
         if self._connection is not None:
             await self._connection.close()
             self._connection = None
+        if self._writer is not None:
+            await asyncio.to_thread(self._writer.close)
+            self._writer = None
 
     async def _load(self) -> None:
         connection = self._require()
@@ -927,6 +967,11 @@ class Materializer:
             raise ConfigError("the materializer is not open: call open() first")
         return self._connection
 
+    def _require_writer(self) -> psycopg.Connection[Any]:
+        if self._writer is None:
+            raise ConfigError("the materializer is not open: call open() first")
+        return self._writer
+
     async def _read(self, where: str, params: Sequence[Any], limit: int | None = None) -> list[LogRow]:
         columns = "position, stream, type, data, tokens, recorded_at"
         query = f"SELECT {columns} FROM events WHERE {where} ORDER BY position"
@@ -940,12 +985,24 @@ class Materializer:
         rows = await self._read("position > %s", (self.fold.position,), self.config.step_events)
         if not rows:
             return 0
+        skipped, writes = self._fold(rows)
+        await self._settle(self._commit(writes, self.fold.position), rows, skipped)
+        return len(rows)
+
+    def _fold(self, rows: list[LogRow]) -> tuple[int, Writes]:
+        """Fold ``rows``; the skips counted before them, and what they produced."""
         skipped = self.fold.skipped
         for row in rows:
             self.fold.apply(row)
         writes, self.fold.writes = self.fold.writes, Writes()
+        return skipped, writes
+
+    async def _settle(self, commit: Awaitable[None], rows: list[LogRow], skipped: int) -> bool:
+        """Wait for the commit of the step that folded ``rows``. When the read models refused it, go back to
+        the checkpoint and commit the step's events one at a time, skipping the culprit; False then."""
         try:
-            await self._commit(writes, self.fold.position)
+            await commit
+            return True
         except REFUSED_WRITES as error:
             log.warning(
                 "materializer %s: the read models refused the step after position %d (%s); folding its "
@@ -954,7 +1011,7 @@ class Materializer:
             )  # fmt: skip
             await self._reload(skipped)
             await self._fold_one_at_a_time(rows)
-        return len(rows)
+            return False
 
     async def _fold_one_at_a_time(self, rows: list[LogRow]) -> None:
         """The safety net behind the fold's own checks: a value the tables cannot hold (out of an integer
@@ -983,75 +1040,52 @@ class Materializer:
         await self._load()
 
     async def _commit(self, writes: Writes, position: int) -> None:
+        """Write one step's output and its checkpoint, on the writer connection in a worker thread (see
+        ``catch_up``: the next step is read and folded meanwhile)."""
+        await asyncio.to_thread(self._commit_now, writes, position)
+        self.fold.position = max(self.fold.position, position)
+        self.steps += 1
+
+    def _commit_now(self, writes: Writes, position: int) -> None:
         # One transaction: the read models, the batches, the outbox and the checkpoint commit together.
-        connection = self._require()
-        async with connection.transaction():
-            await self._write(connection, writes)
-            await connection.execute(
+        connection = self._require_writer()
+        with connection.transaction():
+            self._write(connection, writes)
+            connection.execute(
                 "INSERT INTO checkpoints (name, position) VALUES (%s, %s) ON CONFLICT (name) DO UPDATE "
                 "SET position = excluded.position, updated_at = now()",
                 (self.config.checkpoint, position),
             )
             if writes.outbox:
-                await connection.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(BATCHES_CHANNEL)))
-        self.fold.position = max(self.fold.position, position)
-        self.steps += 1
+                connection.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(BATCHES_CHANNEL)))
 
-    async def _write(self, connection: psycopg.AsyncConnection[Any], writes: Writes) -> None:
-        async def copy(table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-            statement = sql.SQL("COPY {} ({}) FROM STDIN").format(
-                self._table(table), sql.SQL(", ").join(map(sql.Identifier, columns))
-            )
-            async with connection.cursor() as cursor, cursor.copy(statement) as out:
+    def _copy(
+        self,
+        connection: psycopg.Connection[Any],
+        table: str,
+        columns: CopyColumns,
+        rows: Iterable[Sequence[Any]],
+    ) -> None:
+        """Binary COPY: PostgreSQL takes the values as they are stored, without parsing text."""
+        statement = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
+            self._table(table), sql.SQL(", ").join(map(sql.Identifier, columns.names))
+        )
+        with connection.cursor() as cursor:
+            cursor.adapters.register_dumper(JsonText, JsonTextBinaryDumper)
+            with cursor.copy(statement) as out:
+                out.set_types(list(columns.types))
                 for row in rows:
-                    await out.write_row(row)
+                    out.write_row(row)
 
+    def _write(self, connection: psycopg.Connection[Any], writes: Writes) -> None:
         if writes.episodes:
-            await copy("episodes", EPISODE_COLUMNS, writes.episodes.values())
+            self._copy(connection, "episodes", EPISODE_COPY, writes.episodes.values())
         if writes.turns:
-            await copy("turn_rows", TURN_COLUMNS, writes.turns)
+            self._copy(connection, "turn_rows", TURN_COPY, writes.turns)
         if writes.samples:
-            await copy("sample_rows", SAMPLE_COLUMNS, writes.samples.values())
-
-        # Rows inserted by earlier steps change through one set-based UPDATE per table: the changes are
-        # COPYed into a temporary table (dropped at commit) and joined, instead of one UPDATE per row.
-        # A NULL in a change means "unchanged" (coalesce): no change ever sets a column back to NULL.
-        async def update(
-            table: str,
-            key: str,
-            columns: Sequence[str],
-            rows: list[tuple[Any, ...]],
-            also: sql.Composable | None = None,
-        ) -> None:
-            changes = sql.Identifier(f"changed_{table}")
-            await connection.execute(
-                sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} LIMIT 0").format(
-                    changes, sql.SQL(", ").join(map(sql.Identifier, [*columns, key])), self._table(table)
-                )
-            )
-            statement = sql.SQL("COPY {} FROM STDIN").format(changes)
-            async with connection.cursor() as cursor, cursor.copy(statement) as out:
-                for row in rows:
-                    await out.write_row(row)
-            assignments = sql.SQL(", ").join(
-                [
-                    *(
-                        sql.SQL("{} = coalesce(c.{}, t.{})").format(
-                            sql.Identifier(c), sql.Identifier(c), sql.Identifier(c)
-                        )
-                        for c in columns
-                    ),
-                    *([also] if also is not None else []),
-                ]
-            )
-            await connection.execute(
-                sql.SQL("UPDATE {} t SET {} FROM {} c WHERE t.{} = c.{}").format(
-                    self._table(table), assignments, changes, sql.Identifier(key), sql.Identifier(key)
-                )
-            )
-
+            self._copy(connection, "sample_rows", SAMPLE_COPY, writes.samples.values())
         if writes.finished:
-            await update("episodes", "episode_id", FINISHED_COLUMNS, writes.finished)
+            self._update(connection, "episodes", "episode_id", FINISHED_COLUMNS, writes.finished)
         if writes.ready or writes.batched:
             # one table for both kinds: a sample made ready and batched in this step has both changes
             merged: dict[str, list[Any]] = {}
@@ -1061,7 +1095,8 @@ class Materializer:
                 merged.setdefault(key, [None, None, None, None])[2:4] = [stale, batch_id]
             # A batched sample's arrays live in its batch's payload (and in the log): the row keeps the rest,
             # in the same UPDATE. (Samples batched in the step that made them were written without them.)
-            await update(
+            self._update(
+                connection,
                 "sample_rows",
                 "turn_id",
                 ("advantage", "ready_position", "stale", "batch_id"),
@@ -1069,12 +1104,49 @@ class Materializer:
                 also=sql.SQL("arrays = CASE WHEN c.batch_id IS NULL THEN t.arrays END"),
             )
         if writes.batches:
-            await copy("batches", BATCH_COLUMNS, writes.batches)
+            self._copy(connection, "batches", BATCH_COPY, writes.batches)
         if writes.outbox:
-            await copy("batch_outbox", ("batch_id", "subject", "payload", "created_at"), writes.outbox)
+            self._copy(connection, "batch_outbox", OUTBOX_COPY, writes.outbox)
         if writes.skipped:
-            columns = ("position", "stream", "type", "episode_id", "reason")
-            await copy("skipped_events", columns, writes.skipped)
+            self._copy(connection, "skipped_events", SKIPPED_COPY, writes.skipped)
+
+    def _update(
+        self,
+        connection: psycopg.Connection[Any],
+        table: str,
+        key: str,
+        columns: Sequence[str],
+        rows: list[tuple[Any, ...]],
+        also: sql.Composable | None = None,
+    ) -> None:
+        """Rows inserted by earlier steps change through one set-based UPDATE per table: the changes are
+        COPYed into a temporary table (dropped at commit) and joined, instead of one UPDATE per row. A NULL
+        in a change means "unchanged" (coalesce): no change ever sets a column back to NULL."""
+        changes = sql.Identifier(f"changed_{table}")
+        connection.execute(
+            sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} LIMIT 0").format(
+                changes, sql.SQL(", ").join(map(sql.Identifier, [*columns, key])), self._table(table)
+            )
+        )
+        with connection.cursor() as cursor, cursor.copy(sql.SQL("COPY {} FROM STDIN").format(changes)) as out:
+            for row in rows:
+                out.write_row(row)
+        assignments = sql.SQL(", ").join(
+            [
+                *(
+                    sql.SQL("{} = coalesce(c.{}, t.{})").format(
+                        sql.Identifier(c), sql.Identifier(c), sql.Identifier(c)
+                    )
+                    for c in columns
+                ),
+                *([also] if also is not None else []),
+            ]
+        )
+        connection.execute(
+            sql.SQL("UPDATE {} t SET {} FROM {} c WHERE t.{} = c.{}").format(
+                self._table(table), assignments, changes, sql.Identifier(key), sql.Identifier(key)
+            )
+        )
 
     async def head(self) -> int:
         connection = self._require()
@@ -1083,12 +1155,33 @@ class Materializer:
 
     async def catch_up(self) -> int:
         """Fold until the checkpoint reaches the head of the log as it was when called; events folded."""
+        # Pipelined: each step is read and folded while the step before it commits (on the writer connection,
+        # in a worker thread), so PostgreSQL's work on the writes overlaps the fold. Commits still go one at
+        # a time and in order, each with its checkpoint; at most two steps' output is in memory. When a
+        # commit is refused, the step folded meanwhile was folded on a state that is gone: it is read again.
         target, total = await self.head(), 0
-        while self.fold.position < target:
-            folded = await self.step()
-            total += folded
-            if folded == 0 and self.fold.position < target:
-                break
+        pending: tuple[asyncio.Future[None], list[LogRow], int] | None = None
+        try:
+            while True:
+                rows = (
+                    await self._read("position > %s", (self.fold.position,), self.config.step_events)
+                    if self.fold.position < target
+                    else []
+                )
+                folded = self._fold(rows) if rows else None
+                if pending is not None:
+                    committed, pending = await self._settle(*pending), None
+                    if not committed:
+                        continue
+                if folded is None:
+                    break
+                skipped, writes = folded
+                pending = (asyncio.ensure_future(self._commit(writes, self.fold.position)), rows, skipped)
+                total += len(rows)
+        finally:
+            if pending is not None:  # something failed while a commit was in flight: let it finish first
+                with contextlib.suppress(Exception):
+                    await pending[0]
         await self.build_deferred_indexes()
         return total
 
