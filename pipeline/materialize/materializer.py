@@ -35,18 +35,16 @@ from typing import Any, Final, Literal, NamedTuple
 import psycopg
 from psycopg import sql
 
-from pipeline.batches.format import BATCHES_CHANNEL, encode_packed, pack_arrays
+from pipeline.batches.format import BATCHES_CHANNEL, encode_packed, pack_arrays, pack_individual
 from pipeline.errors import ConfigError
 from pipeline.log.store import JsonText, JsonTextBinaryDumper
-from pipeline.log.tokens import unpack_tokens
+from pipeline.log.tokens import unpack_token_tuples
 from pipeline.materialize.trajectory import (
-    Sample,
     Turn,
     concat_samples,
     depths,
     discounted_rewards,
     group_advantages,
-    individual_samples,
     parents,
     tree_peers,
 )
@@ -63,6 +61,8 @@ READ_MODEL_TABLES: Final = (
 ``sample_rows``: migration 0013)."""
 INT4_MAX: Final = 2**31 - 1
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,40}$")
+_UUID_TEXT = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}\Z")
+"""A uuid as PostgreSQL's ``::uuid`` and Python's ``uuid.UUID`` both read it (the view ``turns`` casts it)."""
 _ON_TABLE = re.compile(r" ON (?:public\.)?(?P<table>[a-z_]+) USING ")
 
 
@@ -184,6 +184,18 @@ class ReadySample:
     def key(self) -> str:
         """The sample's own turn (its last: a concat sample's leaf), which keys its ``sample_rows`` row."""
         return self.turn_ids[-1]
+
+
+class NewSample(NamedTuple):
+    """A sample as an episode's end makes it (``trajectory.Sample`` less its sequences, arrays packed)."""
+
+    sample_id: str
+    turn_ids: tuple[uuid.UUID, ...]
+    policy_version: int
+    reward: float
+    tokens: int
+    model_tokens: int
+    arrays: bytes
 
 
 @dataclass(slots=True)
@@ -394,10 +406,7 @@ class Fold:
         usable = termination in USABLE and bool(turns)
         unseen = _never_delivered(events, tree)
         trained = [turn for turn in turns if turn.turn_id not in unseen]
-        if usable and self.config.style == "concat":
-            samples = concat_samples(trained, {t: p for t, p in tree.items() if t not in unseen}, values)
-        elif usable:
-            samples = individual_samples(trained, values)
+        samples = self._samples(trained, tree, unseen, values) if usable else []
         del self.open[row.stream]
         self._record_finished(row.stream, episode_id, finished)
         self.writes.turns.extend(turn_rows)
@@ -426,11 +435,15 @@ class Fold:
                 episode_id=episode_id,
                 group_id=group_id,
                 policy=policy,
-                turn_ids=tuple(str(t) for t in sample.turn_ids),
+                turn_ids=(
+                    (sample.sample_id,)  # an individual sample's id is its turn's
+                    if self.config.style == "individual"
+                    else tuple(str(t) for t in sample.turn_ids)
+                ),
                 policy_version=sample.policy_version,
-                tokens=len(sample.input_ids),
+                tokens=sample.tokens,
                 reward=sample.reward,
-                arrays=pack_arrays(sample.input_ids, sample.loss_mask, sample.logprobs),
+                arrays=sample.arrays,
                 position=row.position,
                 slot=slot,
             )
@@ -439,10 +452,46 @@ class Fold:
         if len(group.episodes) >= group.size:
             self._make_ready([group], row)
 
+    def _samples(
+        self,
+        trained: list[Turn],
+        tree: dict[uuid.UUID, uuid.UUID | None],
+        unseen: set[uuid.UUID],
+        values: dict[uuid.UUID, float],
+    ) -> list[NewSample]:
+        """The episode's samples (``trajectory.concat_samples`` or ``individual_samples``) with their arrays
+        packed. Individual samples are made straight from their turns (``pack_individual``: the bytes
+        ``pack_arrays`` gives for ``individual_samples``, without building whole sequences per turn)."""
+        if self.config.style == "concat":
+            return [
+                NewSample(
+                    s.sample_id,
+                    s.turn_ids,
+                    s.policy_version,
+                    s.reward,
+                    len(s.input_ids),
+                    sum(s.loss_mask),
+                    pack_arrays(s.input_ids, s.loss_mask, s.logprobs),
+                )
+                for s in concat_samples(trained, {t: p for t, p in tree.items() if t not in unseen}, values)
+            ]
+        return [
+            NewSample(
+                str(t.turn_id),
+                (t.turn_id,),
+                t.policy_version,
+                values[t.turn_id],
+                len(t.prompt_token_ids) + len(t.completion_token_ids),
+                len(t.completion_token_ids),
+                pack_individual(t.prompt_token_ids, t.completion_token_ids, t.completion_logprobs),
+            )
+            for t in trained
+        ]
+
     @staticmethod
     def _sample_row(
         ready: ReadySample,
-        sample: Sample,
+        sample: NewSample,
         by_id: dict[uuid.UUID, Turn],
         values: dict[uuid.UUID, float],
         slot: int,
@@ -454,7 +503,7 @@ class Fold:
         if path and sample.sample_id != f"{ready.key}:path":
             raise AssertionError(f"sample id {sample.sample_id!r} is neither its turn's id nor '<turn>:path'")
         whole = len(own.prompt_token_ids) + len(own.completion_token_ids)
-        model_tokens = sum(sample.loss_mask)
+        model_tokens = sample.model_tokens
         return [
             own.turn_id, None, None, _unless(ready.reward, values[own.turn_id]), slot,
             _unless(ready.policy_version, own.policy_version), _unless(ready.tokens, whole),
@@ -513,8 +562,8 @@ class Fold:
         try:
             if event.tokens is None:
                 raise ValueError("it has no token arrays")
-            recorded, completion, logprobs = unpack_tokens(event.tokens)
-            prompt, taken, extends = tuple(recorded), event.data.get("prefix_tokens", 0), None
+            prompt, completion, logprobs = unpack_token_tuples(event.tokens)
+            taken, extends = event.data.get("prefix_tokens", 0), None
             if taken:  # a turn records the prompt ids after its parent's prompt + completion
                 parent = whole.get(str(event.data.get("parent_turn_id")))
                 if (
@@ -549,8 +598,8 @@ class Fold:
                 episode_id=episode_id,
                 index=index,
                 prompt_token_ids=prompt,
-                completion_token_ids=tuple(completion),
-                completion_logprobs=tuple(logprobs),
+                completion_token_ids=completion,
+                completion_logprobs=logprobs,
                 policy_version=_count(event, data["policy_version"], "policy_version"),
                 reward=own[str(data["turn_id"])],
                 extends=extends,
@@ -697,7 +746,7 @@ def _check_event_fields(event: LogRow) -> None:
     data = event.data
     recorded_parent = data.get("parent_turn_id")
     if recorded_parent is not None and (
-        not isinstance(recorded_parent, str) or str(uuid.UUID(recorded_parent)) != recorded_parent.lower()
+        not isinstance(recorded_parent, str) or _UUID_TEXT.match(recorded_parent) is None
     ):
         raise ValueError(f"its parent_turn_id {recorded_parent!r} is not a uuid")
     timings = data.get("timings", {})
