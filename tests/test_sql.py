@@ -290,6 +290,62 @@ def test_downgrade_drops_the_views_and_upgrade_runs_again_where_the_role_exists(
     assert rows_of(database_url, "SELECT * FROM episode_stats") == []
 
 
+def test_the_narrow_read_models_migration_keeps_what_readers_see(database_url: str) -> None:
+    """Migration 0013 moves turns and samples written by the older materializer into turn_rows and
+    sample_rows: the views give back the same rows (an individual and a concat sample, a root and a child,
+    a recorded parent that is not the tree's); downgrading gives the tables back."""
+    command.downgrade(alembic_config(database_url), "0012")
+    root, child = uuid.UUID(int=1), uuid.UUID(int=2)
+    events = [
+        ("EpisodeStarted", {"episode_id": "x"}),
+        ("TurnCompleted", {"turn_id": str(root), "engine_id": "E", "chat_template": "abc",
+                           "reply": {"finish_reason": "stop", "tool_calls": [{"id": "1"}]},
+                           "timings": {"queued_ms": 1.5, "first_token_ms": 2, "total_ms": 3.25}}),
+        ("TurnCompleted", {"turn_id": str(child), "parent_turn_id": str(uuid.UUID(int=9)), "engine_id": "F",
+                           "reply": {"finish_reason": "length"}, "timings": {}}),
+    ]  # fmt: skip
+    with psycopg.connect(database_url) as connection:
+        connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
+        for position, (kind, data) in enumerate(events, start=1):
+            connection.execute(
+                "INSERT INTO events (position, stream, version, event_id, type, data, content_hash, "
+                "recorded_at) VALUES (%s, 'episode-x', %s, %s, %s, %s, '\\x00', %s)",
+                (position, position, uuid.uuid4(), kind, json.dumps(data), at(position)),
+            )
+        connection.execute(
+            "INSERT INTO episodes (episode_id, stream, policy, agent, task_id, group_id, status, started_at, "
+            "started_position, finished_position) VALUES ('x', 'episode-x', 'p', 'a', 't', NULL, 'finished', "
+            "%s, 1, 4)",
+            (at(0),),
+        )
+        connection.execute(
+            "INSERT INTO turns VALUES "
+            "(%s, 'x', 0, NULL, NULL, 10, 5, 'stop', 1, 'E', 1.5, 2, 3.25, -0.5, 0, 0.5, false, 1, %s, 2, "
+            "NULL, 'abc'), "
+            "(%s, 'x', 1, %s, %s, 20, 4, 'length', 2, 'F', 0, 0, 0, NULL, 1, 1, true, 0, %s, 3, true, NULL)",
+            (root, at(2), child, root, uuid.UUID(int=9), at(3)),
+        )
+        connection.execute(
+            "INSERT INTO samples VALUES "
+            "(%s, 'x', 'p', 'x', 0, %s, 1, 15, 5, 0.5, 0.25, false, NULL, 4, 'b', 4), "
+            "(%s, 'x', 'p', 'x', 1, %s, 1, 24, 9, 0.5, NULL, true, '\\x01', NULL, NULL, 4)",
+            (str(root), [root], f"{child}:path", [root, child]),
+        )
+    before = {
+        table: sorted(rows_of(database_url, f"SELECT * FROM {table}"), key=str)
+        for table in ("turns", "samples")
+    }
+    command.upgrade(alembic_config(database_url), "head")
+    for table in ("turns", "samples"):
+        assert sorted(rows_of(database_url, f"SELECT * FROM {table}"), key=str) == before[table], table
+    with psycopg.connect(database_url) as connection:
+        assert connection.execute("SELECT count(*) FROM sample_rows WHERE reward IS NULL").fetchone() == (1,)
+    command.downgrade(alembic_config(database_url), "0012")
+    for table in ("turns", "samples"):
+        assert sorted(rows_of(database_url, f"SELECT * FROM {table}"), key=str) == before[table], table
+    command.upgrade(alembic_config(database_url), "head")
+
+
 # -- docs/queries.sql -----------------------------------------------------------------------------------
 
 
