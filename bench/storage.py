@@ -159,33 +159,81 @@ class WholeTurns:
         return getattr(self.store, name)
 
 
-async def read_model_bytes(url: str, episode_id: str, name: str) -> int:
-    """Bytes of the episode's read-model rows (its episode, turns and samples rows) once materialized and
-    batched, with the published payloads gone from the outbox (a relay with ``--outbox-retention 0``
-    deletes them): what the episode leaves beside the log. A ``batches`` row (~150 bytes) is per batch of
-    many episodes' samples, not counted here."""
+def episode_rows(schema: str, episode_id: str) -> dict[str, tuple[str, str, tuple[Any, ...]]]:
+    """Per table: (relation, the WHERE that picks the episode's rows, its parameters)."""
+    started = f"(SELECT started_position FROM {schema}.episodes WHERE episode_id = %s)"
+    return {
+        "events": ("events", "stream = %s", (f"episode-{episode_id}",)),
+        "episodes": (f"{schema}.episodes", "episode_id = %s", (episode_id,)),
+        "turn_rows": (f"{schema}.turn_rows", f"episode = {started}", (episode_id,)),
+        "sample_rows": (
+            f"{schema}.sample_rows",
+            f"turn_id IN (SELECT turn_id FROM {schema}.turn_rows WHERE episode = {started})",
+            (episode_id,),
+        ),
+    }
+
+
+def index_bytes(
+    connection: psycopg.Connection[Any], relation: str, where: str, params: tuple[Any, ...]
+) -> int:
+    """An estimate of the index entries that the picked rows hold in every index of ``relation`` (partial
+    indexes: the rows their predicate takes): per entry an 8-byte index tuple header and its key, rounded
+    up to 8 bytes, plus a 4-byte line pointer; B-tree pages' free space and inner pages left out."""
+    indexes = connection.execute(
+        "SELECT pg_get_expr(x.indpred, x.indrelid), "
+        "array(SELECT pg_get_indexdef(x.indexrelid, k, true) FROM generate_series(1, x.indnkeyatts) k) "
+        "FROM pg_index x WHERE x.indrelid = %s::regclass",
+        (relation,),
+    ).fetchall()
+    total = 0
+    for predicate, keys in indexes:
+        key = (
+            f"pg_column_size(ROW({', '.join(keys)})) - 24" if len(keys) > 1 else f"pg_column_size({keys[0]})"
+        )
+        row = connection.execute(
+            f"SELECT coalesce(sum(((8 + {key} + 7) / 8) * 8 + 4), 0) FROM {relation} "
+            f"WHERE ({where}) AND ({predicate or 'true'})",
+            params,
+        ).fetchone()
+        total += int(row[0]) if row else 0
+    return total
+
+
+async def read_model_bytes(url: str, episode_id: str, name: str) -> tuple[int, int, int]:
+    """Bytes of the episode's read-model rows (its ``episodes``, ``turn_rows`` and ``sample_rows`` rows:
+    ``pg_column_size`` of each whole row, its 24-byte header and TOAST-compressed values included) once
+    materialized and batched, with the published payloads gone from the outbox (a relay with
+    ``--outbox-retention 0`` deletes them): what the episode leaves beside the log. Then the index entries of
+    those rows (an estimate, ``index_bytes``), and the log's whole rows and index entries, for the figure
+    that counts everything. A ``batches`` row (~150 bytes) is per batch of many episodes' samples, not
+    counted here."""
     config = MaterializerConfig(name=name, batch_samples=1)
     materializer = Materializer(url, config)
     await materializer.open(create=True)
     await materializer.catch_up()
     await materializer.close()
-    schema = config.schema
+    picks = episode_rows(config.schema, episode_id)
+    rows = indexes = log_everything = 0
     with psycopg.connect(url) as connection:
-        row = connection.execute(
-            " + ".join(
-                f"(SELECT coalesce(sum(pg_column_size(r.*)), 0) FROM {schema}.{table} r "
-                "WHERE episode_id = %s)"
-                for table in ("episodes", "turns", "samples")
-            ).join(("SELECT ", "")),
-            (episode_id,) * 3,
-        ).fetchone()
-    return int(row[0]) if row else 0
+        for table, (relation, where, params) in picks.items():
+            row = connection.execute(
+                f"SELECT coalesce(sum(pg_column_size(r.*)), 0) FROM {relation} r WHERE {where}", params
+            ).fetchone()
+            size, entries = (int(row[0]) if row else 0), index_bytes(connection, relation, where, params)
+            if table == "events":
+                log_everything = size + entries
+            else:
+                rows, indexes = rows + size, indexes + entries
+    return rows, indexes, log_everything
 
 
 @dataclass
 class Result:
     stored: int
     models: int
+    model_indexes: int
+    everything: int
     new_content: int
     wire_ratio: float
     session_ratio: float
@@ -243,7 +291,9 @@ async def episode(url: str, turns: int, args: argparse.Namespace, *, whole: bool
             (session.stream,),
         ).fetchone()
     await store.close()
-    models = await read_model_bytes(url, session.episode_id, f"b{turns}{'w' if whole else 'd'}")
+    models, model_indexes, log_everything = await read_model_bytes(
+        url, session.episode_id, f"b{turns}{'w' if whole else 'd'}"
+    )
     tenth = max(1, turns // 10)
     continued = wire.bytes_per_call[1:] or wire.bytes_per_call
 
@@ -255,6 +305,8 @@ async def episode(url: str, turns: int, args: argparse.Namespace, *, whole: bool
     return Result(
         stored=int(row[0]) if row else 0,
         models=models,
+        model_indexes=model_indexes,
+        everything=log_everything + models + model_indexes,
         new_content=new_content,
         wire_ratio=statistics.median(continued) / first_new,
         session_ratio=growth(session_cpu),
@@ -267,7 +319,8 @@ async def episode(url: str, turns: int, args: argparse.Namespace, *, whole: bool
 async def run(url: str, args: argparse.Namespace) -> Table:
     table = Table(title="bytes and CPU per episode: turns recorded as deltas vs whole (version 1)")
     columns = ("turns", "prompt ids at the end", "writer", "log ÷ new content",
-               "log + read models ÷ new content", "wire ÷ new content",
+               "log + read models ÷ new content", "read models B/turn (+ index entries)",
+               "everything ÷ new content", "wire ÷ new content",
                "session CPU/turn last ÷ first tenth", "consumer CPU/turn last ÷ first tenth",
                "fold ms/turn concat | individual", "stored, delta ÷ whole")  # fmt: skip
     for column in columns:
@@ -278,7 +331,9 @@ async def run(url: str, args: argparse.Namespace) -> Table:
         for name, result in (("whole (v1)", whole), ("delta", delta)):
             table.add_row(
                 str(turns), f"{result.prompt_tokens:,}", name, f"{result.stored / result.new_content:.2f}",
-                f"{(result.stored + result.models) / result.new_content:.2f}",
+                f"{(result.stored + result.models) / result.new_content:.3f}",
+                f"{result.models / turns:,.0f} (+{result.model_indexes / turns:,.0f})",
+                f"{result.everything / result.new_content:.2f}",
                 f"{result.wire_ratio:.2f}", f"{result.session_ratio:.2f}", f"{result.consumer_ratio:.2f}",
                 f"{result.fold_ms['concat']:.2f} | {result.fold_ms['individual']:.2f}",
                 f"{delta.stored / whole.stored:.3f}" if name == "delta" else "",

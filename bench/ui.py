@@ -5,7 +5,7 @@ What it does, in one run on one PostgreSQL server (an embedded one, or ``TURNSTI
 scratch database dropped at the end):
 
 1. The log (not timed as a result). ``--turns`` turns (4 per episode: 250,000 episodes for a million)
-   in the read models the list reads: ``episodes`` and ``turns`` rows written with COPY, as the
+   in the read models the list reads: ``episodes`` and ``turn_rows`` rows written with COPY, as the
    materializer would have left them (policies, agents, tasks, groups of 8, tags, rewards, terminations
    with 2% errors, policy versions rising over time, 0.5% of turns with a prefix break and 1% with render
    drift). ``--with-events`` of those episodes (2,000 by default) are also recorded in the log through
@@ -48,6 +48,7 @@ import psycopg
 import sqlalchemy as sa
 
 from pipeline.log import EventStore
+from pipeline.materialize.materializer import TURN_COLUMNS
 from pipeline.settings import sqlalchemy_url
 from pipeline.ui.filters import page_query, parse_query
 from schemas import (
@@ -164,7 +165,9 @@ def _row(values: list[Any]) -> str:
 
 
 def write_read_models(url: str, episodes: int, recorded: dict[int, list[TurnCompleted]], seed: int) -> None:
-    """``episodes`` and ``turns`` rows as the materializer leaves them, COPYed in chunks."""
+    """``episodes`` and ``turn_rows`` rows as the materializer leaves them, COPYed in chunks. A turn's
+    ``position`` here is not its event's (only some episodes are recorded in the log): the view ``turns``
+    gives NULL engine and timings for most of them; the list pages read only ``turn_rows`` columns."""
     rng = random.Random(seed)
     position = 0
     with psycopg.connect(url) as connection:
@@ -187,31 +190,22 @@ def write_read_models(url: str, episodes: int, recorded: dict[int, list[TurnComp
                     position += 2
                     prompt, completion = 200 + 70 * k, rng.randint(20, 60)
                     prompt_total, completion_total = prompt_total + prompt, completion_total + completion
-                    turn_rows.write(
+                    turn_rows.write(  # TURN_COLUMNS: the view turns adds the event's fields (migration 0013)
                         _row(
                             [
                                 turn_id,
-                                episode_id(index),
-                                k,
-                                turn_ids[k - 1] if k else None,
-                                turn_ids[k - 1] if k else None,
-                                prompt,
-                                completion,
-                                "stop",
-                                version,
-                                "bench-engine",
-                                1.0,
-                                20.0,
-                                300.0,
+                                first_position,
+                                position,
                                 -rng.random() * 2,
                                 reward if k == len(turn_ids) - 1 and reward is not None else 0.0,
                                 reward or 0.0,
+                                k,
+                                prompt,
+                                completion,
+                                version,
+                                turn_ids[k - 1] if k else None,
                                 "t" if rng.random() < 0.005 else "f",
-                                0,
-                                started + dt.timedelta(seconds=k),
-                                position,
                                 "t" if rng.random() < 0.01 else "f",
-                                "a1b2c3d4e5f6",
                             ]
                         )
                     )
@@ -249,13 +243,13 @@ def write_read_models(url: str, episodes: int, recorded: dict[int, list[TurnComp
             with connection.cursor() as cursor:
                 with cursor.copy("COPY episodes FROM STDIN") as copy:
                     copy.write(episode_rows.getvalue())
-                with cursor.copy("COPY turns FROM STDIN") as copy:
+                with cursor.copy(f"COPY turn_rows ({', '.join(TURN_COLUMNS)}) FROM STDIN") as copy:
                     copy.write(turn_rows.getvalue())
             connection.commit()
             note(f"read models: {min(start + 50_000, episodes):,} of {episodes:,} episodes written")
     with psycopg.connect(url, autocommit=True) as connection:
         connection.execute("VACUUM (ANALYZE) episodes")
-        connection.execute("VACUUM (ANALYZE) turns")
+        connection.execute("VACUUM (ANALYZE) turn_rows")
         connection.execute("VACUUM (ANALYZE) events")
 
 

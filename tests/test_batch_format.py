@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,13 @@ from pipeline.batches.format import (
     decode_batch,
     encode_batch,
     encode_v1,
+    pack_arrays,
+    pack_individual,
     read_metadata,
 )
+from pipeline.errors import InvalidEvent
+from pipeline.log.tokens import pack_tokens, unpack_token_tuples, unpack_tokens
+from pipeline.materialize.trajectory import Turn, individual_samples
 from pipeline.training import payload_tensors, prune_checkpoints, to_tensors
 from pipeline.training.dataset import SampleDataset, collate
 
@@ -195,3 +201,31 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v000004", "v000010", "v000011.partial"]
     assert prune_checkpoints(tmp_path, 0) == []  # 0 keeps everything
     assert len(list(tmp_path.iterdir())) == 3
+
+
+def test_an_individual_sample_packed_from_its_turn_is_the_bytes_of_pack_arrays() -> None:
+    """The materializer packs individual samples straight from their turns (``pack_individual``); the bytes
+    must be those of ``pack_arrays`` over ``trajectory.individual_samples`` (batch ids and payloads of a
+    rebuild depend on it)."""
+    turn = Turn(
+        turn_id=uuid.uuid4(), episode_id="e", index=0, prompt_token_ids=(5, -1, 2**31 - 1, 0),
+        completion_token_ids=(7, 8, 9), completion_logprobs=(-0.0, -1.25, -3.5e-8), policy_version=3,
+        reward=0.0,
+    )  # fmt: skip
+    (sample,) = individual_samples([turn], {turn.turn_id: 0.5})
+    expected = pack_arrays(sample.input_ids, sample.loss_mask, sample.logprobs)
+    assert (
+        pack_individual(turn.prompt_token_ids, turn.completion_token_ids, turn.completion_logprobs)
+        == expected
+    )
+    assert pack_individual((), (1,), (-2.0,)) == pack_arrays((1,), (1,), (-2.0,))
+    with pytest.raises(ValueError, match="2 completion ids for 1 logprobs"):
+        pack_individual((1,), (2, 3), (-1.0,))
+
+
+def test_token_arrays_unpack_to_tuples_as_to_lists() -> None:
+    blob = pack_tokens([1, 2, 3], [4, 5], [-0.5, -1.5])
+    assert unpack_token_tuples(blob) == ((1, 2, 3), (4, 5), (-0.5, -1.5))
+    assert unpack_tokens(blob) == ([1, 2, 3], [4, 5], [-0.5, -1.5])
+    with pytest.raises(InvalidEvent, match="TSK1"):
+        unpack_token_tuples(blob[:-1])

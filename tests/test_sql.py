@@ -58,7 +58,13 @@ TURNS = [
     ("e4", "A", 1000.0, False),
     ("e5", "C", 50.0, False),
 ]  # fmt: skip
-# sample_id: episode, group, policy version, stale, batch
+TURN_IDS = [uuid.UUID(int=index) for index in range(1, len(TURNS) + 1)]
+# a sample's id is its turn's (migration 0013): each sample here is its episode's first turn
+SAMPLE_IDS = {
+    name: str(TURN_IDS[[turn[0] for turn in TURNS].index(episode_id)])
+    for name, episode_id in (("s1", "e1"), ("s2", "e2"), ("s3", "e3"), ("s4", "e5"))
+}
+# sample: episode, group, policy version, stale, batch
 SAMPLES = {
     "s1": ("e1", "g1", 1, True, "b1"),
     "s2": ("e2", "g1", 2, False, "b1"),
@@ -91,8 +97,8 @@ def seed(database_url: str) -> None:
                 "INSERT INTO episodes (episode_id, stream, policy, agent, task_id, group_id, retry_of, "
                 "status, termination, error, reward, turns, prompt_tokens, completion_tokens, "
                 "min_policy_version, max_policy_version, started_at, finished_at, duration_s, "
-                "started_position) VALUES "
-                "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                "started_position, finished_position) VALUES "
+                "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (
                     episode_id,
                     f"episode-{episode_id}",
@@ -101,19 +107,35 @@ def seed(database_url: str) -> None:
                     at(finished),
                     duration,
                     position,
+                    None if finished is None else 100 + position,
                 ),
             )
+        # A turn's read model is its turn_rows row plus its TurnCompleted event (the view turns, migration
+        # 0013): the event carries engine, timings and finish reason.
         indexes: dict[str, int] = {}
-        for position, (episode_id, engine, latency, prefix_break) in enumerate(TURNS, start=1):
+        versions = {"e1": 1}
+        started = {episode_id: position for position, episode_id in enumerate(EPISODES, start=1)}
+        for position, (turn_id, (episode_id, engine, latency, prefix_break)) in enumerate(
+            zip(TURN_IDS, TURNS, strict=True), start=2
+        ):
             indexes[episode_id] = indexes.get(episode_id, -1) + 1
+            versions[episode_id] = versions.get(episode_id, 0) + 1
+            stream, version = f"episode-{episode_id}", versions[episode_id]
+            data = {
+                "turn_id": str(turn_id), "engine_id": engine, "reply": {"finish_reason": "stop"},
+                "timings": {"queued_ms": latency / 10, "first_token_ms": latency / 2, "total_ms": latency},
+            }  # fmt: skip
             connection.execute(
-                "INSERT INTO turns (turn_id, episode_id, turn_index, prompt_tokens, completion_tokens, "
-                "finish_reason, policy_version, engine_id, queued_ms, first_token_ms, latency_ms, reward, "
-                "discounted_return, prefix_break, tool_calls, recorded_at, position) "
-                "VALUES (%s, %s, %s, 10, 10, 'stop', 1, %s, %s, %s, %s, 0, 0, %s, 0, %s, %s)",
-                (uuid.uuid4(), episode_id, indexes[episode_id], engine, latency / 10, latency / 2, latency,
-                 prefix_break, BASE, position),
-            )  # fmt: skip
+                "INSERT INTO events (position, stream, version, event_id, type, data, content_hash, "
+                "recorded_at) VALUES (%s, %s, %s, %s, 'TurnCompleted', %s, '\\x00', %s)",
+                (position, stream, version, uuid.uuid4(), json.dumps(data), BASE),
+            )
+            connection.execute(
+                "INSERT INTO turn_rows (turn_id, episode, turn_index, prompt_tokens, completion_tokens, "
+                "policy_version, reward, discounted_return, prefix_break, position) "
+                "VALUES (%s, %s, %s, 10, 10, 1, 0, 0, %s, %s)",
+                (turn_id, started[episode_id], indexes[episode_id], prefix_break, position),
+            )
         for batch_id, batch in BATCHES.items():
             created, published = batch[-2:]
             connection.execute(
@@ -122,13 +144,12 @@ def seed(database_url: str) -> None:
                 "published_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, 'h', 0, %s, %s)",
                 (batch_id, *batch[:-2], at(created), at(published)),
             )
-        for position, (sample_id, (episode_id, group, version, stale, batch)) in enumerate(SAMPLES.items()):
-            policy, reward = EPISODES[episode_id][0], EPISODES[episode_id][8]
+        for name, (episode_id, group, version, stale, batch) in SAMPLES.items():
+            assert group == EPISODES[episode_id][3]  # the view takes a sample's group from its episode
             connection.execute(
-                "INSERT INTO samples (sample_id, episode_id, policy, group_id, turn_ids, policy_version, "
-                "tokens, model_tokens, reward, advantage, stale, arrays, batch_id, position) "
-                "VALUES (%s, %s, %s, %s, '{}', %s, 100, 10, %s, 0.0, %s, '\\x0102', %s, %s)",
-                (sample_id, episode_id, policy, group, version, reward, stale, batch, position),
+                "INSERT INTO sample_rows (turn_id, policy_version, tokens, model_tokens, reward, advantage, "
+                "stale, arrays, batch_id) VALUES (%s, %s, 100, 10, %s, 0.0, %s, '\\x0102', %s)",
+                (SAMPLE_IDS[name], version, EPISODES[episode_id][8], stale, batch),
             )
 
 
@@ -269,6 +290,62 @@ def test_downgrade_drops_the_views_and_upgrade_runs_again_where_the_role_exists(
     assert rows_of(database_url, "SELECT * FROM episode_stats") == []
 
 
+def test_the_narrow_read_models_migration_keeps_what_readers_see(database_url: str) -> None:
+    """Migration 0013 moves turns and samples written by the older materializer into turn_rows and
+    sample_rows: the views give back the same rows (an individual and a concat sample, a root and a child,
+    a recorded parent that is not the tree's); downgrading gives the tables back."""
+    command.downgrade(alembic_config(database_url), "0012")
+    root, child = uuid.UUID(int=1), uuid.UUID(int=2)
+    events = [
+        ("EpisodeStarted", {"episode_id": "x"}),
+        ("TurnCompleted", {"turn_id": str(root), "engine_id": "E", "chat_template": "abc",
+                           "reply": {"finish_reason": "stop", "tool_calls": [{"id": "1"}]},
+                           "timings": {"queued_ms": 1.5, "first_token_ms": 2, "total_ms": 3.25}}),
+        ("TurnCompleted", {"turn_id": str(child), "parent_turn_id": str(uuid.UUID(int=9)), "engine_id": "F",
+                           "reply": {"finish_reason": "length"}, "timings": {}}),
+    ]  # fmt: skip
+    with psycopg.connect(database_url) as connection:
+        connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
+        for position, (kind, data) in enumerate(events, start=1):
+            connection.execute(
+                "INSERT INTO events (position, stream, version, event_id, type, data, content_hash, "
+                "recorded_at) VALUES (%s, 'episode-x', %s, %s, %s, %s, '\\x00', %s)",
+                (position, position, uuid.uuid4(), kind, json.dumps(data), at(position)),
+            )
+        connection.execute(
+            "INSERT INTO episodes (episode_id, stream, policy, agent, task_id, group_id, status, started_at, "
+            "started_position, finished_position) VALUES ('x', 'episode-x', 'p', 'a', 't', NULL, 'finished', "
+            "%s, 1, 4)",
+            (at(0),),
+        )
+        connection.execute(
+            "INSERT INTO turns VALUES "
+            "(%s, 'x', 0, NULL, NULL, 10, 5, 'stop', 1, 'E', 1.5, 2, 3.25, -0.5, 0, 0.5, false, 1, %s, 2, "
+            "NULL, 'abc'), "
+            "(%s, 'x', 1, %s, %s, 20, 4, 'length', 2, 'F', 0, 0, 0, NULL, 1, 1, true, 0, %s, 3, true, NULL)",
+            (root, at(2), child, root, uuid.UUID(int=9), at(3)),
+        )
+        connection.execute(
+            "INSERT INTO samples VALUES "
+            "(%s, 'x', 'p', 'x', 0, %s, 1, 15, 5, 0.5, 0.25, false, NULL, 4, 'b', 4), "
+            "(%s, 'x', 'p', 'x', 1, %s, 1, 24, 9, 0.5, NULL, true, '\\x01', NULL, NULL, 4)",
+            (str(root), [root], f"{child}:path", [root, child]),
+        )
+    before = {
+        table: sorted(rows_of(database_url, f"SELECT * FROM {table}"), key=str)
+        for table in ("turns", "samples")
+    }
+    command.upgrade(alembic_config(database_url), "head")
+    for table in ("turns", "samples"):
+        assert sorted(rows_of(database_url, f"SELECT * FROM {table}"), key=str) == before[table], table
+    with psycopg.connect(database_url) as connection:
+        assert connection.execute("SELECT count(*) FROM sample_rows WHERE reward IS NULL").fetchone() == (1,)
+    command.downgrade(alembic_config(database_url), "0012")
+    for table in ("turns", "samples"):
+        assert sorted(rows_of(database_url, f"SELECT * FROM {table}"), key=str) == before[table], table
+    command.upgrade(alembic_config(database_url), "head")
+
+
 # -- docs/queries.sql -----------------------------------------------------------------------------------
 
 
@@ -291,7 +368,7 @@ def test_every_documented_query_runs_on_an_empty_and_on_a_filled_database(databa
     assert [(row["staleness"], row["samples"], row["flagged_stale"]) for row in results[7]] == [
         (1, 2, 0), (2, 1, 1),
     ]  # fmt: skip
-    assert [row["sample_id"] for row in results[11]] == ["s4"]  # the newest group, g3
+    assert [row["sample_id"] for row in results[11]] == [SAMPLE_IDS["s4"]]  # the newest group, g3
     assert [(row["retried_episode"], row["retry"]) for row in results[14]] == [("e3", "e4")]
     assert results[15] == [{"agent": "calc", "error": "ValueError: boom", "episodes": 1}]
     assert [row["episode_id"] for row in results[16]] == ["e4"]
@@ -335,7 +412,7 @@ def test_writes_are_refused_with_a_clear_message_and_change_nothing(
     assert result.returncode == 2, result.stderr
     assert READ_ONLY in result.stderr
     assert result.stdout == ""
-    assert counts(database_url) == before == (1, 5, 1.0)
+    assert counts(database_url) == before == (1 + len(TURNS), 5, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -357,7 +434,7 @@ def test_other_ways_to_write_are_refused(database_url: str, statement: str, said
     with pytest.raises(ReadOnlyViolation, match=READ_ONLY) as refused:
         run_readonly(reader(database_url), statement)
     assert said in str(refused.value)
-    assert counts(database_url) == (1, 5, 1.0)
+    assert counts(database_url) == (1 + len(TURNS), 5, 1.0)
 
 
 def test_queries_run_as_the_reader_role_in_a_read_only_transaction(database_url: str) -> None:

@@ -54,8 +54,9 @@ trained_batches = sa.Table(
     sa.Column("trained_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
 )
 
-# -- the materializer's read models (migrations 0003, 0009): declared here for readers (the episode browser);
-# the materializer writes them with COPY and column lists of its own.
+# -- the materializer's read models (migrations 0003, 0009, 0013): declared here for readers (the episode
+# browser); the materializer writes them with COPY and column lists of its own. ``turns`` and ``samples`` are
+# views (0013) over the narrow tables ``turn_rows`` and ``sample_rows``, with these columns.
 
 episodes = sa.Table(
     "episodes",

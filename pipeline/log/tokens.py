@@ -8,6 +8,7 @@ and logprobs are the engine's own; they are never re-tokenized or rounded furthe
 from __future__ import annotations
 
 import struct
+import sys
 
 from pipeline.errors import InvalidEvent
 
@@ -24,11 +25,27 @@ def pack_tokens(prompt_ids: list[int], completion_ids: list[int], completion_log
 
 
 def unpack_tokens(blob: bytes) -> tuple[list[int], list[int], list[float]]:
+    prompt, completion, logprobs = unpack_token_tuples(blob)
+    return list(prompt), list(completion), list(logprobs)
+
+
+def unpack_token_tuples(blob: bytes) -> tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]:
+    """``unpack_tokens`` as tuples, read straight from the bytes (the materializer's hot loop)."""
     if len(blob) < _HEADER.size:
         raise InvalidEvent(f"stored token arrays are not in the {_MAGIC!r} layout ({len(blob)} bytes)")
     magic, n_prompt, n_completion, n_logprobs = _HEADER.unpack_from(blob)
     if magic != _MAGIC or len(blob) != _HEADER.size + 4 * (n_prompt + n_completion + n_logprobs):
         raise InvalidEvent(f"stored token arrays are not in the {_MAGIC!r} layout ({len(blob)} bytes)")
-    ids = struct.unpack_from(f"<{n_prompt + n_completion}i", blob, _HEADER.size)
-    logprobs = struct.unpack_from(f"<{n_logprobs}f", blob, _HEADER.size + 4 * (n_prompt + n_completion))
-    return list(ids[:n_prompt]), list(ids[n_prompt:]), list(logprobs)
+    cut, end = _HEADER.size + 4 * n_prompt, _HEADER.size + 4 * (n_prompt + n_completion)
+    if sys.byteorder == "little":  # a memoryview cast reads native order: no format string to compile
+        view = memoryview(blob)
+        return (
+            tuple(view[_HEADER.size : cut].cast("i")),
+            tuple(view[cut:end].cast("i")),
+            tuple(view[end:].cast("f")),
+        )
+    return (  # pragma: no cover
+        struct.unpack_from(f"<{n_prompt}i", blob, _HEADER.size),
+        struct.unpack_from(f"<{n_completion}i", blob, cut),
+        struct.unpack_from(f"<{n_logprobs}f", blob, end),
+    )

@@ -27,17 +27,18 @@ import math
 import re
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 import psycopg
 from psycopg import sql
 
-from pipeline.batches.format import BATCHES_CHANNEL, encode_packed, pack_arrays
+from pipeline.batches.format import BATCHES_CHANNEL, encode_packed, pack_arrays, pack_individual
 from pipeline.errors import ConfigError
-from pipeline.log.tokens import unpack_tokens
+from pipeline.log.store import JsonText, JsonTextBinaryDumper
+from pipeline.log.tokens import unpack_token_tuples
 from pipeline.materialize.lineages import episode_reward_targets, main_root, peer_slot, roots, trained_tree
 from pipeline.materialize.trajectory import (
     Turn,
@@ -45,7 +46,6 @@ from pipeline.materialize.trajectory import (
     depths,
     discounted_rewards,
     group_advantages,
-    individual_samples,
     parents,
     tree_peers,
 )
@@ -55,9 +55,16 @@ log = logging.getLogger(__name__)
 
 USABLE: Final = frozenset({"done", "max_turns", "truncated"})
 """Terminations whose episodes become samples; error, timeout, cancelled and aborted ones do not."""
-READ_MODEL_TABLES: Final = ("episodes", "turns", "samples", "batches", "batch_outbox", "skipped_events")
+READ_MODEL_TABLES: Final = (
+    "episodes", "turn_rows", "sample_rows", "batches", "batch_outbox", "skipped_events",
+)  # fmt: skip
+"""The tables the materializer writes (``turns`` and ``samples`` are views over ``turn_rows`` and
+``sample_rows``: migration 0013)."""
 INT4_MAX: Final = 2**31 - 1
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,40}$")
+_UUID_TEXT = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}\Z")
+"""A uuid as PostgreSQL's ``::uuid`` and Python's ``uuid.UUID`` both read it (the view ``turns`` casts it)."""
+_ON_TABLE = re.compile(r" ON (?:public\.)?(?P<table>[a-z_]+) USING ")
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,23 @@ class ReadySample:
     slot: int = 0
     advantage: float | None = None
 
+    @property
+    def key(self) -> str:
+        """The sample's own turn (its last: a concat sample's leaf), which keys its ``sample_rows`` row."""
+        return self.turn_ids[-1]
+
+
+class NewSample(NamedTuple):
+    """A sample as an episode's end makes it (``trajectory.Sample`` less its sequences, arrays packed)."""
+
+    sample_id: str
+    turn_ids: tuple[uuid.UUID, ...]
+    policy_version: int
+    reward: float
+    tokens: int
+    model_tokens: int
+    arrays: bytes
+
 
 @dataclass(slots=True)
 class PendingGroup:
@@ -191,6 +215,8 @@ class Writes:
     step can still change them (an episode that starts and finishes in one step is one INSERT)."""
 
     episodes: dict[str, list[Any]] = field(default_factory=dict)
+    """New episodes rows by stream (not by episode id: two streams that claim one episode id must both reach
+    the table, whose primary key refuses the second; see ``Materializer._fold_one_at_a_time``)."""
     finished: list[tuple[Any, ...]] = field(default_factory=list)
     turns: list[tuple[Any, ...]] = field(default_factory=list)
     samples: dict[str, list[Any]] = field(default_factory=dict)
@@ -208,15 +234,16 @@ EPISODE_COLUMNS: Final = (
     "started_position", "finished_position",
 )  # fmt: skip
 TURN_COLUMNS: Final = (
-    "turn_id", "episode_id", "turn_index", "parent_turn_id", "recorded_parent", "prompt_tokens",
-    "completion_tokens", "finish_reason", "policy_version", "engine_id", "queued_ms", "first_token_ms",
-    "latency_ms", "mean_logprob", "reward", "discounted_return", "prefix_break", "tool_calls", "recorded_at",
-    "position", "render_drift", "chat_template",
+    "turn_id", "episode", "position", "mean_logprob", "reward", "discounted_return", "turn_index",
+    "prompt_tokens", "completion_tokens", "policy_version", "parent_turn_id", "prefix_break", "render_drift",
 )  # fmt: skip
+"""``turn_rows``: what the fold derives; the view ``turns`` reads the rest from the event at ``position``."""
 SAMPLE_COLUMNS: Final = (
-    "sample_id", "episode_id", "policy", "group_id", "slot", "turn_ids", "policy_version", "tokens",
-    "model_tokens", "reward", "advantage", "stale", "arrays", "ready_position", "batch_id", "position",
+    "turn_id", "ready_position", "advantage", "reward", "slot", "policy_version", "tokens", "model_tokens",
+    "stale", "path", "batch_id", "turn_ids", "arrays",
 )  # fmt: skip
+"""``sample_rows``, keyed by the sample's own turn (a concat sample's leaf); a value equal to that turn's is
+NULL (the view ``samples`` reads it from the turn), and so are ``turn_ids`` when they are just that turn."""
 BATCH_COLUMNS: Final = (
     "batch_id", "policy", "samples", "groups", "tokens", "stale_samples", "min_policy_version",
     "max_policy_version", "newest_version", "config_hash", "position", "created_at", "payload_bytes",
@@ -226,6 +253,37 @@ FINISHED_COLUMNS: Final = (
     "status", "termination", "error", "reward", "turns", "prompt_tokens", "completion_tokens",
     "min_policy_version", "max_policy_version", "finished_at", "duration_s", "finished_position",
 )  # fmt: skip
+
+
+class CopyColumns(NamedTuple):
+    """A table's columns as the materializer COPYs them, and their PostgreSQL types (binary COPY)."""
+
+    names: tuple[str, ...]
+    types: tuple[str, ...]
+
+
+EPISODE_COPY: Final = CopyColumns(EPISODE_COLUMNS, (
+    "text", "text", "text", "text", "text", "text", "int4", "text", "jsonb", "text", "text", "text", "float8",
+    "int4", "int8", "int8", "int4", "int4", "timestamptz", "timestamptz", "float8", "int8", "int8",
+))  # fmt: skip
+TURN_COPY: Final = CopyColumns(TURN_COLUMNS, (
+    "uuid", "int8", "int8", "float8", "float8", "float8", "int4", "int4", "int4", "int4", "uuid", "bool",
+    "bool",
+))  # fmt: skip
+SAMPLE_COPY: Final = CopyColumns(SAMPLE_COLUMNS, (
+    "uuid", "int8", "float8", "float8", "int4", "int4", "int4", "int4", "bool", "bool", "text", "uuid[]",
+    "bytea",
+))  # fmt: skip
+BATCH_COPY: Final = CopyColumns(BATCH_COLUMNS, (
+    "text", "text", "int4", "int4", "int8", "int4", "int4", "int4", "int4", "text", "int8", "timestamptz",
+    "int4", "bytea",
+))  # fmt: skip
+OUTBOX_COPY: Final = CopyColumns(
+    ("batch_id", "subject", "payload", "created_at"), ("text", "text", "bytea", "timestamptz")
+)
+SKIPPED_COPY: Final = CopyColumns(
+    ("position", "stream", "type", "episode_id", "reason"), ("int8", "text", "text", "text", "text")
+)
 _FINISHED_INDEXES: Final = tuple(EPISODE_COLUMNS.index(c) for c in FINISHED_COLUMNS)
 _S_ADVANTAGE, _S_STALE, _S_READY, _S_BATCH, _S_ARRAYS = (
     SAMPLE_COLUMNS.index(column) for column in ("advantage", "stale", "ready_position", "batch_id", "arrays")
@@ -295,7 +353,7 @@ class Fold:
         if episode is not None and closing.type == "EpisodeFinished":
             del self.open[closing.stream]
             self._record_finished(
-                episode_id or "", ["finished", None,
+                closing.stream, episode_id or "", ["finished", None,
                 f"not materialized: the event at position {row.position} ({row.type}) was skipped: {reason}",
                 None, None, None, None, None, None, closing.recorded_at,
                 (closing.recorded_at - episode[0].recorded_at).total_seconds(), closing.position],
@@ -321,11 +379,12 @@ class Fold:
         values = [
             episode_id, row.stream, _text(row, "policy"), _text(row, "agent", ""), _text(row, "task_id", ""),
             _text(row, "group_id", None), _count(row, data.get("group_size", 1), "group_size", least=1),
-            _text(row, "retry_of", None), json.dumps(data.get("tags", {}), sort_keys=True), "running", None,
-            None, None, None, None, None, None, None, row.recorded_at, None, None, row.position, None,
+            _text(row, "retry_of", None), JsonText(json.dumps(data.get("tags", {}), sort_keys=True)),
+            "running", None, None, None, None, None, None, None, None, row.recorded_at, None, None,
+            row.position, None,
         ]  # fmt: skip
         self.open[row.stream] = [row]
-        self.writes.episodes[episode_id] = values
+        self.writes.episodes[row.stream] = values
 
     def _finished(self, row: LogRow) -> None:
         events = self.open.get(row.stream)
@@ -346,12 +405,9 @@ class Fold:
             (row.recorded_at - events[0].recorded_at).total_seconds(), row.position,
         ]  # fmt: skip
         usable = termination in USABLE and bool(turns)
-        if usable and self.config.style == "concat":
-            samples = concat_samples(view.turns, view.tree, view.values)
-        elif usable:
-            samples = individual_samples(view.turns, view.values)
+        samples = self._samples(view.turns, view.tree, set(), view.values) if usable else []
         del self.open[row.stream]
-        self._record_finished(episode_id, finished)
+        self._record_finished(row.stream, episode_id, finished)
         self.writes.turns.extend(turn_rows)
         policy = started["policy"]
         if versions:
@@ -377,31 +433,91 @@ class Fold:
             ]
         else:
             slots = list(range(len(samples)))
+        by_id = {turn.turn_id: turn for turn in turns}
         for slot, sample in zip(slots, samples, strict=True):
             ready = ReadySample(
                 sample_id=sample.sample_id,
                 episode_id=episode_id,
                 group_id=group_id,
                 policy=policy,
-                turn_ids=tuple(str(t) for t in sample.turn_ids),
+                turn_ids=(
+                    (sample.sample_id,)  # an individual sample's id is its turn's
+                    if self.config.style == "individual"
+                    else tuple(str(t) for t in sample.turn_ids)
+                ),
                 policy_version=sample.policy_version,
-                tokens=len(sample.input_ids),
+                tokens=sample.tokens,
                 reward=sample.reward,
-                arrays=pack_arrays(sample.input_ids, sample.loss_mask, sample.logprobs),
+                arrays=sample.arrays,
                 position=row.position,
                 slot=slot,
             )
             group.samples.append(ready)
-            self.writes.samples[ready.sample_id] = [
-                ready.sample_id, episode_id, policy, group_id, slot, list(ready.turn_ids),
-                ready.policy_version, ready.tokens, sum(sample.loss_mask), ready.reward, None, False,
-                ready.arrays, None, None, row.position,
-            ]  # fmt: skip
+            self.writes.samples[ready.sample_id] = self._sample_row(ready, sample, by_id, view.values, slot)
         if len(group.episodes) >= group.size:
             self._make_ready([group], row)
 
-    def _record_finished(self, episode_id: str, finished: list[Any]) -> None:
-        inserted = self.writes.episodes.get(episode_id)
+    def _samples(
+        self,
+        trained: list[Turn],
+        tree: dict[uuid.UUID, uuid.UUID | None],
+        unseen: set[uuid.UUID],
+        values: dict[uuid.UUID, float],
+    ) -> list[NewSample]:
+        """The episode's samples (``trajectory.concat_samples`` or ``individual_samples``) with their arrays
+        packed. Individual samples are made straight from their turns (``pack_individual``: the bytes
+        ``pack_arrays`` gives for ``individual_samples``, without building whole sequences per turn)."""
+        if self.config.style == "concat":
+            return [
+                NewSample(
+                    s.sample_id,
+                    s.turn_ids,
+                    s.policy_version,
+                    s.reward,
+                    len(s.input_ids),
+                    sum(s.loss_mask),
+                    pack_arrays(s.input_ids, s.loss_mask, s.logprobs),
+                )
+                for s in concat_samples(trained, {t: p for t, p in tree.items() if t not in unseen}, values)
+            ]
+        return [
+            NewSample(
+                str(t.turn_id),
+                (t.turn_id,),
+                t.policy_version,
+                values[t.turn_id],
+                len(t.prompt_token_ids) + len(t.completion_token_ids),
+                len(t.completion_token_ids),
+                pack_individual(t.prompt_token_ids, t.completion_token_ids, t.completion_logprobs),
+            )
+            for t in trained
+        ]
+
+    @staticmethod
+    def _sample_row(
+        ready: ReadySample,
+        sample: NewSample,
+        by_id: dict[uuid.UUID, Turn],
+        values: dict[uuid.UUID, float],
+        slot: int,
+    ) -> list[Any]:
+        """The ``sample_rows`` row of a new sample: what equals its own turn's is left NULL (see
+        ``SAMPLE_COLUMNS``), and its id is its turn's (``:path`` for a concat sample)."""
+        own = by_id[sample.turn_ids[-1]]
+        path = sample.sample_id != ready.key
+        if path and sample.sample_id != f"{ready.key}:path":
+            raise AssertionError(f"sample id {sample.sample_id!r} is neither its turn's id nor '<turn>:path'")
+        whole = len(own.prompt_token_ids) + len(own.completion_token_ids)
+        model_tokens = sample.model_tokens
+        return [
+            own.turn_id, None, None, _unless(ready.reward, values[own.turn_id]), slot,
+            _unless(ready.policy_version, own.policy_version), _unless(ready.tokens, whole),
+            _unless(model_tokens, len(own.completion_token_ids)), False, path, None,
+            list(sample.turn_ids) if len(sample.turn_ids) > 1 else None, ready.arrays,
+        ]  # fmt: skip
+
+    def _record_finished(self, stream: str, episode_id: str, finished: list[Any]) -> None:
+        inserted = self.writes.episodes.get(stream)
         if inserted is not None:
             for index, value in zip(_FINISHED_INDEXES, finished, strict=True):
                 inserted[index] = value
@@ -427,22 +543,18 @@ class Fold:
         turns = [self._turn(episode_id, index, event, own, whole) for index, event in enumerate(completed)]
         view = Trained.of(turns, completed, events, outcome, self.config.discount)
         rows = []
+        started = events[0].position  # episodes.started_position: how turn_rows name their episode
         for turn, event in zip(turns, completed, strict=True):
-            data, timings = event.data, event.data.get("timings", {})
+            data = event.data
             lps = turn.completion_logprobs
             reward = view.rewards.get(turn.turn_id, turn.reward)
             rows.append(
                 (
-                    turn.turn_id, episode_id, turn.index, view.whole_tree[turn.turn_id],
-                    data.get("parent_turn_id"), len(turn.prompt_token_ids), len(turn.completion_token_ids),
-                    data["reply"]["finish_reason"],
-                    turn.policy_version, data["engine_id"], float(timings.get("queued_ms", 0.0)),
-                    float(timings.get("first_token_ms", 0.0)), float(timings.get("total_ms", 0.0)),
-                    sum(lps) / len(lps) if lps else None, reward, view.values.get(turn.turn_id, reward),
-                    bool(data.get("prefix_break", False)), len(data["reply"].get("tool_calls") or []),
-                    event.recorded_at, event.position,
+                    turn.turn_id, started, event.position, sum(lps) / len(lps) if lps else None, reward,
+                    view.values.get(turn.turn_id, reward), turn.index, len(turn.prompt_token_ids),
+                    len(turn.completion_token_ids), turn.policy_version, view.whole_tree[turn.turn_id],
+                    bool(data.get("prefix_break", False)),
                     data.get("render_drift") if isinstance(data.get("render_drift"), bool) else None,
-                    _text(event, "chat_template", None),
                 )
             )  # fmt: skip
         return turns, rows, view
@@ -456,8 +568,8 @@ class Fold:
         try:
             if event.tokens is None:
                 raise ValueError("it has no token arrays")
-            recorded, completion, logprobs = unpack_tokens(event.tokens)
-            prompt, taken, extends = tuple(recorded), event.data.get("prefix_tokens", 0), None
+            prompt, completion, logprobs = unpack_token_tuples(event.tokens)
+            taken, extends = event.data.get("prefix_tokens", 0), None
             if taken:  # a turn records the prompt ids after its parent's prompt + completion
                 parent = whole.get(str(event.data.get("parent_turn_id")))
                 if (
@@ -486,13 +598,14 @@ class Fold:
             data = event.data
             if not isinstance(data["reply"]["finish_reason"], str) or not isinstance(data["engine_id"], str):
                 raise ValueError("its finish_reason or engine_id is not a string")
+            _check_event_fields(event)
             turn = Turn(
                 turn_id=_uuid(data["turn_id"]),
                 episode_id=episode_id,
                 index=index,
                 prompt_token_ids=prompt,
-                completion_token_ids=tuple(completion),
-                completion_logprobs=tuple(logprobs),
+                completion_token_ids=completion,
+                completion_logprobs=logprobs,
                 policy_version=_count(event, data["policy_version"], "policy_version"),
                 reward=own[str(data["turn_id"])],
                 extends=extends,
@@ -540,7 +653,7 @@ class Fold:
                     )
                 for sample, advantage in zip(peers, advantages, strict=True):
                     sample.advantage = advantage
-                    self._update_sample(sample.sample_id, {_S_ADVANTAGE: advantage, _S_READY: row.position})
+                    self._update_sample(sample, {_S_ADVANTAGE: advantage, _S_READY: row.position})
             self.queues.setdefault(group.policy, deque()).append(members)
         for policy in sorted({g.policy for g in groups}):
             self._form_batches(policy, row)
@@ -577,7 +690,7 @@ class Fold:
         for sample in members:
             stale = bound is not None and sample.policy_version < bound
             stale_count += stale
-            self._update_sample(sample.sample_id, {_S_STALE: stale, _S_BATCH: batch_id})
+            self._update_sample(sample, {_S_STALE: stale, _S_BATCH: batch_id})
             if stale and self.config.stale == "drop":
                 continue
             kept.append(sample)
@@ -611,17 +724,17 @@ class Fold:
         if payload:
             self.writes.outbox.append((batch_id, f"batches.{policy}", payload, row.recorded_at))
 
-    def _update_sample(self, sample_id: str, changes: dict[int, Any]) -> None:
-        inserted = self.writes.samples.get(sample_id)
+    def _update_sample(self, sample: ReadySample, changes: dict[int, Any]) -> None:
+        inserted = self.writes.samples.get(sample.sample_id)
         if inserted is not None:
             for index, value in changes.items():
                 inserted[index] = value
             if _S_BATCH in changes:
                 inserted[_S_ARRAYS] = None  # batched in the step that made it: its payload holds the arrays
         elif _S_ADVANTAGE in changes:
-            self.writes.ready.append((changes[_S_ADVANTAGE], changes[_S_READY], sample_id))
+            self.writes.ready.append((changes[_S_ADVANTAGE], changes[_S_READY], sample.key))
         else:
-            self.writes.batched.append((changes[_S_STALE], changes[_S_BATCH], sample_id))
+            self.writes.batched.append((changes[_S_STALE], changes[_S_BATCH], sample.key))
 
 
 REFUSED_WRITES: Final = (psycopg.errors.DataError, psycopg.errors.IntegrityError)
@@ -631,6 +744,31 @@ duplicate key. The transaction is rolled back; ``Materializer.step`` then finds 
 
 def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _check_event_fields(event: LogRow) -> None:
+    """The fields the view ``turns`` reads from the event itself (``events.data``) must be what its casts
+    take: a turn whose fields would break them is not folded (it never reaches ``turn_rows``)."""
+    data = event.data
+    recorded_parent = data.get("parent_turn_id")
+    if recorded_parent is not None and (
+        not isinstance(recorded_parent, str) or _UUID_TEXT.match(recorded_parent) is None
+    ):
+        raise ValueError(f"its parent_turn_id {recorded_parent!r} is not a uuid")
+    timings = data.get("timings", {})
+    for name in ("queued_ms", "first_token_ms", "total_ms"):
+        value = timings.get(name, 0.0)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"its timings.{name} is {value!r}, not a number")
+    tool_calls = data["reply"].get("tool_calls")
+    if tool_calls is not None and not isinstance(tool_calls, list):
+        raise ValueError(f"its reply.tool_calls is {tool_calls!r}, not a list")
+    _text(event, "chat_template", None)
+
+
+def _unless(value: Any, same: Any) -> Any:
+    """``value``, or None where it equals ``same`` (a column the view then reads from elsewhere)."""
+    return None if value == same else value
 
 
 def _uuid(value: Any) -> uuid.UUID:
@@ -673,6 +811,10 @@ class Materializer:
         self.fold = Fold(config)
         self.steps = 0
         self._connection: psycopg.AsyncConnection[Any] | None = None
+        """Reads the log and the tables (autocommit)."""
+        self._writer: psycopg.Connection[Any] | None = None
+        """Writes each step in one transaction, from a worker thread (``_commit``)."""
+        self._indexes_built = False
 
     @property
     def position(self) -> int:
@@ -728,6 +870,7 @@ class Materializer:
                     "choose another --name, or drop it with --replace"
                 )
         await self._load()
+        self._writer = await asyncio.to_thread(psycopg.Connection.connect, self.database_url, autocommit=True)
 
     async def _create_schema(self, connection: psycopg.AsyncConnection[Any], create: bool) -> None:
         if not create:
@@ -738,15 +881,67 @@ class Materializer:
         await connection.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self.config.schema)))
         for table in READ_MODEL_TABLES:
             await connection.execute(
-                sql.SQL("CREATE TABLE {} (LIKE public.{} INCLUDING ALL)").format(
+                sql.SQL("CREATE TABLE {} (LIKE public.{} INCLUDING ALL EXCLUDING INDEXES)").format(
                     self._table(table), sql.Identifier(table)
                 )
             )
+        # Only the unique indexes now (the keys that updates and the views join on); the others are built once
+        # the rebuild has caught up (build_deferred_indexes): one sort each instead of an insert per row.
+        for _, unique, definition in await self._index_definitions(connection):
+            if unique:
+                await connection.execute(definition)
+        await connection.execute("SELECT turnstile_read_model_views(%s)", (self.config.schema,))
+
+    async def _index_definitions(
+        self, connection: psycopg.AsyncConnection[Any]
+    ) -> list[tuple[str, bool, str]]:
+        """The indexes of the live read models (schema public) as statements for this rebuild's schema:
+        (name, unique, CREATE INDEX ...)."""
+        rows = await (
+            await connection.execute(
+                "SELECT i.relname, x.indisunique, pg_get_indexdef(x.indexrelid) FROM pg_index x "
+                "JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_class t ON t.oid = x.indrelid "
+                "JOIN pg_namespace n ON n.oid = t.relnamespace "
+                "WHERE n.nspname = 'public' AND t.relname = ANY(%s) ORDER BY i.relname",
+                (list(READ_MODEL_TABLES),),
+            )
+        ).fetchall()
+        target = self.config.schema  # rm_<name>: letters, digits and _ (MaterializerConfig checks the name)
+        return [
+            (name, unique, _ON_TABLE.sub(rf" ON {target}.\g<table> USING ", definition, count=1))
+            for name, unique, definition in rows
+        ]
+
+    async def build_deferred_indexes(self) -> int:
+        """A rebuild's schema gets the live read models' other indexes once it has caught up (see
+        ``_create_schema``); also after a restart, when a rebuild stopped before that. The indexes built."""
+        if self.config.schema == "public" or self._indexes_built:
+            return 0
+        connection = self._require()
+        existing = await (
+            await connection.execute(
+                "SELECT count(*) FROM pg_index x JOIN pg_class t ON t.oid = x.indrelid "
+                "JOIN pg_namespace n ON n.oid = t.relnamespace "
+                "WHERE n.nspname = %s AND t.relname = ANY(%s) AND NOT x.indisunique",
+                (self.config.schema, list(READ_MODEL_TABLES)),
+            )
+        ).fetchone()
+        built = 0
+        if existing is not None and existing[0] == 0:  # a rebuild made before this rule has its indexes
+            for _, unique, definition in await self._index_definitions(connection):
+                if not unique:
+                    await connection.execute(definition)
+                    built += 1
+        self._indexes_built = True
+        return built
 
     async def close(self) -> None:
         if self._connection is not None:
             await self._connection.close()
             self._connection = None
+        if self._writer is not None:
+            await asyncio.to_thread(self._writer.close)
+            self._writer = None
 
     async def _load(self) -> None:
         connection = self._require()
@@ -827,6 +1022,11 @@ class Materializer:
             raise ConfigError("the materializer is not open: call open() first")
         return self._connection
 
+    def _require_writer(self) -> psycopg.Connection[Any]:
+        if self._writer is None:
+            raise ConfigError("the materializer is not open: call open() first")
+        return self._writer
+
     async def _read(self, where: str, params: Sequence[Any], limit: int | None = None) -> list[LogRow]:
         columns = "position, stream, type, data, tokens, recorded_at"
         query = f"SELECT {columns} FROM events WHERE {where} ORDER BY position"
@@ -840,12 +1040,24 @@ class Materializer:
         rows = await self._read("position > %s", (self.fold.position,), self.config.step_events)
         if not rows:
             return 0
+        skipped, writes = self._fold(rows)
+        await self._settle(self._commit(writes, self.fold.position), rows, skipped)
+        return len(rows)
+
+    def _fold(self, rows: list[LogRow]) -> tuple[int, Writes]:
+        """Fold ``rows``; the skips counted before them, and what they produced."""
         skipped = self.fold.skipped
         for row in rows:
             self.fold.apply(row)
         writes, self.fold.writes = self.fold.writes, Writes()
+        return skipped, writes
+
+    async def _settle(self, commit: Awaitable[None], rows: list[LogRow], skipped: int) -> bool:
+        """Wait for the commit of the step that folded ``rows``. When the read models refused it, go back to
+        the checkpoint and commit the step's events one at a time, skipping the culprit; False then."""
         try:
-            await self._commit(writes, self.fold.position)
+            await commit
+            return True
         except REFUSED_WRITES as error:
             log.warning(
                 "materializer %s: the read models refused the step after position %d (%s); folding its "
@@ -854,7 +1066,7 @@ class Materializer:
             )  # fmt: skip
             await self._reload(skipped)
             await self._fold_one_at_a_time(rows)
-        return len(rows)
+            return False
 
     async def _fold_one_at_a_time(self, rows: list[LogRow]) -> None:
         """The safety net behind the fold's own checks: a value the tables cannot hold (out of an integer
@@ -883,98 +1095,113 @@ class Materializer:
         await self._load()
 
     async def _commit(self, writes: Writes, position: int) -> None:
+        """Write one step's output and its checkpoint, on the writer connection in a worker thread (see
+        ``catch_up``: the next step is read and folded meanwhile)."""
+        await asyncio.to_thread(self._commit_now, writes, position)
+        self.fold.position = max(self.fold.position, position)
+        self.steps += 1
+
+    def _commit_now(self, writes: Writes, position: int) -> None:
         # One transaction: the read models, the batches, the outbox and the checkpoint commit together.
-        connection = self._require()
-        async with connection.transaction():
-            await self._write(connection, writes)
-            await connection.execute(
+        connection = self._require_writer()
+        with connection.transaction():
+            self._write(connection, writes)
+            connection.execute(
                 "INSERT INTO checkpoints (name, position) VALUES (%s, %s) ON CONFLICT (name) DO UPDATE "
                 "SET position = excluded.position, updated_at = now()",
                 (self.config.checkpoint, position),
             )
             if writes.outbox:
-                await connection.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(BATCHES_CHANNEL)))
-        self.fold.position = max(self.fold.position, position)
-        self.steps += 1
+                connection.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(BATCHES_CHANNEL)))
 
-    async def _write(self, connection: psycopg.AsyncConnection[Any], writes: Writes) -> None:
-        async def copy(table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-            statement = sql.SQL("COPY {} ({}) FROM STDIN").format(
-                self._table(table), sql.SQL(", ").join(map(sql.Identifier, columns))
-            )
-            async with connection.cursor() as cursor, cursor.copy(statement) as out:
+    def _copy(
+        self,
+        connection: psycopg.Connection[Any],
+        table: str,
+        columns: CopyColumns,
+        rows: Iterable[Sequence[Any]],
+    ) -> None:
+        """Binary COPY: PostgreSQL takes the values as they are stored, without parsing text."""
+        statement = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
+            self._table(table), sql.SQL(", ").join(map(sql.Identifier, columns.names))
+        )
+        with connection.cursor() as cursor:
+            cursor.adapters.register_dumper(JsonText, JsonTextBinaryDumper)
+            with cursor.copy(statement) as out:
+                out.set_types(list(columns.types))
                 for row in rows:
-                    await out.write_row(row)
+                    out.write_row(row)
 
+    def _write(self, connection: psycopg.Connection[Any], writes: Writes) -> None:
         if writes.episodes:
-            await copy("episodes", EPISODE_COLUMNS, writes.episodes.values())
+            self._copy(connection, "episodes", EPISODE_COPY, writes.episodes.values())
         if writes.turns:
-            await copy("turns", TURN_COLUMNS, writes.turns)
+            self._copy(connection, "turn_rows", TURN_COPY, writes.turns)
         if writes.samples:
-            await copy("samples", SAMPLE_COLUMNS, writes.samples.values())
-
-        # Rows inserted by earlier steps change through one set-based UPDATE per table: the changes are
-        # COPYed into a temporary table (dropped at commit) and joined, instead of one UPDATE per row.
-        # A NULL in a change means "unchanged" (coalesce): no change ever sets a column back to NULL.
-        async def update(
-            table: str,
-            key: str,
-            columns: Sequence[str],
-            rows: list[tuple[Any, ...]],
-            also: sql.Composable | None = None,
-        ) -> None:
-            changes = sql.Identifier(f"changed_{table}")
-            await connection.execute(
-                sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} LIMIT 0").format(
-                    changes, sql.SQL(", ").join(map(sql.Identifier, [*columns, key])), self._table(table)
-                )
-            )
-            statement = sql.SQL("COPY {} FROM STDIN").format(changes)
-            async with connection.cursor() as cursor, cursor.copy(statement) as out:
-                for row in rows:
-                    await out.write_row(row)
-            assignments = sql.SQL(", ").join(
-                [
-                    *(
-                        sql.SQL("{} = coalesce(c.{}, t.{})").format(
-                            sql.Identifier(c), sql.Identifier(c), sql.Identifier(c)
-                        )
-                        for c in columns
-                    ),
-                    *([also] if also is not None else []),
-                ]
-            )
-            await connection.execute(
-                sql.SQL("UPDATE {} t SET {} FROM {} c WHERE t.{} = c.{}").format(
-                    self._table(table), assignments, changes, sql.Identifier(key), sql.Identifier(key)
-                )
-            )
-
+            self._copy(connection, "sample_rows", SAMPLE_COPY, writes.samples.values())
         if writes.finished:
-            await update("episodes", "episode_id", FINISHED_COLUMNS, writes.finished)
+            self._update(connection, "episodes", "episode_id", FINISHED_COLUMNS, writes.finished)
         if writes.ready or writes.batched:
             # one table for both kinds: a sample made ready and batched in this step has both changes
             merged: dict[str, list[Any]] = {}
-            for advantage, ready_position, sample_id in writes.ready:
-                merged.setdefault(sample_id, [None, None, None, None])[0:2] = [advantage, ready_position]
-            for stale, batch_id, sample_id in writes.batched:
-                merged.setdefault(sample_id, [None, None, None, None])[2:4] = [stale, batch_id]
+            for advantage, ready_position, key in writes.ready:
+                merged.setdefault(key, [None, None, None, None])[0:2] = [advantage, ready_position]
+            for stale, batch_id, key in writes.batched:
+                merged.setdefault(key, [None, None, None, None])[2:4] = [stale, batch_id]
             # A batched sample's arrays live in its batch's payload (and in the log): the row keeps the rest,
             # in the same UPDATE. (Samples batched in the step that made them were written without them.)
-            await update(
-                "samples",
-                "sample_id",
+            self._update(
+                connection,
+                "sample_rows",
+                "turn_id",
                 ("advantage", "ready_position", "stale", "batch_id"),
-                [(*values, sample_id) for sample_id, values in merged.items()],
+                [(*values, key) for key, values in merged.items()],
                 also=sql.SQL("arrays = CASE WHEN c.batch_id IS NULL THEN t.arrays END"),
             )
         if writes.batches:
-            await copy("batches", BATCH_COLUMNS, writes.batches)
+            self._copy(connection, "batches", BATCH_COPY, writes.batches)
         if writes.outbox:
-            await copy("batch_outbox", ("batch_id", "subject", "payload", "created_at"), writes.outbox)
+            self._copy(connection, "batch_outbox", OUTBOX_COPY, writes.outbox)
         if writes.skipped:
-            columns = ("position", "stream", "type", "episode_id", "reason")
-            await copy("skipped_events", columns, writes.skipped)
+            self._copy(connection, "skipped_events", SKIPPED_COPY, writes.skipped)
+
+    def _update(
+        self,
+        connection: psycopg.Connection[Any],
+        table: str,
+        key: str,
+        columns: Sequence[str],
+        rows: list[tuple[Any, ...]],
+        also: sql.Composable | None = None,
+    ) -> None:
+        """Rows inserted by earlier steps change through one set-based UPDATE per table: the changes are
+        COPYed into a temporary table (dropped at commit) and joined, instead of one UPDATE per row. A NULL
+        in a change means "unchanged" (coalesce): no change ever sets a column back to NULL."""
+        changes = sql.Identifier(f"changed_{table}")
+        connection.execute(
+            sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} LIMIT 0").format(
+                changes, sql.SQL(", ").join(map(sql.Identifier, [*columns, key])), self._table(table)
+            )
+        )
+        with connection.cursor() as cursor, cursor.copy(sql.SQL("COPY {} FROM STDIN").format(changes)) as out:
+            for row in rows:
+                out.write_row(row)
+        assignments = sql.SQL(", ").join(
+            [
+                *(
+                    sql.SQL("{} = coalesce(c.{}, t.{})").format(
+                        sql.Identifier(c), sql.Identifier(c), sql.Identifier(c)
+                    )
+                    for c in columns
+                ),
+                *([also] if also is not None else []),
+            ]
+        )
+        connection.execute(
+            sql.SQL("UPDATE {} t SET {} FROM {} c WHERE t.{} = c.{}").format(
+                self._table(table), assignments, changes, sql.Identifier(key), sql.Identifier(key)
+            )
+        )
 
     async def head(self) -> int:
         connection = self._require()
@@ -983,12 +1210,34 @@ class Materializer:
 
     async def catch_up(self) -> int:
         """Fold until the checkpoint reaches the head of the log as it was when called; events folded."""
+        # Pipelined: each step is read and folded while the step before it commits (on the writer connection,
+        # in a worker thread), so PostgreSQL's work on the writes overlaps the fold. Commits still go one at
+        # a time and in order, each with its checkpoint; at most two steps' output is in memory. When a
+        # commit is refused, the step folded meanwhile was folded on a state that is gone: it is read again.
         target, total = await self.head(), 0
-        while self.fold.position < target:
-            folded = await self.step()
-            total += folded
-            if folded == 0 and self.fold.position < target:
-                break
+        pending: tuple[asyncio.Future[None], list[LogRow], int] | None = None
+        try:
+            while True:
+                rows = (
+                    await self._read("position > %s", (self.fold.position,), self.config.step_events)
+                    if self.fold.position < target
+                    else []
+                )
+                folded = self._fold(rows) if rows else None
+                if pending is not None:
+                    committed, pending = await self._settle(*pending), None
+                    if not committed:
+                        continue
+                if folded is None:
+                    break
+                skipped, writes = folded
+                pending = (asyncio.ensure_future(self._commit(writes, self.fold.position)), rows, skipped)
+                total += len(rows)
+        finally:
+            if pending is not None:  # something failed while a commit was in flight: let it finish first
+                with contextlib.suppress(Exception):
+                    await pending[0]
+        await self.build_deferred_indexes()
         return total
 
     async def run(self, stop: asyncio.Event, *, poll_interval: float = 5.0) -> None:
@@ -999,6 +1248,7 @@ class Materializer:
             while not stop.is_set():
                 if await self.step():
                     continue
+                await self.build_deferred_indexes()  # caught up: a rebuild's other indexes, once
                 with contextlib.suppress(TimeoutError):
                     async for _ in listener.notifies(timeout=poll_interval, stop_after=1):
                         pass
