@@ -164,8 +164,9 @@ async def test_undelivered_turns_make_no_samples_unless_a_later_turn_continues_t
         encoded = encode_event(event.event)
         data = json.loads(encoded.data)
         fold.apply(LogRow(event.position, event.stream, event.type, data, encoded.tokens, event.recorded_at))
-    turn_ids = SAMPLE_COLUMNS.index("turn_ids")
-    sampled = {turn for row in fold.writes.samples.values() for turn in _listed(row[turn_ids])}
+    turn_ids, own = SAMPLE_COLUMNS.index("turn_ids"), SAMPLE_COLUMNS.index("turn_id")
+    # a sample row names its turns, or is NULL there when its only turn is its own (``turn_id``)
+    sampled = {turn for row in fold.writes.samples.values() for turn in _listed(row[turn_ids] or [row[own]])}
     assert str(lost.turn_id) not in sampled
     assert {str(seen_late.turn_id), str(child.turn_id)} <= sampled
 
