@@ -67,7 +67,7 @@ from array import array
 from collections import deque
 from collections.abc import Container, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import cache
@@ -79,14 +79,10 @@ import psycopg
 from psycopg import sql
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy.engine import make_url
 
-from pipeline.dev.embedded import EmbeddedPostgres, scratch_dir
 from pipeline.log import encode_event
-from pipeline.log.db import migrate
 from pipeline.log.store import APPEND_LOCK, COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
 from pipeline.materialize.materializer import READ_MODEL_TABLES, Materializer, MaterializerConfig, Writes
-from pipeline.settings import libpq_url
 from schemas import (
     ChatMessage,
     EpisodeFinished,
@@ -100,6 +96,8 @@ from schemas import (
     TurnRequest,
 )
 from schemas.common import Timings
+
+from common import checkpoint, note, postgres_server, scratch_database  # bench/common.py
 
 TARGET_RATIO = 0.50
 VOCAB_SIZE = 151_936
@@ -138,10 +136,6 @@ def check_baseline_query() -> None:
 
 
 console = Console(width=None if sys.stdout.isatty() else 132)
-
-
-def note(message: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
 # --- the schedule: which event of which episode each position holds ------------------------------
@@ -389,46 +383,7 @@ def write_log(url: str, schedule: Schedule, args: argparse.Namespace) -> LogStat
     return stats
 
 
-def checkpoint(connection: psycopg.Connection[Any]) -> None:
-    try:  # so that no measurement pays for writing out what came before it
-        connection.execute("CHECKPOINT")
-    except psycopg.errors.InsufficientPrivilege:
-        note("no CHECKPOINT between measurements (needs superuser or pg_checkpoint)")
-
-
 # --- server, scratch database, process figures ---------------------------------------------------
-
-
-@contextmanager
-def postgres_server(tmp_dir: Path | None) -> Iterator[tuple[str, int | None]]:
-    """TURNSTILE_DATABASE_URL's server (no pid), or an embedded one (its pid) that lives for the block."""
-    url = os.environ.get("TURNSTILE_DATABASE_URL")
-    if url:
-        yield url, None
-        return
-    with scratch_dir("turnstile-bench-", tmp_dir) as data_dir:
-        server = EmbeddedPostgres(Path(data_dir) / "postgres")
-        server.start()
-        try:
-            yield server.url, server.process.pid if server.process else None
-        finally:
-            server.stop()
-
-
-@contextmanager
-def scratch_database(server_url: str) -> Iterator[str]:
-    """A migrated database of this run's own on the server; dropped at the end."""
-    name = f"bench_{uuid.uuid4().hex[:12]}"
-    admin_url = libpq_url(server_url)
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        url = libpq_url(make_url(admin_url).set(database=name).render_as_string(hide_password=False))
-        migrate(url)
-        yield url
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def describe_server(url: str) -> str:

@@ -49,7 +49,7 @@ from pipeline.materialize.materializer import Fold, LogRow, Materializer, Materi
 from schemas import ChatMessage, Event, LLMError, LLMRequest, LLMResponse, TurnCompleted, parse_wire
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from materialize import postgres_server, scratch_database  # a sibling script
+from common import postgres_server, scratch_database  # bench/common.py
 
 
 def words(rng: random.Random, size: int) -> str:
