@@ -21,7 +21,7 @@ from pipeline.episodes import (
     fold_episode,
     run_episode,
 )
-from pipeline.episodes.fold import whole_events
+from pipeline.episodes.fold import EpisodeOutcome, whole_events
 from pipeline.errors import TurnstileError, WrongExpectedVersion
 from pipeline.log import InMemoryStore
 from pipeline.runners import Runner, RunnerConfig, TaskSpec
@@ -125,6 +125,29 @@ async def test_an_agent_cancelled_mid_turn_ends_cancelled_with_its_turn_recorded
     assert len(episode.turns) == 1
     assert episode.finished is not None
     assert episode.finished.termination == "cancelled"
+
+
+@pytest.mark.parametrize("rewards", [[], [0.25, -1.0]])
+async def test_an_episodes_outcome_from_its_recorded_events_equals_the_folds(rewards: list[float]) -> None:
+    """run_episode ends with ``EpisodeOutcome.of_events``, which makes no turn whole: it must say what the
+    fold of the same events says (turns, rewards summed or None, termination, error)."""
+    store = InMemoryStore()
+    session = EpisodeSession(store, PrefixEcho(), policy="main")
+
+    async def agent(task: dict[str, Any], llm: EpisodeLLM) -> None:
+        messages: list[Any] = [{"role": "user", "content": "q0"}]
+        for index in range(12):
+            reply = await llm.chat(messages)
+            messages = [*messages, reply.message, {"role": "user", "content": f"q{index + 1}"}]
+        for value in rewards:
+            await session.reward(value)
+
+    outcome = await run_episode(FunctionAgent(agent), session)
+    assert outcome == EpisodeOutcome.of(fold_episode(await recorded(store, session)))
+    expected_reward = sum(rewards) if rewards else None
+    assert (outcome.turns, outcome.reward, outcome.termination) == (12, expected_reward, "done")
+    with pytest.raises(TurnstileError, match="not finished"):
+        EpisodeOutcome.of_events(session.events[:-1])
 
 
 async def test_a_runner_group_retries_a_failing_slot_and_a_resumed_group_counts_each_slot_once() -> None:

@@ -94,7 +94,7 @@ async def _run_episode(
         except Exception:
             termination, error = "error", traceback.format_exc()
     await session.finish(termination, error=error)
-    return EpisodeOutcome.of(session.episode())
+    return EpisodeOutcome.of_events(session.events)
 
 
 async def _record_rewards(

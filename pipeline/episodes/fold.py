@@ -102,6 +102,27 @@ class EpisodeOutcome:
             retry_of=episode.started.retry_of,
         )
 
+    @classmethod
+    def of_events(cls, events: Sequence[Event]) -> EpisodeOutcome:
+        """The outcome of a finished episode from its events as recorded: no turn is made whole (the fold
+        would rebuild every turn's prompt, work that grows with the square of a long episode's length),
+        since an outcome needs only the turns' count, the rewards and the end."""
+        if not events or not isinstance(events[0], EpisodeStarted):
+            raise TurnstileError("an episode stream must begin with EpisodeStarted")
+        started = events[0]
+        finished = next((event for event in reversed(events) if isinstance(event, EpisodeFinished)), None)
+        if finished is None:
+            raise TurnstileError(f"episode {started.episode_id} is not finished")
+        rewards = [event.value for event in events if isinstance(event, RewardAssigned)]
+        return cls(
+            episode_id=started.episode_id,
+            termination=finished.termination,
+            reward=sum(rewards) if rewards else None,
+            turns=sum(isinstance(event, TurnCompleted) for event in events),
+            error=finished.error,
+            retry_of=started.retry_of,
+        )
+
 
 __all__ = [
     "Episode",

@@ -26,7 +26,6 @@ from pipeline.episodes import (
     EpisodeSession,
     RewardFunction,
     episode_stream,
-    fold_episode,
     run_episode,
     slot_episode_id,
 )
@@ -260,15 +259,14 @@ class Runner:
         events: list[Event] = [r.event for r in recorded if r.event is not None]
         if not events:
             return None
-        episode = fold_episode(events)
-        if episode.finished is None:
+        if not any(isinstance(event, EpisodeFinished) for event in events):
             aborted = EpisodeFinished(termination="aborted", error="its runner stopped before it finished")
             try:
                 await self.store.append(episode_stream(episode_id), [aborted], recorded[-1].version)
             except WrongExpectedVersion:
                 return await self._recorded_attempt(group_id, slot, attempt)
-            episode.finished = aborted
-        return EpisodeOutcome.of(episode)
+            events.append(aborted)
+        return EpisodeOutcome.of_events(events)
 
 
 async def run_tasks(
