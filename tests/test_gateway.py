@@ -398,6 +398,29 @@ def test_re_serialized_arguments_are_restored_only_when_they_hold_the_same_json(
     assert sent_back('{"x":1,"y":[true,"z"]}', call_id="b") == '{"x":1,"y":[true,"z"]}'  # not recorded here
 
 
+def test_messages_tool_inputs_are_restored_to_the_recorded_text_by_the_same_json_rule() -> None:
+    known = {"toolu_1": '{"x": 1, "y": [true, "z"]}'}
+
+    def sent_back(tool_input: dict[str, object]) -> str:
+        tool_use = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": tool_input}
+        tool_result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}
+        body = {
+            "max_tokens": 5,
+            "messages": [
+                {"role": "user", "content": "go"},
+                {"role": "assistant", "content": [tool_use]},
+                {"role": "user", "content": [tool_result]},
+            ],
+        }
+        calls = parse_messages_request(body, known_arguments=known).messages[1].tool_calls
+        assert calls is not None
+        return calls[0].function.arguments
+
+    assert sent_back({"y": [True, "z"], "x": 1.0}) == known["toolu_1"]  # the same JSON value
+    assert sent_back({"x": 1, "y": [1, "z"]}) == '{"x": 1, "y": [1, "z"]}'  # 1 is not true
+    assert sent_back({"x": 2, "y": [True, "z"]}) == '{"x": 2, "y": [true, "z"]}'  # another value
+
+
 def test_anthropic_translation_keeps_block_order_and_reads_stop_reasons() -> None:
     tool_use = {"type": "tool_use", "id": "toolu_1", "name": "calculate", "input": {"expression": "1+1"}}
     result_text = [{"type": "text", "text": "2"}]

@@ -53,6 +53,7 @@ from pipeline.dialects.base import (
     WireReply,
     dotted_path,
     invalid,
+    same_json,
     shown,
     validated,
 )
@@ -341,7 +342,7 @@ def _arguments_text(call_id: str, arguments: dict[str, Any], known: Mapping[str,
     recorded = known.get(call_id)
     if recorded is not None:
         try:
-            if json.loads(recorded) == arguments:
+            if same_json(json.loads(recorded), arguments):  # as the other dialects compare (true is not 1)
                 return recorded
         except ValueError:
             pass

@@ -262,18 +262,19 @@ def same_json_text(first: str, second: str) -> bool:
     """Whether two texts hold the same JSON value as a JavaScript client sees it: key order and spacing
     aside, ``1`` and ``1.0`` alike (one number type), ``true`` and ``1`` not (Python's ``True == 1``)."""
     try:
-        return _same_json(json.loads(first), json.loads(second))
+        return same_json(json.loads(first), json.loads(second))
     except ValueError:
         return False
 
 
-def _same_json(first: object, second: object) -> bool:
+def same_json(first: object, second: object) -> bool:
+    """``same_json_text`` for values already parsed (the Messages API sends a call's input as an object)."""
     if isinstance(first, bool) or isinstance(second, bool):
         return type(first) is type(second) and first == second
     if isinstance(first, dict) and isinstance(second, dict):
-        return first.keys() == second.keys() and all(_same_json(first[k], second[k]) for k in first)
+        return first.keys() == second.keys() and all(same_json(first[k], second[k]) for k in first)
     if isinstance(first, list) and isinstance(second, list):
-        return len(first) == len(second) and all(map(_same_json, first, second))
+        return len(first) == len(second) and all(map(same_json, first, second))
     if isinstance(first, dict | list) or isinstance(second, dict | list):
         return False
     return first == second
