@@ -97,7 +97,10 @@ def _parameters_as_text(data: str) -> str:
     fields = json.loads(data)
     for tool in fields["request"]["tools"]:
         function = tool["function"]
-        function["parameters"] = json.dumps(function["parameters"], ensure_ascii=False, separators=(",", ":"))
+        if "parameters" in function:  # left out at its default ({}): readers fill it in
+            function["parameters"] = json.dumps(
+                function["parameters"], ensure_ascii=False, separators=(",", ":")
+            )
     return json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
 
 
