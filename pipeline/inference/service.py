@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from pipeline.errors import describe_validation_error, field_path
 from pipeline.inference.backends import Backend, Generation
+from pipeline.inference.chain import Chain, as_list
 from pipeline.inference.chat import REASONING_MARKERS, split_reasoning, split_tool_calls
 from pipeline.inference.client import CONSUMER_HEADER, HEARTBEAT_HEADER, RequestRejected
 from pipeline.inference.held import DEFAULT_BUDGET_TOKENS, HeldPrefixes, HeldTurn
@@ -156,9 +157,10 @@ class InferenceService:
                     "whole conversation and the tools"
                 )
                 return self._error(request.request_id, "prefix_unknown", message, "prefix.key")
+            # The backend reads the held ids as the chain they are kept in (a Sequence: no copy of them here).
             request = request.model_copy(
                 update={
-                    "messages": [*held.messages, *request.messages],
+                    "messages": [*held.messages.tolist(), *request.messages],
                     "tools": held.tools,
                     "prefix": prefix.model_copy(update={"token_ids": held.token_ids}),
                 }
@@ -203,19 +205,29 @@ class InferenceService:
         )
         # The reply leaves out the prompt's prefix (the requester sent it or named it): no echo of history.
         prompt, known = generation.prompt_token_ids, 0
-        prefix_ids = request.prefix.token_ids if request.prefix is not None else None
+        prefix_ids = request.prefix.ids if request.prefix is not None else None
         if (
             prefix_ids
             and not generation.prefix_break
             and (generation.extends_prefix or prompt[: len(prefix_ids)] == prefix_ids)
         ):
             known = len(prefix_ids)
-        added = prompt[known:] if known else prompt
+        added = as_list(prompt[known:] if known else prompt)  # the new ids: a slice, or the prompt itself
         reply = ChatMessage(
             role="assistant", content=content, tool_calls=tool_calls or None, reasoning_content=reasoning
         )
-        kept = prompt + generation.completion_token_ids  # a copy of references: no id is converted
-        key = self.held.keep(kept, [*request.messages, reply], request.tools)
+        # Kept as what this turn adds to the prefix's chain (the held one's, shared): O(new ids), not a copy
+        # of the whole turn.
+        completion = generation.completion_token_ids
+        if prefix_ids is not None and known:
+            kept = Chain.of(prefix_ids).then([*added, *completion])
+        else:
+            kept = Chain.of(prompt).then(completion)
+        if held is None:
+            messages = Chain.of(request.messages).then([reply])
+        else:
+            messages = held.messages.then([*request.messages[len(held.messages) :], reply])
+        key = self.held.keep(kept, messages, request.tools)
         now = time.monotonic()
         return LLMResponse(
             request_id=request.request_id,
