@@ -15,7 +15,7 @@ needs that, and so on: shared links never keep evicted turns' ids alive past the
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,7 +54,7 @@ class HeldPrefixes:
         """Keep a turn; its key, or None when it alone is over the budget."""
         if len(token_ids) > self.budget_tokens:
             return None
-        key = uuid.uuid4().hex
+        key = os.urandom(16).hex()  # as unguessable as a uuid4's hex, without building a UUID
         turn = HeldTurn(Chain.of(token_ids), Chain.of(messages), tools)
         self._turns[key] = turn
         self._hold(turn.token_ids)
