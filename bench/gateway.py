@@ -224,7 +224,7 @@ class LeanHttp:
         status = int(head.split(" ", 2)[1])
         length = int(head.partition("content-length:")[2].partition("\r\n")[0])
         reply = json.loads(await reader.readexactly(length))
-        if status != 200:
+        if not 200 <= status < 300:
             raise RuntimeError(f"POST {path}: {status} {reply}")
         return reply
 
@@ -234,16 +234,16 @@ class LeanHttp:
             await self.streams[1].wait_closed()
 
 
-class LeanGatewayEpisode(GatewayEpisode):
-    """The gateway episode with its turns posted by ``LeanHttp`` (one per worker) instead of the SDK."""
+class LeanGatewayEpisode(Episode):
+    """The gateway episode with its session's start, turns and end posted by ``LeanHttp`` (one per worker)
+    instead of the SDK and httpx."""
 
-    def __init__(self, admin: httpx.AsyncClient, client: LeanHttp) -> None:
-        self.admin, self.http = admin, client
+    def __init__(self, client: LeanHttp) -> None:
+        self.http = client
 
     async def start(self) -> None:
-        response = await self.admin.post("/admin/sessions", json={"policy": POLICY, "agent": "bench.gateway"})
-        response.raise_for_status()
-        session = response.json()
+        body = {"policy": POLICY, "agent": "bench.gateway"}
+        session = await self.http.post("/admin/sessions", body, ADMIN_KEY)
         self.session_id, self.key = session["session_id"], session["api_key"]
 
     async def turn(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -251,6 +251,9 @@ class LeanGatewayEpisode(GatewayEpisode):
         completion = await self.http.post("/v1/chat/completions", body, self.key)
         message: dict[str, Any] = completion["choices"][0]["message"]
         return {k: v for k, v in message.items() if v is not None}
+
+    async def end(self) -> None:
+        await self.http.post(f"/admin/sessions/{self.session_id}/end", {}, ADMIN_KEY)
 
 
 MakeEpisode = Callable[[int], Episode]
@@ -722,7 +725,7 @@ async def measure_gateway(
         if "gateway-lean" in args.paths:
             lean = [LeanHttp(url) for _ in range(max(args.levels))]
             try:
-                make = lambda index: LeanGatewayEpisode(admin, lean[index])  # noqa: E731
+                make = lambda index: LeanGatewayEpisode(lean[index])  # noqa: E731
                 results += await measure_path(lean_label(label), make, args, processes)
             finally:
                 for http in lean:
