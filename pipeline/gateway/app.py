@@ -325,8 +325,8 @@ class GatewayApp(FastAPI):
 
     Every route of the gateway is ``async endpoint(request, **path_params) -> Response`` that parses its
     body and shapes its errors itself (``respond``): FastAPI's middleware, routing, dependency injection and
-    validation added nothing to them but CPU (in bench/gateway.py's profile, more than the chat route's own
-    parsing, recording call and rendering together). The routes stay registered on FastAPI for
+    validation added nothing to them but CPU (in bench/gateway.py's profile of the gateway, about as much
+    as the endpoints' own parsing and rendering). The routes stay registered on FastAPI for
     ``/openapi.json`` and for what is left to it: a path that matches no route (404) or not with this method
     (405), in the dialect's error shape; what is mounted beside them (the episode browser at ``/ui``); and
     an app served under a ``root_path``."""
