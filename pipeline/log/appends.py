@@ -192,8 +192,10 @@ def prepare_append(
                 "bytes (TURNSTILE_MAX_EVENT_BYTES); shorten the messages or raise the limit"
             )
         encoded.append(item)
+    metadata_json = "{}"  # what an append without metadata stores, without running the encoder
     try:
-        metadata_json = json.dumps(dict(metadata or {}), separators=(",", ":"), allow_nan=False)
+        if metadata:
+            metadata_json = json.dumps(dict(metadata), separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as error:
         raise InvalidEvent(f"metadata of the append to {stream!r} is not JSON: {error}") from None
     return PendingAppend(stream, encoded, expected_version, metadata_json)

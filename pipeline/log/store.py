@@ -153,7 +153,7 @@ class EventStore:
                 asyncio.create_task(_Writer(self).run(), name=f"turnstile-group-commit-{n}")
                 for n in range(self.writers)
             ]
-        await self._queue.put(pending)
+        self._queue.put_nowait(pending)  # unbounded: never waits
         return await pending.future
 
     @asynccontextmanager
