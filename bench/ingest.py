@@ -53,6 +53,7 @@ from rich.console import Console
 from rich.table import Table
 
 from consumers.runtime import run as run_service
+from consumers.runtime import tune_gc
 from pipeline.log import EventStore, encode_event
 from pipeline.log.store import COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
 from schemas import ChatMessage, FunctionCall, ToolCall, TurnCompleted, TurnReply, TurnRequest
@@ -284,6 +285,7 @@ async def measure(
 ) -> list[Measurement]:
     meter = CpuMeter(processes)
     rows = baseline_rows(events, streams=max(args.levels))
+    tune_gc()  # as every `turnstile serve` process does: the payload built above is frozen with the rest
     await create_baseline_table(url, args.indexed_baseline)
     results = []
     for round_ in range(args.repeat):
