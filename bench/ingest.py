@@ -5,7 +5,8 @@ What it measures, in one run on one PostgreSQL server (fsync on, so every commit
 1. ``COPY`` baseline: the very rows the event store would write (data, tokens and hash encoded
    beforehand, so serialization is not timed) are COPYed, in the same binary COPY format the store uses, into
    a scratch table with the columns of ``events`` (their types and storage: whether PostgreSQL tries to
-   compress a large value) but no indexes (``--indexed-baseline``: with them), one transaction per
+   compress a large value; ``--default-storage-baseline``: the types' default storage, as events had before
+   migration 0015) but no indexes (``--indexed-baseline``: with them), one transaction per
    ``--copy-chunk`` rows: about as fast as one client can load these rows.
 2. ``EventStore.append`` at each level of ``--levels``: that many asyncio tasks, each owning one
    ``episode-<uuid>`` stream and appending one event per call with its expected version. Timed: model
@@ -185,10 +186,14 @@ def baseline_rows(events: Sequence[TurnCompleted], streams: int) -> list[tuple[A
     return rows
 
 
-async def create_baseline_table(url: str, indexed: bool) -> None:
+async def create_baseline_table(url: str, indexed: bool, default_storage: bool) -> None:
     columns = "LIKE events INCLUDING ALL" if indexed else BARE_COLUMNS
+    if indexed and default_storage:
+        columns += " EXCLUDING STORAGE"
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
         await connection.execute(f"CREATE TABLE copy_baseline ({columns})")
+        if default_storage:
+            return
         # Each column stored as in events (migration 0015 stores tokens without a compression attempt):
         # the baseline writes the same bytes the same way, so the ratio is the store's own overhead.
         storage = await connection.execute(
@@ -286,7 +291,7 @@ async def measure(
     meter = CpuMeter(processes)
     rows = baseline_rows(events, streams=max(args.levels))
     tune_gc()  # as every `turnstile serve` process does: the payload built above is frozen with the rest
-    await create_baseline_table(url, args.indexed_baseline)
+    await create_baseline_table(url, args.indexed_baseline, args.default_storage_baseline)
     results = []
     for round_ in range(args.repeat):
         baseline = await copy_baseline(url, rows, args.copy_chunk, meter)
@@ -378,6 +383,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--levels", type=parse_levels, default=[1, 64, 512], help="appender counts (default 1,64,512)")
     add("--repeat", type=int, default=1, help="rounds; the table shows the median round (default 1)")
     add("--copy-chunk", type=int, default=1_000, help="rows per baseline COPY transaction (default 1000)")
+    add(
+        "--default-storage-baseline",
+        action="store_true",
+        help="COPY into columns with their types' default storage (events before migration 0015: PostgreSQL "
+        "tries to compress the token arrays) instead of the storage events has",
+    )
     add(
         "--indexed-baseline",
         action="store_true",
