@@ -5,7 +5,7 @@ versions, so that a group commit need not look them up.
   EXTENDED: every row over ~2 KB had PostgreSQL run pglz over its token arrays before moving them out of
   line. pglz keeps a result only when it saves 25%, which packed token ids and logprobs (near-random 4-byte
   values) do not: ``bench/ingest.py``'s turns (1,200 ids, 200 logprobs) were stored uncompressed every time,
-  and the attempt was about 40 µs of the server's CPU per appended turn, some 40% of what an append cost it.
+  and the attempt was about 40 µs of the server's CPU per appended turn, a third of what an append cost it.
   EXTERNAL moves them out of line as they are. The bytes read back are the same; a row written before keeps
   its form, and readers cannot tell the two apart. ``events.data`` stays EXTENDED: chat text does compress.
 - ``events_append_guard`` (migration 0007) also refuses rows that leave a gap in a stream's versions: each
