@@ -359,12 +359,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     with postgres_server(None) as (server_url, _), scratch_database(server_url) as url:
         if args.compression != "pglz":
             with psycopg.connect(url, autocommit=True) as connection:
-                for column in ("data", "tokens"):
-                    connection.execute(
-                        f"ALTER TABLE events ALTER COLUMN {column} SET COMPRESSION {args.compression}"
-                    )
+                connection.execute(f"ALTER TABLE events ALTER COLUMN data SET COMPRESSION {args.compression}")
         table = asyncio.run(run(url, args))
-        table.caption = f"TOAST compression of events.data and events.tokens: {args.compression}"
+        table.caption = (
+            f"TOAST compression of events.data: {args.compression}; events.tokens is stored uncompressed "
+            "(migration 0015)"
+        )
     Console(width=200).print(table)
 
 

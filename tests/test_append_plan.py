@@ -127,6 +127,10 @@ def test_the_stored_form_of_an_event_is_a_format() -> None:
     assert encoded.content_hash == hashlib.sha256(b"RewardAssigned\0" + data.encode() + b"\0").digest()
     with_tokens = encode_event(turn(prompt_len=3, completion_len=2))
     assert not TOKEN_FIELDS & json.loads(with_tokens.data).keys()  # token arrays go to `tokens` only
+    for a_turn in (turn(), turn().model_copy(update={"parent_turn_id": uuid.uuid4(), "render_drift": False})):
+        # a turn: the schema version, then pydantic's JSON without its defaults and token arrays
+        pydantic = a_turn.model_dump_json(exclude=set(TOKEN_FIELDS), exclude_defaults=True)
+        assert encode_event(a_turn).data == f'{{"schema_version":2,{pydantic[1:]}'
     assert with_tokens.tokens == pack_tokens(*unpack_tokens(with_tokens.tokens or b""))
 
 
