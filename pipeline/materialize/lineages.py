@@ -31,14 +31,23 @@ The rule, as a demanding RL user wants it:
    lineage samples get ``slot`` = -1 - depth.
 
 Pure functions over the turn tree; the materializer (``Fold._turns``) applies them.
+
+The rule changes what a log folds to, so its version (``RULE``) is part of a materializer's configuration
+hash (``MaterializerConfig.semantics``): change it with the rule.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Collection, Iterable, Mapping
+from typing import Final
 
 from pipeline.materialize.trajectory import Parents, Turn
+
+RULE: Final = 1
+"""This rule's version. Bump it whenever the rule changes what a log folds to: a materializer built under
+another version then refuses to go on (its batches would mix two rules), and a rebuild gets batch ids of its
+own. Version 1 hashes as configurations did before the rule was recorded (see ``semantics``)."""
 
 
 def trained_tree(tree: Parents, excluded: Collection[uuid.UUID]) -> dict[uuid.UUID, uuid.UUID | None]:

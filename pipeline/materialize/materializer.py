@@ -39,6 +39,7 @@ from pipeline.batches.format import BATCHES_CHANNEL, encode_packed, pack_arrays,
 from pipeline.errors import ConfigError
 from pipeline.log.store import JsonText, JsonTextBinaryDumper
 from pipeline.log.tokens import unpack_token_tuples
+from pipeline.materialize import lineages
 from pipeline.materialize.lineages import episode_reward_targets, main_root, peer_slot, roots, trained_tree
 from pipeline.materialize.trajectory import (
     Turn,
@@ -116,12 +117,16 @@ class MaterializerConfig:
         return f"materializer:{self.name}"
 
     def semantics(self) -> dict[str, Any]:
+        """What the batches depend on: the options but ``name`` and ``step_events``, and the lineage rule's
+        version. A value that was the only behaviour before it was recorded is left out, so that the
+        configurations made then keep their hash: ``advantage_peers`` slot, lineage rule 1 (whose
+        materializers cannot be told apart from those made before the rule existed: rebuild those)."""
         fields = asdict(self)
         del fields["name"], fields["step_events"]
         if fields["advantage_peers"] == "slot":
-            del fields[
-                "advantage_peers"
-            ]  # the rule before there was a choice: its configurations hash as then
+            del fields["advantage_peers"]
+        if lineages.RULE != 1:
+            fields["lineage_rule"] = lineages.RULE
         return fields
 
     def config_hash(self) -> str:
