@@ -28,7 +28,7 @@ import re
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Final, Literal, NamedTuple
 
@@ -77,7 +77,10 @@ class MaterializerConfig:
     max_staleness: int | None = None
     stale: Literal["drop", "flag"] = "drop"
     group_timeout_s: float = 600.0
-    step_events: int = 2000
+    step_events: int = 10_000
+    """Events folded per transaction (at most). Larger steps cost a rebuild less: a sample batched in the step
+    that made it is written once, without its arrays, where one batched a step later is written with them and
+    then updated (50k turns: PostgreSQL's CPU -33%, ours -10% against 2,000)."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -232,6 +235,8 @@ class Writes:
     ready: list[tuple[Any, ...]] = field(default_factory=list)
     batched: list[tuple[Any, ...]] = field(default_factory=list)
     batches: list[tuple[Any, ...]] = field(default_factory=list)
+    """``BATCH_COLUMNS`` rows whose last value is the payload itself: the writer hashes it (in its thread:
+    hashlib lets go of the GIL while it hashes a payload, so the fold goes on meanwhile)."""
     outbox: list[tuple[Any, ...]] = field(default_factory=list)
     skipped: list[tuple[Any, ...]] = field(default_factory=list)
 
@@ -708,7 +713,7 @@ class Fold:
             (
                 batch_id, policy, len(kept), len(groups), sum(s.tokens for s in kept), stale_count,
                 min(versions), max(versions), newest, self.config_hash, row.position, row.recorded_at,
-                len(payload) if payload else None, hashlib.sha256(payload).digest() if payload else None,
+                len(payload) if payload else None, payload,
             )
         )  # fmt: skip
         if payload:
@@ -1159,7 +1164,10 @@ class Materializer:
                 also=sql.SQL("arrays = CASE WHEN c.batch_id IS NULL THEN t.arrays END"),
             )
         if writes.batches:
-            self._copy(connection, "batches", BATCH_COPY, writes.batches)
+            hashed = [
+                (*row[:-1], hashlib.sha256(row[-1]).digest() if row[-1] else None) for row in writes.batches
+            ]
+            self._copy(connection, "batches", BATCH_COPY, hashed)
         if writes.outbox:
             self._copy(connection, "batch_outbox", OUTBOX_COPY, writes.outbox)
         if writes.skipped:
@@ -1285,7 +1293,7 @@ class Trained:
         kept = [turn for turn in turns if turn.turn_id in tree]
         if outcome is not None:
             targets = set(episode_reward_targets(kept, lineage))
-            kept = [replace(t, reward=t.reward + outcome) if t.turn_id in targets else t for t in kept]
+            kept = [t.rewarded(t.reward + outcome) if t.turn_id in targets else t for t in kept]
         values = discounted_rewards(kept, tree, discount)
         rewards = {turn.turn_id: turn.reward for turn in kept}
         return cls(whole_tree, kept, tree, lineage, main_root(kept, lineage), values, rewards)
