@@ -42,7 +42,7 @@ Server: ``TURNSTILE_DATABASE_URL`` if set, else an embedded PostgreSQL in a temp
 ``--tmp-dir``). Either way the run works in a scratch database ``bench_<random>``, dropped at the end.
 A 1,000,000-turn log takes about 5 GB, and each rebuild about as much again while it exists.
 
-    python bench/materialize.py                     # 1,000,000 turns, step 2000
+    python bench/materialize.py                     # 1,000,000 turns, the default step (10,000)
     python bench/materialize.py --quick             # 50,000 turns
     python bench/materialize.py --quick --step-events 500,2000,10000 --profile /tmp/rebuild.prof
 """
