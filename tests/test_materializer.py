@@ -763,3 +763,44 @@ def test_lineages_main_is_the_longest_and_a_turn_under_an_untrained_one_starts_a
     assert episode_reward_targets(turns, lineage) == [ids["s"], ids["a2"], ids["b3"]]
     assert [peer_slot(0, main=True), peer_slot(2, main=True)] == [0, 2]
     assert [peer_slot(0, main=False), peer_slot(1, main=False)] == [-1, -2]
+
+
+async def test_the_turns_view_shows_each_turns_train_mark_from_its_event(
+    store: EventStore, database_url: str
+) -> None:
+    """``turns.train`` is the event's own mark (migration 0014): NULL where trained (not marked), false for a
+    call marked not for training, in the live read models and in a rebuild's schema alike."""
+    loop = turn([1, 10, 2], [20, 2])
+    title = turn([1, 50, 2], [51, 2]).model_copy(update={"train": False})
+    marked = turn([1, 10, 2, 20, 2, 1, 30, 2], [21, 2]).model_copy(update={"train": True})
+    await record(store, "a", [started("a"), loop, title, marked, EpisodeFinished(termination="done")])
+    await materialize(database_url, MaterializerConfig())
+    await materialize(database_url, MaterializerConfig(name="again"), create=True)
+    expected = [(loop.turn_id, None), (title.turn_id, False), (marked.turn_id, True)]
+    for schema in ("public", "rm_again"):
+        assert rows(database_url, f"SELECT turn_id, train FROM {schema}.turns ORDER BY position") == expected
+    # the marked call is in the turns, but no sample
+    assert {r[0] for r in rows(database_url, "SELECT sample_id FROM samples")} == {
+        str(loop.turn_id),
+        str(marked.turn_id),
+    }
+
+
+async def test_the_lineage_rules_version_is_part_of_the_configuration_hash(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A materializer built under one lineage rule refuses to go on under another (its batches would mix
+    them); rule 1 hashes as configurations did before the rule was recorded, so they go on."""
+    from pipeline.materialize import lineages
+
+    config = MaterializerConfig(name="ruled")
+    assert "lineage_rule" not in config.semantics()
+    await materialize(database_url, config, create=True)
+    rule_1 = config.config_hash()
+    monkeypatch.setattr(lineages, "RULE", 2)
+    assert config.semantics()["lineage_rule"] == 2
+    assert config.config_hash() != rule_1
+    with pytest.raises(ConfigError, match='"lineage_rule": 2'):
+        await materialize(database_url, config)
+    monkeypatch.setattr(lineages, "RULE", 1)
+    await materialize(database_url, config)

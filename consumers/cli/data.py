@@ -78,7 +78,7 @@ def rematerialize(
     max_staleness: SampleStaleness = None,
     stale: StaleOption = Stale.drop,
     group_timeout: GroupTimeout = 600.0,
-    step_events: StepEvents = 2000,
+    step_events: StepEvents = 10_000,
     replace: bool = typer.Option(False, help="drop an earlier rebuild of that name first"),
 ) -> None:
     """Rebuild read models and batches from position 0 into schema rm_NAME; the log and the live

@@ -158,7 +158,7 @@ def materializer(
     max_staleness: SampleStaleness = None,
     stale: StaleOption = Stale.drop,
     group_timeout: GroupTimeout = 600.0,
-    step_events: StepEvents = 2000,
+    step_events: StepEvents = 10_000,
     metrics_port: MetricsPort = None,
 ) -> None:
     """Fold the log into read models and training batches as events arrive (exactly once)."""

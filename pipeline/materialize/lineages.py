@@ -31,17 +31,25 @@ The rule, as a demanding RL user wants it:
    lineage samples get ``slot`` = -1 - depth.
 
 Pure functions over the turn tree; the materializer (``Fold._turns``) applies them.
+
+The rule changes what a log folds to, so its version (``RULE``) is part of a materializer's configuration
+hash (``MaterializerConfig.semantics``): change it with the rule.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Collection, Iterable, Mapping
+from typing import Final
 
-from pipeline.materialize.trajectory import Parents, Turn
+from pipeline.materialize.trajectory import Id, Node, Tree
+
+RULE: Final = 1
+"""This rule's version. Bump it whenever the rule changes what a log folds to: a materializer built under
+another version then refuses to go on (its batches would mix two rules), and a rebuild gets batch ids of its
+own. Version 1 hashes as configurations did before the rule was recorded (see ``semantics``)."""
 
 
-def trained_tree(tree: Parents, excluded: Collection[uuid.UUID]) -> dict[uuid.UUID, uuid.UUID | None]:
+def trained_tree(tree: Tree[Id], excluded: Collection[Id]) -> dict[Id, Id | None]:
     """The tree without the ``excluded`` turns; a turn whose parent is excluded becomes a root."""
     return {
         turn_id: parent if parent not in excluded else None
@@ -50,9 +58,9 @@ def trained_tree(tree: Parents, excluded: Collection[uuid.UUID]) -> dict[uuid.UU
     }
 
 
-def roots(tree: Parents) -> dict[uuid.UUID, uuid.UUID]:
+def roots(tree: Tree[Id]) -> dict[Id, Id]:
     """Each turn's lineage: the id of the root above it (a root is its own)."""
-    found: dict[uuid.UUID, uuid.UUID] = {}
+    found: dict[Id, Id] = {}
     for turn_id in tree:
         chain = []
         node = turn_id
@@ -68,10 +76,10 @@ def roots(tree: Parents) -> dict[uuid.UUID, uuid.UUID]:
     return found
 
 
-def main_root(turns: Iterable[Turn], lineage: Mapping[uuid.UUID, uuid.UUID]) -> uuid.UUID | None:
+def main_root(turns: Iterable[Node[Id]], lineage: Mapping[Id, Id]) -> Id | None:
     """The main lineage's root: the most turns, then the earliest root (rule 3); None without turns."""
     ordered = sorted(turns, key=lambda turn: turn.index)
-    counts: dict[uuid.UUID, int] = {}
+    counts: dict[Id, int] = {}
     for turn in ordered:
         root = lineage[turn.turn_id]
         counts[root] = counts.get(root, 0) + 1
@@ -79,9 +87,9 @@ def main_root(turns: Iterable[Turn], lineage: Mapping[uuid.UUID, uuid.UUID]) -> 
     return min(counts, key=lambda root: (-counts[root], first_index[root]), default=None)
 
 
-def episode_reward_targets(turns: Iterable[Turn], lineage: Mapping[uuid.UUID, uuid.UUID]) -> list[uuid.UUID]:
+def episode_reward_targets(turns: Iterable[Node[Id]], lineage: Mapping[Id, Id]) -> list[Id]:
     """The turns the episode's reward goes to: the last turn of each lineage (rule 2), in turn order."""
-    last: dict[uuid.UUID, Turn] = {}
+    last: dict[Id, Node[Id]] = {}
     for turn in turns:
         root = lineage[turn.turn_id]
         if root not in last or turn.index > last[root].index:

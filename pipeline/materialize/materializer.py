@@ -28,27 +28,20 @@ import re
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Final, Literal, NamedTuple
 
 import psycopg
 from psycopg import sql
 
-from pipeline.batches.format import BATCHES_CHANNEL, encode_packed, pack_arrays, pack_individual
+from pipeline.batches.format import BATCHES_CHANNEL, encode_packed
 from pipeline.errors import ConfigError
 from pipeline.log.store import JsonText, JsonTextBinaryDumper
-from pipeline.log.tokens import unpack_token_tuples
+from pipeline.materialize import lineages, packed
 from pipeline.materialize.lineages import episode_reward_targets, main_root, peer_slot, roots, trained_tree
-from pipeline.materialize.trajectory import (
-    Turn,
-    concat_samples,
-    depths,
-    discounted_rewards,
-    group_advantages,
-    parents,
-    tree_peers,
-)
+from pipeline.materialize.packed import PackedTurn, floats, token_bytes
+from pipeline.materialize.trajectory import depths, discounted_rewards, group_advantages, tree_peers
 from pipeline.settings import libpq_url
 
 log = logging.getLogger(__name__)
@@ -84,7 +77,10 @@ class MaterializerConfig:
     max_staleness: int | None = None
     stale: Literal["drop", "flag"] = "drop"
     group_timeout_s: float = 600.0
-    step_events: int = 2000
+    step_events: int = 10_000
+    """Events folded per transaction (at most). Larger steps cost a rebuild less: a sample batched in the step
+    that made it is written once, without its arrays, where one batched a step later is written with them and
+    then updated (50k turns: PostgreSQL's CPU -33%, ours -10% against 2,000)."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -116,12 +112,16 @@ class MaterializerConfig:
         return f"materializer:{self.name}"
 
     def semantics(self) -> dict[str, Any]:
+        """What the batches depend on: the options but ``name`` and ``step_events``, and the lineage rule's
+        version. A value that was the only behaviour before it was recorded is left out, so that the
+        configurations made then keep their hash: ``advantage_peers`` slot, lineage rule 1 (whose
+        materializers cannot be told apart from those made before the rule existed: rebuild those)."""
         fields = asdict(self)
         del fields["name"], fields["step_events"]
         if fields["advantage_peers"] == "slot":
-            del fields[
-                "advantage_peers"
-            ]  # the rule before there was a choice: its configurations hash as then
+            del fields["advantage_peers"]
+        if lineages.RULE != 1:
+            fields["lineage_rule"] = lineages.RULE
         return fields
 
     def config_hash(self) -> str:
@@ -156,12 +156,24 @@ def batch_id_for(config_hash: str, sample_ids: Sequence[str]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class LogRow:
+    """An event as the fold reads it."""
+
     position: int
     stream: str
     type: str
     data: dict[str, Any]
     tokens: bytes | None
     recorded_at: datetime
+
+
+UNFOLDED_FIELDS: Final = ("request", "task", "sampling", "metrics", "event_id", "schema_version", "type")
+"""Fields of ``events.data`` the fold never reads (nor ``reply.text``): ``Materializer._read`` leaves them in
+PostgreSQL. A turn's request is most of its data; what is left is a few hundred bytes of JSON."""
+_FOLDED_DATA: Final = (
+    "(CASE WHEN jsonb_typeof(data) <> 'object' THEN data "
+    "WHEN jsonb_typeof(data -> 'reply') = 'object' THEN data - %(unfolded)s::text[] #- '{reply,text}' "
+    "ELSE data - %(unfolded)s::text[] END)::text"
+)
 
 
 @dataclass(slots=True)
@@ -191,7 +203,7 @@ class NewSample(NamedTuple):
     """A sample as an episode's end makes it (``trajectory.Sample`` less its sequences, arrays packed)."""
 
     sample_id: str
-    turn_ids: tuple[uuid.UUID, ...]
+    turns: tuple[PackedTurn, ...]
     policy_version: int
     reward: float
     tokens: int
@@ -223,6 +235,8 @@ class Writes:
     ready: list[tuple[Any, ...]] = field(default_factory=list)
     batched: list[tuple[Any, ...]] = field(default_factory=list)
     batches: list[tuple[Any, ...]] = field(default_factory=list)
+    """``BATCH_COLUMNS`` rows whose last value is the payload itself: the writer hashes it (in its thread:
+    hashlib lets go of the GIL while it hashes a payload, so the fold goes on meanwhile)."""
     outbox: list[tuple[Any, ...]] = field(default_factory=list)
     skipped: list[tuple[Any, ...]] = field(default_factory=list)
 
@@ -400,12 +414,12 @@ class Fold:
         versions = [turn.policy_version for turn in turns]
         finished = [
             "finished", termination, error, sum(rewards) if rewards else None, len(turns),
-            sum(len(t.prompt_token_ids) for t in turns), sum(len(t.completion_token_ids) for t in turns),
+            sum(len(t.prompt) >> 2 for t in turns), sum(len(t.completion) >> 2 for t in turns),
             min(versions, default=None), max(versions, default=None), row.recorded_at,
             (row.recorded_at - events[0].recorded_at).total_seconds(), row.position,
         ]  # fmt: skip
         usable = termination in USABLE and bool(turns)
-        samples = self._samples(view.turns, view.tree, set(), view.values) if usable else []
+        samples = self._samples(view) if usable else []
         del self.open[row.stream]
         self._record_finished(row.stream, episode_id, finished)
         self.writes.turns.extend(turn_rows)
@@ -426,8 +440,8 @@ class Fold:
             depth_of = depths(view.tree)
             slots = [
                 peer_slot(
-                    0 if self.config.style == "concat" else depth_of[s.turn_ids[0]],
-                    main=view.lineage[s.turn_ids[0]] == view.main,
+                    0 if self.config.style == "concat" else depth_of[s.turns[0].turn_id],
+                    main=view.lineage[s.turns[0].turn_id] == view.main,
                 )
                 for s in samples
             ]
@@ -443,7 +457,7 @@ class Fold:
                 turn_ids=(
                     (sample.sample_id,)  # an individual sample's id is its turn's
                     if self.config.style == "individual"
-                    else tuple(str(t) for t in sample.turn_ids)
+                    else tuple(t.turn_id for t in sample.turns)
                 ),
                 policy_version=sample.policy_version,
                 tokens=sample.tokens,
@@ -457,63 +471,41 @@ class Fold:
         if len(group.episodes) >= group.size:
             self._make_ready([group], row)
 
-    def _samples(
-        self,
-        trained: list[Turn],
-        tree: dict[uuid.UUID, uuid.UUID | None],
-        unseen: set[uuid.UUID],
-        values: dict[uuid.UUID, float],
-    ) -> list[NewSample]:
+    def _samples(self, view: Trained) -> list[NewSample]:
         """The episode's samples (``trajectory.concat_samples`` or ``individual_samples``) with their arrays
-        packed. Individual samples are made straight from their turns (``pack_individual``: the bytes
-        ``pack_arrays`` gives for ``individual_samples``, without building whole sequences per turn)."""
+        packed (``pipeline.materialize.packed``: the bytes ``pack_arrays`` gives for them)."""
         if self.config.style == "concat":
             return [
-                NewSample(
-                    s.sample_id,
-                    s.turn_ids,
-                    s.policy_version,
-                    s.reward,
-                    len(s.input_ids),
-                    sum(s.loss_mask),
-                    pack_arrays(s.input_ids, s.loss_mask, s.logprobs),
-                )
-                for s in concat_samples(trained, {t: p for t, p in tree.items() if t not in unseen}, values)
-            ]
+                NewSample(f"{s.path[-1].turn_id}:path", s.path, s.policy_version, s.reward, s.tokens,
+                          s.model_tokens, s.arrays)
+                for s in packed.concat_samples(view.turns, view.tree, view.values)
+            ]  # fmt: skip
+        values = view.values
         return [
-            NewSample(
-                str(t.turn_id),
-                (t.turn_id,),
-                t.policy_version,
-                values[t.turn_id],
-                len(t.prompt_token_ids) + len(t.completion_token_ids),
-                len(t.completion_token_ids),
-                pack_individual(t.prompt_token_ids, t.completion_token_ids, t.completion_logprobs),
-            )
-            for t in trained
-        ]
+            NewSample(t.turn_id, (t,), t.policy_version, values[t.turn_id], t.length, len(t.completion) >> 2,
+                      packed.individual_arrays(t))
+            for t in view.turns
+        ]  # fmt: skip
 
     @staticmethod
     def _sample_row(
         ready: ReadySample,
         sample: NewSample,
-        by_id: dict[uuid.UUID, Turn],
-        values: dict[uuid.UUID, float],
+        by_id: dict[str, PackedTurn],
+        values: dict[str, float],
         slot: int,
     ) -> list[Any]:
         """The ``sample_rows`` row of a new sample: what equals its own turn's is left NULL (see
         ``SAMPLE_COLUMNS``), and its id is its turn's (``:path`` for a concat sample)."""
-        own = by_id[sample.turn_ids[-1]]
+        own = by_id[sample.turns[-1].turn_id]
         path = sample.sample_id != ready.key
         if path and sample.sample_id != f"{ready.key}:path":
             raise AssertionError(f"sample id {sample.sample_id!r} is neither its turn's id nor '<turn>:path'")
-        whole = len(own.prompt_token_ids) + len(own.completion_token_ids)
-        model_tokens = sample.model_tokens
         return [
-            own.turn_id, None, None, _unless(ready.reward, values[own.turn_id]), slot,
-            _unless(ready.policy_version, own.policy_version), _unless(ready.tokens, whole),
-            _unless(model_tokens, len(own.completion_token_ids)), False, path, None,
-            list(sample.turn_ids) if len(sample.turn_ids) > 1 else None, ready.arrays,
+            own.uuid, None, None, _unless(ready.reward, values[own.turn_id]), slot,
+            _unless(ready.policy_version, own.policy_version), _unless(ready.tokens, own.length),
+            _unless(sample.model_tokens, len(own.completion) >> 2), False, path, None,
+            packed.turn_ids(sample.turns) if len(sample.turns) > 1 else None, ready.arrays,
         ]  # fmt: skip
 
     def _record_finished(self, stream: str, episode_id: str, finished: list[Any]) -> None:
@@ -526,7 +518,7 @@ class Fold:
 
     def _turns(
         self, episode_id: str, events: list[LogRow]
-    ) -> tuple[list[Turn], list[tuple[Any, ...]], Trained]:
+    ) -> tuple[list[PackedTurn], list[tuple[Any, ...]], Trained]:
         """The episode's turns (each with its own reward), their read-model rows, and what training makes of
         them (``Trained``: the lineage rule of ``pipeline.materialize.lineages``)."""
         completed = [e for e in events if e.type == "TurnCompleted"]
@@ -539,20 +531,22 @@ class Fold:
                     outcome = _reward(event) + (outcome or 0.0)  # the episode's: see Trained.of
                 elif target in own:
                     own[target] += _reward(event)
-        whole: dict[str, Turn] = {}
+        whole: dict[str, PackedTurn] = {}
         turns = [self._turn(episode_id, index, event, own, whole) for index, event in enumerate(completed)]
-        view = Trained.of(turns, completed, events, outcome, self.config.discount)
+        view = Trained.of(turns, completed, outcome, self.config.discount)
         rows = []
         started = events[0].position  # episodes.started_position: how turn_rows name their episode
+        uuids = {turn.turn_id: turn.uuid for turn in turns}
         for turn, event in zip(turns, completed, strict=True):
             data = event.data
-            lps = turn.completion_logprobs
+            lps = floats(turn.logprobs)
             reward = view.rewards.get(turn.turn_id, turn.reward)
+            parent = view.whole_tree[turn.turn_id]
             rows.append(
                 (
-                    turn.turn_id, started, event.position, sum(lps) / len(lps) if lps else None, reward,
-                    view.values.get(turn.turn_id, reward), turn.index, len(turn.prompt_token_ids),
-                    len(turn.completion_token_ids), turn.policy_version, view.whole_tree[turn.turn_id],
+                    turn.uuid, started, event.position, sum(lps) / len(lps) if lps else None, reward,
+                    view.values.get(turn.turn_id, reward), turn.index, len(turn.prompt) >> 2,
+                    len(turn.completion) >> 2, turn.policy_version, None if parent is None else uuids[parent],
                     bool(data.get("prefix_break", False)),
                     data.get("render_drift") if isinstance(data.get("render_drift"), bool) else None,
                 )
@@ -561,56 +555,57 @@ class Fold:
 
     @staticmethod
     def _turn(
-        episode_id: str, index: int, event: LogRow, own: dict[str, float], whole: dict[str, Turn]
-    ) -> Turn:
+        episode_id: str, index: int, event: LogRow, own: dict[str, float], whole: dict[str, PackedTurn]
+    ) -> PackedTurn:
         """One recorded turn made whole (``whole``: the episode's earlier turns, by id; this one is added),
         or ``Unfoldable`` naming it when its fields or token arrays are not usable."""
         try:
             if event.tokens is None:
                 raise ValueError("it has no token arrays")
-            prompt, completion, logprobs = unpack_token_tuples(event.tokens)
+            prompt, completion, logprobs = token_bytes(event.tokens)
             taken, extends = event.data.get("prefix_tokens", 0), None
             if taken:  # a turn records the prompt ids after its parent's prompt + completion
                 parent = whole.get(str(event.data.get("parent_turn_id")))
-                if (
-                    parent is None
-                    or not isinstance(taken, int)
-                    or not 0 < taken <= len(parent.prompt_token_ids) + len(parent.completion_token_ids)
-                ):
+                if parent is None or not isinstance(taken, int) or not 0 < taken <= parent.length:
                     raise ValueError(
                         f"it takes {taken!r} prompt ids from its parent turn "
                         f"{event.data.get('parent_turn_id')}, not an earlier turn of its episode that long"
                     )
-                cut = len(parent.prompt_token_ids)
+                cut = len(parent.prompt) >> 2
                 inherited = (
-                    parent.prompt_token_ids[:taken]
+                    parent.prompt[: 4 * taken]
                     if taken <= cut
-                    else (parent.prompt_token_ids + parent.completion_token_ids[: taken - cut])
+                    else parent.prompt + parent.completion[: 4 * (taken - cut)]
                 )
-                prompt = inherited + prompt  # tuples: a copy of references
-                if taken == len(parent.prompt_token_ids) + len(parent.completion_token_ids):
+                prompt = inherited + prompt
+                if taken == parent.length:
                     extends = parent.turn_id
             if len(logprobs) != len(completion):
-                raise ValueError(f"it has {len(logprobs)} logprobs for {len(completion)} completion tokens")
+                raise ValueError(
+                    f"it has {len(logprobs) >> 2} logprobs for {len(completion) >> 2} completion tokens"
+                )
             # max() finds one above 0 (or +inf); the sum is NaN with a NaN and -inf with a -inf: C loops
-            if logprobs and not (max(logprobs) <= 0.0 and -math.inf < sum(logprobs)):
+            lps = floats(logprobs)
+            if lps and not (max(lps) <= 0.0 and -math.inf < sum(lps)):
                 raise ValueError("a logprob is not a finite number <= 0")
             data = event.data
             if not isinstance(data["reply"]["finish_reason"], str) or not isinstance(data["engine_id"], str):
                 raise ValueError("its finish_reason or engine_id is not a string")
             _check_event_fields(event)
-            turn = Turn(
-                turn_id=_uuid(data["turn_id"]),
+            turn_uuid = _uuid(data["turn_id"])
+            turn = PackedTurn(
+                turn_id=str(turn_uuid),
+                uuid=turn_uuid,
                 episode_id=episode_id,
                 index=index,
-                prompt_token_ids=prompt,
-                completion_token_ids=completion,
-                completion_logprobs=logprobs,
+                prompt=prompt,
+                completion=completion,
+                logprobs=logprobs,
                 policy_version=_count(event, data["policy_version"], "policy_version"),
                 reward=own[str(data["turn_id"])],
                 extends=extends,
             )
-            whole[str(turn.turn_id)] = turn
+            whole[turn.turn_id] = turn
             return turn
         except UNFOLDABLE as error:
             if isinstance(error, Unfoldable):
@@ -718,7 +713,7 @@ class Fold:
             (
                 batch_id, policy, len(kept), len(groups), sum(s.tokens for s in kept), stale_count,
                 min(versions), max(versions), newest, self.config_hash, row.position, row.recorded_at,
-                len(payload) if payload else None, hashlib.sha256(payload).digest() if payload else None,
+                len(payload) if payload else None, payload,
             )
         )  # fmt: skip
         if payload:
@@ -959,7 +954,8 @@ class Materializer:
         ).fetchall()
         if running:
             for log_row in await self._read(
-                "stream = ANY(%s) AND position <= %s", ([r[0] for r in running], fold.position)
+                "stream = ANY(%(streams)s) AND position <= %(position)s",
+                {"streams": [r[0] for r in running], "position": fold.position},
             ):
                 fold.open.setdefault(log_row.stream, []).append(log_row)
         versions = await (
@@ -1027,17 +1023,26 @@ class Materializer:
             raise ConfigError("the materializer is not open: call open() first")
         return self._writer
 
-    async def _read(self, where: str, params: Sequence[Any], limit: int | None = None) -> list[LogRow]:
-        columns = "position, stream, type, data, tokens, recorded_at"
-        query = f"SELECT {columns} FROM events WHERE {where} ORDER BY position"
+    async def _read(self, where: str, params: dict[str, Any], limit: int | None = None) -> list[LogRow]:
+        """The events ``where`` selects, in log order. Only what the fold reads of ``data`` comes (see
+        ``UNFOLDED_FIELDS``), in binary (token arrays as bytes, not hex), and a page's JSON is parsed in one
+        call: reading the log was a third of a rebuild's Python."""
+        query = (
+            f"SELECT position, stream, type, {_FOLDED_DATA}, tokens, recorded_at FROM events "
+            f"WHERE {where} ORDER BY position"
+        )
         if limit is not None:
             query += f" LIMIT {int(limit)}"
-        cursor = await self._require().execute(query, params)
-        return [LogRow(r[0], r[1], r[2], r[3], r[4], r[5]) for r in await cursor.fetchall()]
+        cursor = self._require().cursor(binary=True)
+        rows = await (await cursor.execute(query, {**params, "unfolded": list(UNFOLDED_FIELDS)})).fetchall()
+        data = json.loads(f"[{','.join([r[3] for r in rows])}]")
+        return [LogRow(r[0], r[1], r[2], d, r[4], r[5]) for r, d in zip(rows, data, strict=True)]
 
     async def step(self) -> int:
         """Fold the next events after the checkpoint and commit what they produced; the events folded."""
-        rows = await self._read("position > %s", (self.fold.position,), self.config.step_events)
+        rows = await self._read(
+            "position > %(position)s", {"position": self.fold.position}, self.config.step_events
+        )
         if not rows:
             return 0
         skipped, writes = self._fold(rows)
@@ -1159,7 +1164,10 @@ class Materializer:
                 also=sql.SQL("arrays = CASE WHEN c.batch_id IS NULL THEN t.arrays END"),
             )
         if writes.batches:
-            self._copy(connection, "batches", BATCH_COPY, writes.batches)
+            hashed = [
+                (*row[:-1], hashlib.sha256(row[-1]).digest() if row[-1] else None) for row in writes.batches
+            ]
+            self._copy(connection, "batches", BATCH_COPY, hashed)
         if writes.outbox:
             self._copy(connection, "batch_outbox", OUTBOX_COPY, writes.outbox)
         if writes.skipped:
@@ -1219,7 +1227,9 @@ class Materializer:
         try:
             while True:
                 rows = (
-                    await self._read("position > %s", (self.fold.position,), self.config.step_events)
+                    await self._read(
+                        "position > %(position)s", {"position": self.fold.position}, self.config.step_events
+                    )
                     if self.fold.position < target
                     else []
                 )
@@ -1260,48 +1270,40 @@ class Materializer:
 class Trained:
     """What training makes of an episode's turns (the rule is ``pipeline.materialize.lineages``'s)."""
 
-    whole_tree: dict[uuid.UUID, uuid.UUID | None]
+    whole_tree: dict[str, str | None]
     """Every turn's parent, as recorded (the turns read model)."""
-    turns: list[Turn]
+    turns: list[PackedTurn]
     """The trained turns, each with its reward (the episode's added to each lineage's last turn)."""
-    tree: dict[uuid.UUID, uuid.UUID | None]
+    tree: dict[str, str | None]
     """The trained tree: untrained and never-delivered turns taken out."""
-    lineage: dict[uuid.UUID, uuid.UUID]
-    main: uuid.UUID | None
-    values: dict[uuid.UUID, float]
-    rewards: dict[uuid.UUID, float]
+    lineage: dict[str, str]
+    main: str | None
+    values: dict[str, float]
+    rewards: dict[str, float]
 
     @classmethod
     def of(
-        cls,
-        turns: list[Turn],
-        completed: list[LogRow],
-        events: list[LogRow],
-        outcome: float | None,
-        discount: float,
+        cls, turns: list[PackedTurn], completed: list[LogRow], outcome: float | None, discount: float
     ) -> Trained:
-        whole_tree = parents(turns)
-        untrained = {
-            uuid.UUID(str(e.data["turn_id"])) for e in completed if e.data.get("train") is False
-        }  # fmt: skip
-        tree = trained_tree(whole_tree, _never_delivered(events, whole_tree) | untrained)
+        """``turns``: the episode's, made from ``completed`` (its ``TurnCompleted`` events, in order)."""
+        whole_tree = packed.parents(turns)
+        untrained = {t.turn_id for t, e in zip(turns, completed, strict=True) if e.data.get("train") is False}
+        tree = trained_tree(whole_tree, _never_delivered(turns, completed, whole_tree) | untrained)
         lineage = roots(tree)
         kept = [turn for turn in turns if turn.turn_id in tree]
         if outcome is not None:
             targets = set(episode_reward_targets(kept, lineage))
-            kept = [replace(t, reward=t.reward + outcome) if t.turn_id in targets else t for t in kept]
+            kept = [t.rewarded(t.reward + outcome) if t.turn_id in targets else t for t in kept]
         values = discounted_rewards(kept, tree, discount)
         rewards = {turn.turn_id: turn.reward for turn in kept}
         return cls(whole_tree, kept, tree, lineage, main_root(kept, lineage), values, rewards)
 
 
-def _never_delivered(events: list[LogRow], tree: dict[uuid.UUID, uuid.UUID | None]) -> set[uuid.UUID]:
+def _never_delivered(
+    turns: list[PackedTurn], completed: list[LogRow], tree: dict[str, str | None]
+) -> set[str]:
     """Turns recorded as never delivered (``TurnCompleted.delivered`` False: the client disconnected) that
     no later turn continues: the agent never saw them, so they are no training samples. A marked turn that
     has a child was seen after all (a retry was answered with it)."""
-    marked = {
-        uuid.UUID(str(e.data["turn_id"]))
-        for e in events
-        if e.type == "TurnCompleted" and e.data.get("delivered") is False
-    }
+    marked = {t.turn_id for t, e in zip(turns, completed, strict=True) if e.data.get("delivered") is False}
     return marked - set(tree.values()) if marked else marked

@@ -9,14 +9,32 @@ from __future__ import annotations
 import math
 import statistics
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 from schemas import TurnCompleted
 
+Id = TypeVar("Id", bound=Hashable)
+_Id_co = TypeVar("_Id_co", bound=Hashable, covariant=True)
 Parents = Mapping[uuid.UUID, uuid.UUID | None]
 """Turn id -> the id of the turn it extends, or None for a root."""
+Tree = Mapping[Id, Id | None]
+"""``Parents`` with ids of any kind (the materializer's fold keys its turns by their ids as text)."""
+
+
+class Node(Protocol[_Id_co]):
+    """What the tree math (``discounted_rewards``, ``lineages``) reads of a turn: ``Turn``, or the
+    materializer's packed turns (``pipeline.materialize.packed``)."""
+
+    @property
+    def turn_id(self) -> _Id_co: ...
+    @property
+    def episode_id(self) -> str: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def reward(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +94,7 @@ class Sample:
     stale: bool = False
 
 
-def _order(turn: Turn) -> tuple[str, int]:
+def _order(turn: Node[Any]) -> tuple[str, int]:
     return turn.episode_id, turn.index
 
 
@@ -123,16 +141,16 @@ def parents(turns: Iterable[Turn]) -> dict[uuid.UUID, uuid.UUID | None]:
     return result
 
 
-def children(parents: Parents) -> dict[uuid.UUID, tuple[uuid.UUID, ...]]:
+def children(parents: Tree[Id]) -> dict[Id, tuple[Id, ...]]:
     """Each turn's children in the parents' order; a leaf maps to ``()``, a branch to several ids."""
-    kids: dict[uuid.UUID, list[uuid.UUID]] = {turn_id: [] for turn_id in parents}
+    kids: dict[Id, list[Id]] = {turn_id: [] for turn_id in parents}
     for turn_id, parent in parents.items():
         if parent is not None:
             kids.setdefault(parent, []).append(turn_id)
     return {turn_id: tuple(ids) for turn_id, ids in kids.items()}
 
 
-def discounted_rewards(turns: Iterable[Turn], parents: Parents, discount: float) -> dict[uuid.UUID, float]:
+def discounted_rewards(turns: Iterable[Node[Id]], parents: Tree[Id], discount: float) -> dict[Id, float]:
     """A turn's value: its own reward plus ``discount`` times its child's value (AReaL's backprop).
 
     At a branch the children's values are averaged (AReaL documents the rule for a chain only): a
@@ -142,7 +160,7 @@ def discounted_rewards(turns: Iterable[Turn], parents: Parents, discount: float)
     """
     kids = children(parents)
     ordered = sorted(turns, key=_order)
-    values: dict[uuid.UUID, float] = {}
+    values: dict[Id, float] = {}
     for turn in reversed(ordered):
         future = [values[kid] for kid in kids.get(turn.turn_id, ())]
         values[turn.turn_id] = turn.reward + discount * (statistics.fmean(future) if future else 0.0)
@@ -264,11 +282,11 @@ def group_advantages(
     raise ValueError(f"unknown advantage mode {mode!r}; use 'grpo' or 'mean'")
 
 
-def depths(parents: Parents) -> dict[uuid.UUID, int]:
+def depths(parents: Tree[Id]) -> dict[Id, int]:
     """Each turn's depth in its episode's tree: 0 for a root, its parent's depth + 1 otherwise."""
-    found: dict[uuid.UUID, int] = {}
+    found: dict[Id, int] = {}
 
-    def depth(turn_id: uuid.UUID) -> int:
+    def depth(turn_id: Id) -> int:
         chain = []
         while turn_id not in found:
             parent = parents[turn_id]
