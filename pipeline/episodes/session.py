@@ -366,13 +366,16 @@ class EpisodeSession:
             and (tool_choice is None or type(tool_choice) is ToolChoice)
             and top_logprobs is None
         ):
-            return LLMRequest.model_construct(
-                request_id=uuid.uuid4(),  # a default factory left to model_construct costs ~40 us
+            return LLMRequest.trusted(
+                type="LLMRequest",
+                schema_version=2,
+                request_id=uuid.uuid4(),
                 policy=self.policy,
                 episode_id=self.episode_id,
                 messages=list(messages),
                 tools=list(tools),
                 sampling=sampling,
+                prefix=None,
                 tool_choice=tool_choice,
                 top_logprobs=None,
             )
@@ -450,20 +453,22 @@ def turn_event(
             "logprob per completion token"
         )
     tools_from_parent = parent is not None and bool(request.tools)
-    return TurnCompleted.model_construct(
+    return TurnCompleted.trusted(
+        type="TurnCompleted",
+        schema_version=2,
         event_id=uuid.uuid4(),
         turn_id=uuid.uuid4(),
         parent_turn_id=parent.turn_id if parent else None,
         prefix_messages=shared,
         prefix_tokens=response.prompt_prefix_tokens,
         tools_from_parent=tools_from_parent,
-        request=TurnRequest.model_construct(
+        request=TurnRequest.trusted(
             messages=request.messages[shared:],
             tools=[] if tools_from_parent else request.tools,
             sampling=request.sampling,
             tool_choice=request.tool_choice,
         ),
-        reply=TurnReply.model_construct(
+        reply=TurnReply.trusted(
             text=response.text,
             tool_calls=response.tool_calls,
             finish_reason=response.finish_reason,
