@@ -444,3 +444,42 @@ async def test_a_nul_in_a_message_that_a_continuing_turn_adds_is_refused_naming_
     with pytest.raises(InvalidLLMCall, match=r"messages\.2\.content holds a NUL character"):
         await session.chat([question, reply.message, ChatMessage(role="user", content="a\x00b")])
     assert len(session.turns) == 1
+
+
+class AppendLog(InMemoryStore):
+    """The in-memory store, keeping the event types of each append."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.appends: list[list[str]] = []
+
+    async def append(self, stream: str, events: Any, expected_version: int | None = None, **kw: Any) -> Any:
+        self.appends.append([event.type for event in events])
+        return await super().append(stream, events, expected_version, **kw)
+
+
+async def test_an_episodes_closing_rewards_are_recorded_with_its_finish_in_one_append() -> None:
+    store = AppendLog()
+    outcome = await run_episode(ThreeTurnAgent(), EpisodeSession(store, PrefixEcho(), policy="main"))
+    assert (outcome.termination, outcome.reward) == ("done", 1.0)
+    assert store.appends[-1] == ["RewardAssigned", "EpisodeFinished"]
+    assert len(store.appends) == 5  # started, three turns, rewards + finish
+
+
+async def test_rewards_scored_before_one_that_fails_are_recorded_with_the_error_finish() -> None:
+    store = AppendLog()
+    session = EpisodeSession(store, PrefixEcho(), policy="main")
+
+    async def agent(task: dict[str, Any], llm: EpisodeLLM) -> dict[str, float]:
+        reply = await llm.chat([{"role": "user", "content": "q"}])
+        return {str(reply.turn_id): 0.5, "not-a-turn": 1.0}
+
+    outcome = await run_episode(FunctionAgent(agent), session)
+    assert outcome.termination == "error"
+    assert "reward for turn 'not-a-turn': not a turn id" in (outcome.error or "")
+    assert store.appends[-1] == ["RewardAssigned", "EpisodeFinished"]
+    events = await recorded(store, session)
+    reward, finished = events[-2:]
+    assert isinstance(reward, RewardAssigned)
+    assert isinstance(finished, EpisodeFinished)
+    assert (reward.value, reward.turn_id, finished.metrics["reward"]) == (0.5, session.turns[0].turn_id, 0.5)

@@ -274,6 +274,12 @@ class EpisodeSession:
     async def reward(
         self, value: float, turn_id: uuid.UUID | str | None = None, source: str = "agent"
     ) -> None:
+        await self._append([self.reward_event(value, turn_id, source)])
+
+    def reward_event(
+        self, value: float, turn_id: uuid.UUID | str | None = None, source: str = "agent"
+    ) -> RewardAssigned:
+        """A reward for the episode or one of its turns, checked (``InvalidLLMCall``), not yet recorded."""
         if turn_id is not None and not isinstance(turn_id, uuid.UUID):
             try:
                 turn_id = uuid.UUID(str(turn_id))
@@ -282,10 +288,9 @@ class EpisodeSession:
         if turn_id is not None and turn_id not in {turn.turn_id for turn in self.turns}:
             raise InvalidLLMCall(f"reward for turn {turn_id}: no such turn in episode {self.episode_id}")
         try:
-            event = RewardAssigned(turn_id=turn_id, value=value, source=source)
+            return RewardAssigned(turn_id=turn_id, value=value, source=source)
         except ValidationError as error:
             raise InvalidLLMCall(f"reward {value!r}: {describe_validation_error(error)}") from None
-        await self._append([event])
 
     async def finish(
         self,
@@ -293,9 +298,12 @@ class EpisodeSession:
         *,
         error: str | None = None,
         metrics: Mapping[str, float] | None = None,
+        rewards: Sequence[RewardAssigned] = (),
     ) -> None:
-        """Close the stream. Appends still in flight (a turn whose agent was cancelled) land first; if one
-        of them closed the stream already (a finish that was cancelled while appending), that one stands."""
+        """Close the stream, after ``rewards`` (``reward_event``s) in the same append: an episode's closing
+        rewards and its end are recorded together (and an append less each episode). Appends still in flight
+        (a turn whose agent was cancelled) land first; if one of them closed the stream already (a finish
+        that was cancelled while appending), that one stands."""
         if self._appends:
             await asyncio.gather(*self._appends, return_exceptions=True)
         if self.finished:
@@ -308,12 +316,14 @@ class EpisodeSession:
             "turns": float(len(turns)),
             "prompt_tokens": float(sum(t.prefix_tokens + len(t.prompt_token_ids) for t in turns)),
             "completion_tokens": float(sum(len(t.completion_token_ids) for t in turns)),
-            "reward": sum(event.value for event in self.events if isinstance(event, RewardAssigned)),
+            "reward": sum(
+                event.value for event in [*self.events, *rewards] if isinstance(event, RewardAssigned)
+            ),
             "duration_s": round(time.monotonic() - self._started_at, 6),
             "llm_s": round(self.llm_seconds, 6),
         }
         summary.update(metrics or {})
-        await self._append([EpisodeFinished(termination=termination, metrics=summary, error=error)])
+        await self._append([*rewards, EpisodeFinished(termination=termination, metrics=summary, error=error)])
 
     def _request(
         self,
