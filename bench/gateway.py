@@ -10,6 +10,10 @@ what differs is how the agent's call reaches the session:
 - ``gateway``: the OpenAI SDK in the benchmark process, over HTTP (keep-alive connections, one pooled
   client) to the gateway app (``pipeline/gateway/app.py`` on uvicorn) in a process of its own, which holds the
   sessions, their NATS client and the event store; sessions are started with ``POST /admin/sessions``.
+- ``gateway-lean``: the same gateway and the same JSON body, posted by a minimal HTTP/1.1 client
+  (``LeanHttp``: asyncio streams, one keep-alive connection per worker) instead of the SDK, whose own CPU
+  (~3 ms a turn) shares the machine's cores with the gateway and bounds what the ``gateway`` path can reach:
+  this path measures the gateway's own throughput.
 
 At each concurrency level (``--levels``, default 1 and 16) that many workers run episodes back to back,
 each episode ``--turns-per-episode`` turns that extend the conversation (reply + a new user message, so
@@ -36,7 +40,11 @@ conversation for both; ``--before-without httptools`` leaves out what that check
 ``--in-process`` measures only what the gateway adds: the long conversation through ``llm.chat`` and through
 the gateway app called straight through ASGI, in one process with an in-memory log and an instant client
 (no servers, no sockets: ``time.process_time`` per turn), for this checkout and ``--before``'s.
-``--profile PREFIX`` writes a CPU-time cProfile of each gateway process.
+``--profile PREFIX`` writes a CPU-time cProfile of each gateway process (``PREFIX.<pid>``) and of the
+benchmark process while it runs the ``llm.chat`` path (``PREFIX.llm.chat``: the recording work in process).
+
+Every process runs on the services' event loop (uvloop, ``consumers.runtime.run``) with their garbage
+collector setting (``tune_gc``), as ``turnstile serve gateway`` does: every path alike.
 
 Servers: ``TURNSTILE_DATABASE_URL`` and ``TURNSTILE_NATS_URL``, or embedded ones in a temporary directory;
 the run gets a migrated scratch database of its own, dropped at the end.
@@ -71,6 +79,7 @@ import openai
 from rich.console import Console
 from rich.table import Table
 
+from consumers.runtime import run, tune_gc
 from pipeline.episodes import EpisodeSession
 from pipeline.inference.backends import Generation
 from pipeline.inference.backends.scripted import ScriptedBackend
@@ -86,6 +95,7 @@ from common import (
     machine,
     note,
     percentile,
+    profiled,
     scratch_database,
     servers,
     stop_child,
@@ -101,7 +111,7 @@ PROFILE_ENV = "TURNSTILE_BENCH_PROFILE"
 """A path prefix: each gateway process writes its cProfile statistics to <prefix>.<pid> when it stops
 (``--profile``); read them with ``python -m pstats``."""
 ADMIN_KEY = "bench-admin-" + uuid.uuid4().hex
-PATHS = ("llm.chat", "llm.openai()", "gateway")
+PATHS = ("llm.chat", "llm.openai()", "gateway", "gateway-lean")
 BASELINE = "llm.chat"
 MAX_TOKENS = 6
 SCRIPT = str(Path(__file__).resolve())
@@ -190,7 +200,64 @@ class GatewayEpisode(Episode):
         (await self.admin.post(f"/admin/sessions/{self.session_id}/end", json={})).raise_for_status()
 
 
-MakeEpisode = Callable[[], Episode]
+class LeanHttp:
+    """A minimal HTTP/1.1 client on one keep-alive connection: ``post(path, body, key)`` sends the JSON body
+    and returns the parsed JSON reply. No pooling, redirects, retries or streaming: the least a client can
+    do, so that what the bench process spends is not what bounds the gateway's turns/s."""
+
+    def __init__(self, url: str) -> None:
+        self.host, _, port = url.removeprefix("http://").partition(":")
+        self.port = int(port)
+        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def post(self, path: str, body: dict[str, Any], key: str) -> Any:
+        if self.streams is None:
+            self.streams = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self.streams
+        raw = json.dumps(body).encode()
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\nauthorization: Bearer {key}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(raw)}\r\n\r\n".encode()
+            + raw
+        )
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+        status = int(head.split(" ", 2)[1])
+        length = int(head.partition("content-length:")[2].partition("\r\n")[0])
+        reply = json.loads(await reader.readexactly(length))
+        if not 200 <= status < 300:
+            raise RuntimeError(f"POST {path}: {status} {reply}")
+        return reply
+
+    async def close(self) -> None:
+        if self.streams is not None:
+            self.streams[1].close()
+            await self.streams[1].wait_closed()
+
+
+class LeanGatewayEpisode(Episode):
+    """The gateway episode with its session's start, turns and end posted by ``LeanHttp`` (one per worker)
+    instead of the SDK and httpx."""
+
+    def __init__(self, client: LeanHttp) -> None:
+        self.http = client
+
+    async def start(self) -> None:
+        body = {"policy": POLICY, "agent": "bench.gateway"}
+        session = await self.http.post("/admin/sessions", body, ADMIN_KEY)
+        self.session_id, self.key = session["session_id"], session["api_key"]
+
+    async def turn(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {"model": POLICY, "messages": messages, "max_tokens": MAX_TOKENS}
+        completion = await self.http.post("/v1/chat/completions", body, self.key)
+        message: dict[str, Any] = completion["choices"][0]["message"]
+        return {k: v for k, v in message.items() if v is not None}
+
+    async def end(self) -> None:
+        await self.http.post(f"/admin/sessions/{self.session_id}/end", {}, ADMIN_KEY)
+
+
+MakeEpisode = Callable[[int], Episode]
+"""An episode for worker ``index`` (each worker runs its episodes one after the other)."""
 
 
 # --- the long conversation -----------------------------------------------------------------------
@@ -305,7 +372,7 @@ async def run_turns(
 
     async def worker(index: int) -> None:
         while remaining[0] > 0:
-            episode = make()
+            episode = make(index)
             await episode.start()
             messages: list[dict[str, Any]] = [{"role": "user", "content": f"worker {index}: count to ten"}]
             for n in range(per_episode):
@@ -326,14 +393,18 @@ async def run_turns(
 
 
 async def measure_path(
-    path: str, make: MakeEpisode, args: argparse.Namespace, processes: Processes
+    path: str, make: MakeEpisode, args: argparse.Namespace, processes: Processes, *, profile: bool = False
 ) -> list[Result]:
+    """The path at each level; ``profile``: a cProfile of this process over the timed turns at the first
+    level (``--profile``'s ``PREFIX.<path>``)."""
     results = []
     for level in args.levels:
         await run_turns(make, level, max(args.warmup, level), args.turns_per_episode)
         meter = CpuMeter(processes)
         meter.start()
-        latencies, seconds = await run_turns(make, level, args.turns, args.turns_per_episode)
+        first = level == args.levels[0]
+        with profiled(Path(f"{args.profile}.{path}") if profile and args.profile and first else None):
+            latencies, seconds = await run_turns(make, level, args.turns, args.turns_per_episode)
         result = Result(path, level, latencies, seconds, meter.per(len(latencies)))
         note(
             f"{path} x{level}: p50 {result.percentile(50):.2f} ms, p99 {result.percentile(99):.2f} ms, "
@@ -558,6 +629,7 @@ async def serve_consumer(nats_url: str, policy: str = POLICY) -> None:
     backend = LengthBackend() if policy == LONG_POLICY else ScriptedBackend()
     app, _ = create_app(InferenceConfig(nats_url, policy, backend="scripted", consumer_id=policy), backend)
     await app.start()
+    tune_gc()
     print("ready", flush=True)
     await wait_for_stdin_eof()
     await app.stop()
@@ -570,6 +642,7 @@ async def serve_gateway(database_url: str, nats_url: str, admin_key: str) -> Non
     llm = await NatsLLMClient.connect(nats_url)
     server = HttpServer(create_gateway(store, llm, admin_key=admin_key, policy_default=POLICY))
     await server.start()
+    tune_gc()  # as `turnstile serve gateway` does once started (consumers.runtime.running)
     profile = os.environ.get(PROFILE_ENV)
     profiler = cProfile.Profile(time.process_time) if profile else None  # CPU time: a loaded machine preempts
     if profiler is not None:
@@ -601,11 +674,12 @@ async def measure(
         llm = await NatsLLMClient.connect(found.nats_url)
         try:
             if "llm.chat" in args.paths:
-                results += await measure_path("llm.chat", lambda: ChatEpisode(store, llm), args, processes)
+                make: MakeEpisode = lambda _: ChatEpisode(store, llm)  # noqa: E731
+                results += await measure_path("llm.chat", make, args, processes, profile=True)
             if "llm.openai()" in args.paths:
-                make = lambda: InProcessOpenAIEpisode(store, llm)  # noqa: E731
+                make = lambda _: InProcessOpenAIEpisode(store, llm)  # noqa: E731
                 results += await measure_path("llm.openai()", make, args, processes)
-            gateways = [("gateway", None)] if "gateway" in args.paths else []
+            gateways = [("gateway", None)] if {"gateway", "gateway-lean"} & set(args.paths) else []
             if args.before:
                 gateways.append(("gateway@before", without(args.before, args.before_without)))
             for label, tree in gateways:
@@ -636,15 +710,32 @@ async def measure(
 async def measure_gateway(
     label: str, url: str, args: argparse.Namespace, processes: Processes
 ) -> list[Result]:
+    """The gateway through the OpenAI SDK (``label``), then through ``LeanHttp`` (``gateway-lean...``)."""
     http_client = openai.DefaultAsyncHttpxClient(limits=sdk_limits(max(args.levels)))
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    results = []
     async with (
         httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as admin,
         openai.AsyncOpenAI(
             base_url=f"{url}/v1", api_key="-", max_retries=0, http_client=http_client
         ) as client,
     ):
-        return await measure_path(label, lambda: GatewayEpisode(admin, client), args, processes)
+        if "gateway" in args.paths:
+            results += await measure_path(label, lambda _: GatewayEpisode(admin, client), args, processes)
+        if "gateway-lean" in args.paths:
+            lean = [LeanHttp(url) for _ in range(max(args.levels))]
+            try:
+                make = lambda index: LeanGatewayEpisode(lean[index])  # noqa: E731
+                results += await measure_path(lean_label(label), make, args, processes)
+            finally:
+                for http in lean:
+                    await http.close()
+    return results
+
+
+def lean_label(label: str) -> str:
+    """``gateway-lean`` for ``gateway``, ``gateway-lean@before`` for ``gateway@before``."""
+    return label.replace("gateway", "gateway-lean", 1)
 
 
 def without(tree: str, packages: Sequence[str]) -> str:
@@ -707,23 +798,24 @@ def print_report(results: Sequence[Result], args: argparse.Namespace) -> None:
     console.print(table)
     by_key = {(r.path, r.concurrency): r for r in results}
     for level, base in baselines.items():
-        gateway, in_process = by_key.get(("gateway", level)), by_key.get(("llm.openai()", level))
-        if gateway is None:
-            continue
-        line = f"x{level}: gateway vs llm.chat {versus(gateway, base)}"
-        if "gateway" in gateway.cpu_us and "bench" in base.cpu_us:
-            # the gateway process holds the sessions, so it does llm.chat's work (NATS, the log) too
-            own = gateway.cpu_us["gateway"] - base.cpu_us["bench"]
-            line += f"; gateway CPU {gateway.cpu_us['gateway']:,.0f} us/turn, {own:,.0f} over llm.chat's"
-        if in_process is not None:
-            line += f"; vs llm.openai() {versus(gateway, in_process)}"
-        print(line)
+        for path in ("gateway", "gateway-lean"):
+            gateway, in_process = by_key.get((path, level)), by_key.get(("llm.openai()", level))
+            if gateway is None:
+                continue
+            line = f"x{level}: {path} vs llm.chat {versus(gateway, base)}"
+            if "gateway" in gateway.cpu_us and "bench" in base.cpu_us:
+                # the gateway process holds the sessions, so it does llm.chat's work (NATS, the log) too
+                own = gateway.cpu_us["gateway"] - base.cpu_us["bench"]
+                line += f"; gateway CPU {gateway.cpu_us['gateway']:,.0f} us/turn, {own:,.0f} over llm.chat's"
+            if in_process is not None and path == "gateway":
+                line += f"; vs llm.openai() {versus(gateway, in_process)}"
+            print(line)
     for result in results:
-        before = by_key.get(("gateway@before", result.concurrency))
-        if result.path == "gateway" and before is not None:
+        before = by_key.get((f"{result.path}@before", result.concurrency))
+        if result.path in ("gateway", "gateway-lean") and before is not None:
             now, then = result.cpu_us.get("gateway", 0.0), before.cpu_us.get("gateway", 0.0)
             cpu = f", gateway CPU {now:,.0f} vs {then:,.0f} us/turn ({now / then:.2f}x)" if then else ""
-            print(f"x{result.concurrency}: gateway vs gateway@before {versus(result, before)}{cpu}")
+            print(f"x{result.concurrency}: {result.path} vs {before.path} {versus(result, before)}{cpu}")
 
 
 def print_long_report(results: Sequence[LongResult], args: argparse.Namespace) -> None:
@@ -765,26 +857,25 @@ def print_summary(results: Sequence[Result], long_results: Sequence[LongResult])
     """The ``SUMMARY`` lines (``common.summary``): issue 21's gateway row and issue 16's part 7."""
     by_key = {(r.path, r.concurrency): r for r in results}
     for level in (1, 16):
-        gateway, chat = by_key.get(("gateway", level)), by_key.get(("llm.chat", level))
-        if gateway is None or chat is None:
+        chat = by_key.get(("llm.chat", level))
+        if chat is None:
             continue
-        ratio = gateway.rate / chat.rate
-        figure, baseline = f"{gateway.rate:,.0f} turns/s", f"llm.chat {chat.rate:,.0f}"
-        target = ">= 0.6x" if level == 16 else None
-        summary("gateway", f"turns/s x{level} / llm.chat", figure, baseline, ratio, target, ratio >= 0.6)
-        if "gateway" in gateway.cpu_us and "bench" in chat.cpu_us:
-            cpu, base = gateway.cpu_us["gateway"], chat.cpu_us["bench"]
-            figure, baseline = f"gateway {cpu:,.0f}", f"llm.chat {base:,.0f}"
-            target = "<= 500 us" if level == 1 else None
-            summary(
-                "gateway",
-                f"CPU us/turn x{level} / llm.chat's",
-                figure,
-                baseline,
-                cpu / base,
-                target,
-                cpu <= 500,
-            )
+        for path in ("gateway", "gateway-lean"):
+            gateway = by_key.get((path, level))
+            if gateway is None:
+                continue
+            client = "OpenAI SDK" if path == "gateway" else "lean client"
+            ratio = gateway.rate / chat.rate
+            figure, baseline = f"{gateway.rate:,.0f} turns/s", f"llm.chat {chat.rate:,.0f}"
+            target = ">= 0.6x" if level == 16 else None
+            summary("gateway", f"turns/s x{level} ({client}) / llm.chat", figure, baseline, ratio, target,
+                    ratio >= 0.6)  # fmt: skip
+            if "gateway" in gateway.cpu_us and "bench" in chat.cpu_us:
+                cpu, base = gateway.cpu_us["gateway"], chat.cpu_us["bench"]
+                figure, baseline = f"gateway {cpu:,.0f}", f"llm.chat {base:,.0f}"
+                target = "<= 500 us" if level == 1 else None
+                summary("gateway", f"CPU us/turn x{level} ({client}) / llm.chat's", figure, baseline,
+                        cpu / base, target, cpu <= 500)  # fmt: skip
     for result in long_results:
         if result.label == "gateway":
             figure = f"turn {len(result.cpu_ms)} {result.cpu_ms[-1]:.2f} ms"
@@ -855,17 +946,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             "gateway": serve_gateway,
             "in-process": serve_in_process,
         }
-        asyncio.run(role[args.serve[0]](*args.serve[1:]))
+        run(role[args.serve[0]](*args.serve[1:]))  # the event loop of `turnstile serve ...`
         return 0
     if args.profile:
         os.environ[PROFILE_ENV] = str(Path(args.profile).resolve())
     if args.in_process:
         note(f"{machine()}; in process")
-        asyncio.run(in_process_report(args))
+        run(in_process_report(args))
         return 0
+    tune_gc()  # as every `turnstile serve` process does (consumers.runtime.running): every path gets it
     note(f"{machine()}; {args.turns:,} turns per path and level after {args.warmup:,} warm-up")
     with servers() as found, scratch_database(found.database_url) as database_url:
-        results, long_results = asyncio.run(measure(args, found, database_url))
+        results, long_results = run(measure(args, found, database_url))
     print_report(results, args)
     print_long_report(long_results, args)
     print_summary(results, long_results)

@@ -4,8 +4,10 @@ What it measures, in one run on one PostgreSQL server (fsync on, so every commit
 
 1. ``COPY`` baseline: the very rows the event store would write (data, tokens and hash encoded
    beforehand, so serialization is not timed) are COPYed, in the same binary COPY format the store uses, into
-   a scratch table with the columns of ``events`` but no indexes (``--indexed-baseline``: with them),
-   one transaction per ``--copy-chunk`` rows: about as fast as one client can load these rows.
+   a scratch table with the columns of ``events`` (their types and storage: whether PostgreSQL tries to
+   compress a large value; ``--default-storage-baseline``: the types' default storage, as events had before
+   migration 0015) but no indexes (``--indexed-baseline``: with them), one transaction per
+   ``--copy-chunk`` rows: about as fast as one client can load these rows.
 2. ``EventStore.append`` at each level of ``--levels``: that many asyncio tasks, each owning one
    ``episode-<uuid>`` stream and appending one event per call with its expected version. Timed: model
    encoding, the group-commit writer (append lock, look-ups, COPY, commit) and the waiting callers.
@@ -52,11 +54,12 @@ from rich.console import Console
 from rich.table import Table
 
 from consumers.runtime import run as run_service
+from consumers.runtime import tune_gc
 from pipeline.log import EventStore, encode_event
 from pipeline.log.store import COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
 from schemas import ChatMessage, FunctionCall, ToolCall, TurnCompleted, TurnReply, TurnRequest
 
-from common import machine, note, postgres_server, scratch_database
+from common import CpuMeter, Processes, cpu_text, machine, note, postgres_server, scratch_database
 from common import summary as print_summary
 
 VOCAB_SIZE = 151_936
@@ -70,9 +73,11 @@ BARE_COLUMNS = (
     "metadata jsonb, content_hash bytea"
 )
 """The columns of ``events`` that the store writes, with their types, without indexes or constraints."""
+STORAGE_MODES = {"p": "PLAIN", "e": "EXTERNAL", "m": "MAIN", "x": "EXTENDED"}
+"""``pg_attribute.attstorage`` codes and their names in ``ALTER TABLE ... SET STORAGE``."""
 
 # Rich assumes 80 columns when the output is not a terminal; the table with --repeat needs more.
-console = Console(width=None if sys.stdout.isatty() else 132)
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,8 @@ class Measurement:
     rows: int
     seconds: float
     transactions: int
+    cpu_us: dict[str, float]
+    """CPU microseconds per event (row) by process: this one, and PostgreSQL where it is embedded."""
     ratio: float = 1.0
     """events/s divided by the rows/s of the COPY baseline measured in the same round."""
 
@@ -179,10 +186,24 @@ def baseline_rows(events: Sequence[TurnCompleted], streams: int) -> list[tuple[A
     return rows
 
 
-async def create_baseline_table(url: str, indexed: bool) -> None:
+async def create_baseline_table(url: str, indexed: bool, default_storage: bool) -> None:
     columns = "LIKE events INCLUDING ALL" if indexed else BARE_COLUMNS
+    if indexed and default_storage:
+        columns += " EXCLUDING STORAGE"
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
         await connection.execute(f"CREATE TABLE copy_baseline ({columns})")
+        if default_storage:
+            return
+        # Each column stored as in events (migration 0015 stores tokens without a compression attempt):
+        # the baseline writes the same bytes the same way, so the ratio is the store's own overhead.
+        storage = await connection.execute(
+            "SELECT attname, attstorage FROM pg_attribute WHERE attrelid = 'events'::regclass "
+            "AND attname = ANY(%s)",
+            (list(COPY_COLUMNS),),
+        )
+        for column, code in await storage.fetchall():
+            mode = STORAGE_MODES[code]
+            await connection.execute(f"ALTER TABLE copy_baseline ALTER COLUMN {column} SET STORAGE {mode}")
 
 
 async def truncate(url: str, table: str) -> None:
@@ -194,12 +215,15 @@ async def truncate(url: str, table: str) -> None:
             note("no CHECKPOINT between measurements (needs superuser or pg_checkpoint)")
 
 
-async def copy_baseline(url: str, rows: Sequence[tuple[Any, ...]], chunk: int) -> Measurement:
+async def copy_baseline(
+    url: str, rows: Sequence[tuple[Any, ...]], chunk: int, meter: CpuMeter
+) -> Measurement:
     await truncate(url, "copy_baseline")
     statement = f"COPY copy_baseline ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
     transactions = 0
     async with await psycopg.AsyncConnection.connect(url) as connection:
         connection.adapters.register_dumper(JsonText, JsonTextBinaryDumper)
+        meter.start()
         started = time.perf_counter()
         for start in range(0, len(rows), chunk):
             async with connection.transaction(), connection.cursor().copy(statement) as copy:
@@ -208,7 +232,7 @@ async def copy_baseline(url: str, rows: Sequence[tuple[Any, ...]], chunk: int) -
                     await copy.write_row(row)
             transactions += 1
         seconds = time.perf_counter() - started
-    return Measurement(BASELINE, len(rows), seconds, transactions)
+    return Measurement(BASELINE, len(rows), seconds, transactions, meter.per(len(rows)))
 
 
 UNGUARDED = "without the append guard"
@@ -230,7 +254,7 @@ async def warm_up(store: EventStore, event: TurnCompleted) -> None:
 
 
 async def store_level(
-    url: str, events: Sequence[TurnCompleted], concurrency: int, *, guard: bool = True
+    url: str, events: Sequence[TurnCompleted], concurrency: int, meter: CpuMeter, *, guard: bool = True
 ) -> Measurement:
     await truncate(url, "events")
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
@@ -240,16 +264,18 @@ async def store_level(
     try:
         await warm_up(store, events[0])
         before = store.stats.transactions
+        meter.start()
         started = time.perf_counter()
         async with asyncio.TaskGroup() as group:
             for index in range(concurrency):
                 group.create_task(appender(store, events[index::concurrency]))
         seconds = time.perf_counter() - started
+        cpu_us = meter.per(len(events))
         transactions = store.stats.transactions - before
     finally:
         await store.close()
     label = str(concurrency) if guard else f"{concurrency} {UNGUARDED}"
-    return Measurement(label, len(events), seconds, transactions)
+    return Measurement(label, len(events), seconds, transactions, cpu_us)
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -259,21 +285,25 @@ def level_size(level: int, args: argparse.Namespace) -> int:
     return int(args.events_at_1 if level == 1 else args.events)
 
 
-async def measure(url: str, args: argparse.Namespace, events: Sequence[TurnCompleted]) -> list[Measurement]:
+async def measure(
+    url: str, args: argparse.Namespace, events: Sequence[TurnCompleted], processes: Processes
+) -> list[Measurement]:
+    meter = CpuMeter(processes)
     rows = baseline_rows(events, streams=max(args.levels))
-    await create_baseline_table(url, args.indexed_baseline)
+    tune_gc()  # as every `turnstile serve` process does: the payload built above is frozen with the rest
+    await create_baseline_table(url, args.indexed_baseline, args.default_storage_baseline)
     results = []
     for round_ in range(args.repeat):
-        baseline = await copy_baseline(url, rows, args.copy_chunk)
+        baseline = await copy_baseline(url, rows, args.copy_chunk, meter)
         results.append(baseline)
         note(f"round {round_ + 1}: {BASELINE} {baseline.rate:,.0f} rows/s")
         for level in args.levels:
-            result = await store_level(url, events[: level_size(level, args)], level)
+            result = await store_level(url, events[: level_size(level, args)], level, meter)
             results.append(replace(result, ratio=result.rate / baseline.rate))
             note(f"round {round_ + 1}: {level} appenders {result.rate:,.0f} events/s")
         if args.guard_cost:
             level = max(args.levels)
-            result = await store_level(url, events[: level_size(level, args)], level, guard=False)
+            result = await store_level(url, events[: level_size(level, args)], level, meter, guard=False)
             results.append(replace(result, ratio=result.rate / baseline.rate))
             note(f"round {round_ + 1}: {level} appenders {UNGUARDED} {result.rate:,.0f} events/s")
     return results
@@ -294,9 +324,9 @@ def print_report(results: Sequence[Measurement], args: argparse.Namespace) -> No
     several = args.repeat > 1
     table = Table(
         title="durable TurnCompleted ingest" + (f": median of {args.repeat} rounds" if several else ""),
-        caption="x COPY: events/s ÷ COPY rows/s of the same round",
+        caption="x COPY: events/s ÷ COPY rows/s of the same round; CPU: µs per event (row) by process",
     )
-    for column in ["level", "events", "seconds", "events/s", "x COPY", "tx", "events/tx"]:
+    for column in ["level", "events", "seconds", "events/s", "x COPY", "tx", "events/tx", "CPU us/event"]:
         table.add_column(column, justify="right")
     if several:
         table.add_column("each round: events/s (x COPY)", justify="right")
@@ -309,6 +339,7 @@ def print_report(results: Sequence[Measurement], args: argparse.Namespace) -> No
             f"{run.ratio:.2f}",
             f"{run.transactions:,}",
             f"{run.rows / run.transactions:.1f}",
+            cpu_text(run.cpu_us),
         ]
         each = "  ".join(f"{one.rate:,.0f} ({one.ratio:.2f})" for one in rounds)
         table.add_row(*cells, *([each] if several else []))
@@ -353,6 +384,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--repeat", type=int, default=1, help="rounds; the table shows the median round (default 1)")
     add("--copy-chunk", type=int, default=1_000, help="rows per baseline COPY transaction (default 1000)")
     add(
+        "--default-storage-baseline",
+        action="store_true",
+        help="COPY into columns with their types' default storage (events before migration 0015: PostgreSQL "
+        "tries to compress the token arrays) instead of the storage events has",
+    )
+    add(
         "--indexed-baseline",
         action="store_true",
         help="COPY into a table LIKE events INCLUDING ALL (with its indexes) instead of a bare one",
@@ -377,9 +414,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     events = make_events(count, args.seed)
     elapsed = time.perf_counter() - started
     note(f"built {count:,} events in {elapsed:.1f} s: {describe_payload(events)}")
-    with postgres_server(args.tmp_dir) as (server_url, _), scratch_database(server_url) as url:
+    with postgres_server(args.tmp_dir) as (server_url, postgres_pid), scratch_database(server_url) as url:
         note(f"{describe_server(url)}; {machine()}")
-        results = run_service(measure(url, args, events))  # a service's event loop (uvloop), for both
+        processes: Processes = {"bench": None}
+        if postgres_pid is None:
+            note("PostgreSQL from TURNSTILE_DATABASE_URL: its CPU time is not reported")
+        else:
+            processes["postgres"] = postgres_pid
+        # a service's event loop (uvloop), for both
+        results = run_service(measure(url, args, events, processes))
     print_report(results, args)
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -45,8 +46,9 @@ class TokenPrefix(Contract):
         return self
 
     @property
-    def ids(self) -> list[int]:
-        """The token ids; a held prefix is resolved by the consumer before a backend sees it."""
+    def ids(self) -> Sequence[int]:
+        """The token ids; a held prefix is resolved by the consumer before a backend sees it, to the
+        sequence the consumer keeps it in (not necessarily a list: read it, do not copy it needlessly)."""
         if self.token_ids is None:
             raise ValueError(f"prefix {self.key!r} is held by a consumer: resolve it first")
         return self.token_ids

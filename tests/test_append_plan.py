@@ -21,7 +21,7 @@ from pipeline.log.appends import (
     recorded_event,
 )
 from pipeline.log.tokens import pack_tokens, unpack_tokens
-from schemas import RewardAssigned, SamplingParams
+from schemas import RewardAssigned, SamplingParams, ToolSpec, TurnRequest
 from tests.factories import reward, started, turn
 
 LIMIT = 1 << 20
@@ -127,7 +127,28 @@ def test_the_stored_form_of_an_event_is_a_format() -> None:
     assert encoded.content_hash == hashlib.sha256(b"RewardAssigned\0" + data.encode() + b"\0").digest()
     with_tokens = encode_event(turn(prompt_len=3, completion_len=2))
     assert not TOKEN_FIELDS & json.loads(with_tokens.data).keys()  # token arrays go to `tokens` only
+    for a_turn in (turn(), turn().model_copy(update={"parent_turn_id": uuid.uuid4(), "render_drift": False})):
+        # a turn: the schema version, then pydantic's JSON without its defaults and token arrays
+        pydantic = a_turn.model_dump_json(exclude=set(TOKEN_FIELDS), exclude_defaults=True)
+        assert encode_event(a_turn).data == f'{{"schema_version":2,{pydantic[1:]}'
     assert with_tokens.tokens == pack_tokens(*unpack_tokens(with_tokens.tokens or b""))
+
+
+def test_a_turn_whose_tool_has_no_parameters_is_stored_and_read_back() -> None:
+    """A tool without ``parameters`` (the default, {}) leaves the key out of the stored JSON; found by
+    tests/test_gateway_fuzz.py, where it stopped the append with a KeyError."""
+    bare = ToolSpec.model_validate({"type": "function", "function": {"name": "ping"}})
+    with_schema = ToolSpec.model_validate(
+        {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+    )
+    event = turn().model_copy(
+        update={"request": TurnRequest(messages=turn().request.messages, tools=[bare, with_schema])}
+    )
+    encoded = encode_event(event)
+    stored = json.loads(encoded.data)
+    assert "parameters" not in stored["request"]["tools"][0]["function"]
+    assert stored["request"]["tools"][1]["function"]["parameters"] == '{"type":"object","properties":{}}'
+    assert decode_event("TurnCompleted", stored, encoded.tokens) == event
 
 
 def test_readers_ignore_unknown_fields_keep_unknown_types_and_skip_a_broken_event_naming_it() -> None:

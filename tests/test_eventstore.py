@@ -11,9 +11,10 @@ from sqlalchemy.engine import make_url
 
 from pipeline.dev.embedded import free_port
 from pipeline.errors import InvalidEvent, StoreUnavailable, WrongExpectedVersion
-from pipeline.log import EventStore
+from pipeline.log import AppendResult, EventStore
 from pipeline.log.store import APPEND_LOCK
 from pipeline.settings import libpq_url
+from schemas import Event
 from tests.factories import finished, new_stream, reward, started, turn
 
 
@@ -68,6 +69,46 @@ async def test_one_bad_append_in_a_group_commit_fails_alone(store: EventStore) -
     assert refused_by_postgres.event_id not in recorded
     assert len(recorded) == 41
     assert store.stats.transactions > before  # the batch was split, the good appends still committed
+
+
+async def test_a_batch_whose_expected_versions_or_event_ids_are_taken_is_decided_append_by_append(
+    store: EventStore,
+) -> None:
+    """A group commit writes appends with an expected version without looking their streams up; where the
+    database refuses that, the batch is written again with look-ups and each append gets its own outcome."""
+    recorded_stream, behind, ahead = new_stream(), new_stream(), new_stream()
+    retried = [started(), turn()]
+    first = await store.append(recorded_stream, retried, 0)
+    await store.append(behind, [started(), turn()], 0)
+    await store.append(ahead, [started()], 0)
+    assert store.stats.rewritten == 0  # nothing guessed wrong: nothing looked up
+
+    async def among_new_appends(
+        stream: str, events: list[Event], expected: int
+    ) -> AppendResult | BaseException:
+        """The append in one batch with 30 appends to new streams, which all succeed."""
+        before = store.stats.rewritten
+        fresh = [(new_stream(), started()) for _ in range(30)]
+        *outcomes, outcome = await asyncio.gather(
+            *(store.append(s, [e], 0) for s, e in fresh), store.append(stream, events, expected),
+            return_exceptions=True,
+        )  # fmt: skip
+        assert all(isinstance(o, AppendResult) for o in outcomes)
+        assert store.stats.rewritten == before + 1
+        return outcome
+
+    retry = await among_new_appends(recorded_stream, retried, 0)  # its event ids are taken
+    assert retry == AppendResult(recorded_stream, first.positions, 2, duplicate=True)
+    stale = await among_new_appends(behind, [reward()], 1)  # the stream is at 2: (behind, 2) is taken
+    assert isinstance(stale, WrongExpectedVersion)
+    assert (stale.expected, stale.actual) == (1, 2)
+    # at 1: version 4 would leave a gap, which migration 0015's guard refuses
+    early = await among_new_appends(ahead, [reward()], 3)
+    assert isinstance(early, WrongExpectedVersion)
+    assert (early.expected, early.actual) == (3, 1)
+    assert [r.version for r in await store.read_stream(behind)] == [1, 2]
+    assert [r.version for r in await store.read_stream(ahead)] == [1]
+    assert await count_events(store) == 5 + 3 * 30
 
 
 async def test_readers_ignore_unknown_fields_and_keep_unknown_types(store: EventStore) -> None:

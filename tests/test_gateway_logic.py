@@ -4,16 +4,19 @@ SDKs are in test_gateway.py."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from pipeline.dialects.anthropic import signature
-from pipeline.gateway import create_gateway
+from pipeline.gateway import create_gateway, gateway_of
+from pipeline.inference.client import QueueLLMClient
 from pipeline.log import InMemoryStore
 from schemas import ToolChoice, TurnCompleted
 from tests.backends import PrefixEcho
+from tests.waiting import wait_until
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 
@@ -319,3 +322,28 @@ async def test_the_whole_prompt_ids_come_back_only_when_asked_for(
     assert extra["parent_turn_id"] == str(turns[0].turn_id)
     assert extra["prompt_token_ids"] == [*turns[0].prompt_token_ids, *turns[0].completion_token_ids, 104]
     assert second.json()["usage"]["prompt_tokens"] == len(extra["prompt_token_ids"])
+
+
+async def test_a_call_in_flight_when_its_session_is_closed_gets_409_and_so_does_its_retry() -> None:
+    llm = QueueLLMClient()
+    app = create_gateway(InMemoryStore(), llm, admin_key="admin-key", policy_default="main")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+        session = (await client.post("/admin/sessions", json={}, headers=ADMIN)).json()
+        key = {"Authorization": f"Bearer {session['api_key']}"}
+        body = {"model": "main", "messages": [{"role": "user", "content": "hi"}]}
+        call = asyncio.create_task(client.post("/v1/chat/completions", json=body, headers=key))
+        await llm.next_call()  # the call is in flight: its request waits for a reply that never comes
+        retry = asyncio.create_task(
+            client.post("/v1/chat/completions", json=body, headers={**key, "x-stainless-retry-count": "1"})
+        )
+        gateway = gateway_of(app)
+        entry = gateway.registry.get(session["session_id"])
+        assert entry is not None
+        (answer,) = entry.answers.values()  # the call, by its body (no Idempotency-Key)
+        await wait_until(lambda: len(answer.listeners) == 2, 10, "the retry to join the call")
+        await gateway.registry.close(session["session_id"], cancel=True)
+        for reply in await asyncio.gather(call, retry):
+            assert reply.status_code == 409
+            assert "closed while this call was in flight" in reply.json()["error"]["message"]
+        assert not entry.calls
+        assert not entry.answers  # the cancelled call is forgotten: a retry now runs again

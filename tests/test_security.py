@@ -259,6 +259,44 @@ async def test_rows_forged_into_events_are_refused_and_positions_stay_gapless(
     assert [event.position async for event in _tail_until(store, 2)] == [1, 2]
 
 
+async def test_rows_leaving_a_gap_in_a_streams_versions_are_refused(
+    store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    """Migration 0015: a stream's versions are 1, 2, 3, ... whoever writes (the group commit relies on it)."""
+    stream = new_stream()
+    await store.append(stream, [started()])
+    writer = logins["turnstile_writer"]
+
+    def row(position: int, version: int, name: str = stream) -> str:
+        return (
+            "INSERT INTO events (position, stream, version, event_id, type, data, content_hash) "
+            f"VALUES ({position}, '{name}', {version}, gen_random_uuid(), 'RewardAssigned', '{{}}', '\\x00')"
+        )
+
+    gap = "versions right after its last one"
+    skipped = f"{gap}.*{stream} is at version 1, got version 3"
+    with pytest.raises(psycopg.errors.CheckViolation, match=skipped):
+        run_as(database_url, writer, LOCK, row(2, 3))
+    refused("writer skipping a version of a stream")
+    other = new_stream()
+    with pytest.raises(psycopg.errors.CheckViolation, match=gap):
+        run_as(database_url, writer, LOCK, row(2, 1, other) + f", (3, '{other}', 3, gen_random_uuid(), "
+               "'RewardAssigned', '{}', '\\x00')")  # fmt: skip
+    refused("writer leaving a gap between the versions it inserts")
+    copy_events = "COPY events (position, stream, version, event_id, type, data, content_hash) FROM STDIN"
+    with (  # COPY goes through the same check
+        psycopg.connect(login_url(database_url, writer)) as connection,
+        pytest.raises(psycopg.errors.CheckViolation, match=gap),
+    ):
+        connection.execute(LOCK)
+        with connection.cursor().copy(copy_events) as copy:
+            copy.write_row((2, stream, 5, str(uuid.uuid4()), "RewardAssigned", "{}", b"\x00"))
+    refused("writer COPYing a version gap")
+    run_as(database_url, writer, LOCK, row(2, 2))  # the next version, right after the head: accepted
+    assert [r.version for r in await store.read_stream(stream)] == [1, 2]
+    assert (await store.append(stream, [started()], 2)).version == 3  # the store's own appends go on
+
+
 async def _tail_until(store: EventStore, last: int) -> Any:
     async with asyncio.timeout(30):
         async for recorded in store.tail(after=0):

@@ -54,8 +54,8 @@ def inference(
     held_tokens: int = typer.Option(
         DEFAULT_BUDGET_TOKENS,
         min=0,
-        help="token ids of recent turns kept (with their messages), so a request continuing one need not "
-        "send them again; least recently used first",
+        help="token ids of recent turns kept in memory (with their messages; a turn shares the ids of the "
+        "turn it continued), so a request continuing one need not send them again; least recently used first",
     ),
     script: Path = typer.Option(
         None,

@@ -32,13 +32,16 @@ import fnmatch
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import Receive, Scope, Send
 
 from pipeline.dialects import (
     ANTHROPIC,
@@ -131,7 +134,7 @@ def create_gateway(
                     await reaper
             await gateway.close_all("cancelled")
 
-    app = FastAPI(title="Turnstile gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = GatewayApp(title="Turnstile gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gateway
 
     @app.exception_handler(StarletteHTTPException)
@@ -159,7 +162,7 @@ def create_gateway(
                 )
 
                 async def listening() -> bool:
-                    return not await request.is_disconnected()
+                    return not client_gone(request.receive)
 
                 keys = retry_keys(request, await request.body())
                 result = await gateway.answer(entry, call, keys, listening)
@@ -309,11 +312,54 @@ def create_gateway(
     )
     app.add_api_route("/admin/sessions/{session_id}/end", admin_end, methods=["POST"], openapi_extra=end_body)
 
-    async def health() -> Response:
+    async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     app.add_api_route("/health", health, methods=["GET"])
+    app.direct_routes = [route for route in app.routes if isinstance(route, APIRoute)]
     return app
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, with the gateway's own routes called straight from ``__call__``.
+
+    Every route of the gateway is ``async endpoint(request, **path_params) -> Response`` that parses its
+    body and shapes its errors itself (``respond``): FastAPI's middleware, routing, dependency injection and
+    validation added nothing to them but CPU (in bench/gateway.py's profile of the gateway, about as much
+    as the endpoints' own parsing and rendering). The routes stay registered on FastAPI for
+    ``/openapi.json`` and for what is left to it: a path that matches no route (404) or not with this method
+    (405), in the dialect's error shape; what is mounted beside them (the episode browser at ``/ui``); and
+    an app served under a ``root_path``."""
+
+    direct_routes: Sequence[APIRoute] = ()
+    """The routes ``__call__`` serves itself, in the router's order (set once they are all added)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not scope.get("root_path"):
+            for route in self.direct_routes:
+                match, child_scope = route.matches(scope)
+                if match is Match.FULL:
+                    scope.update(child_scope, app=self)
+                    endpoint: Callable[..., Awaitable[Response]] = route.endpoint
+                    response = await endpoint(Request(scope, receive), **child_scope["path_params"])
+                    await response(scope, receive, send)
+                    return
+        await super().__call__(scope, receive, send)
+
+
+def client_gone(receive: Receive) -> bool:
+    """Whether the client has disconnected, known without waiting: ``receive()`` is stepped once, and a
+    message that is not there yet is not waited for (the step is closed), as Starlette's
+    ``Request.is_disconnected`` does with an anyio cancel scope, which costs a task cancellation a call.
+    Call it once the body has been read (a body message taken here is dropped)."""
+    step = receive().__await__()
+    try:
+        step.send(None)
+    except StopIteration as done:
+        message: dict[str, Any] = done.value
+        return message.get("type") == "http.disconnect"
+    step.close()
+    return False
 
 
 def trained(request: Request, entry: SessionEntry, model: str) -> bool:

@@ -306,7 +306,7 @@ class Gateway:
         if prior is not None:
             prior.listeners.append(listener)
             try:
-                result: ChatResult = await asyncio.shield(prior.task)
+                result: ChatResult = await prior.result()
                 return result
             finally:
                 prior.listeners.remove(listener)
@@ -317,7 +317,7 @@ class Gateway:
             answers[0].undelivered = answers[0].undelivered or not connected
             return connected
 
-        answer = Answer(asyncio.create_task(self.chat(entry, call, listening)), [listener])
+        answer = Answer(entry.start(self.chat(entry, call, listening)), [listener])
         answers.append(answer)
 
         def forget_failed(task: asyncio.Task[Any]) -> None:
@@ -327,7 +327,7 @@ class Gateway:
         answer.task.add_done_callback(forget_failed)
         entry.remember(keys, answer)
         try:
-            result = await asyncio.shield(answer.task)
+            result = await answer.result()
             return result
         finally:
             answer.listeners.remove(listener)
@@ -339,7 +339,8 @@ class Gateway:
         listening: Callable[[], Awaitable[bool]] | None = None,
     ) -> ChatResult:
         """``call.n`` turns of the session (siblings when ``n`` > 1), each recorded before it returns;
-        ``call.previous_turn`` (a recorded turn of the session) is the conversation the call continues."""
+        ``call.previous_turn`` (a recorded turn of the session) is the conversation the call continues.
+        Run as one of the session's calls (``SessionEntry.start``), as ``answer`` does."""
         session = entry.session
         if call.previous_turn is not None:
             call = continued(call, session.conversation_of(call.previous_turn))
@@ -350,13 +351,11 @@ class Gateway:
                 call.messages, call.tools, call.sampling, call.tool_choice, detail, listening, call.train
             )
 
-        async def turns() -> list[ChatReply]:
-            if call.n == 1:
-                return [await turn()]  # no gather: a task less per call
-            return list(await asyncio.gather(*(turn() for _ in range(call.n))))
-
         try:
-            replies = await entry.run(turns())
+            if call.n == 1:
+                replies = [await turn()]  # no gather: a task less per call
+            else:
+                replies = list(await asyncio.gather(*(turn() for _ in range(call.n))))
         except MaxTurnsExceeded as error:
             raise GatewayError(400, str(error), code="max_turns_exceeded") from None
         except (InvalidLLMCall, RequestRejected) as error:

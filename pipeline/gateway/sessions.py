@@ -72,6 +72,17 @@ class Answer:
     undelivered: bool = False
     """The turn was recorded when no client was there to get it (``TurnCompleted.delivered`` False)."""
 
+    async def result(self) -> Any:
+        """The call's result, waited for without cancelling it when the waiter goes (a retry may come); 409
+        when the session was closed while it ran (``SessionRegistry.close`` cancels its calls)."""
+        try:
+            return await asyncio.shield(self.task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self.task.cancelled() and not (current is not None and current.cancelling()):
+                raise GatewayError(409, "the session was closed while this call was in flight") from None
+            raise
+
     async def listening(self) -> bool:
         """Whether any client that asked (the call, or a retry of it) is still there to get the reply."""
         for connected in list(self.listeners):
@@ -138,21 +149,17 @@ class SessionEntry:
     def session_id(self) -> str:
         return self.session.episode_id
 
-    async def run(self, work: Coroutine[Any, Any, _T]) -> _T:
-        """Run one call of this session as a task the session can wait for (or cancel) when it closes."""
+    def start(self, work: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
+        """Start one call of this session as a task the session can wait for (or cancel) when it closes."""
         self.last_used = time.monotonic()
         task = asyncio.create_task(work)
         self.calls.add(task)
-        task.add_done_callback(self.calls.discard)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if task.cancelled() and not (current is not None and current.cancelling()):
-                raise GatewayError(409, "the session was closed while this call was in flight") from None
-            raise
-        finally:
-            self.last_used = time.monotonic()
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, call: asyncio.Task[Any]) -> None:
+        self.calls.discard(call)
+        self.last_used = time.monotonic()
 
 
 class SessionRegistry:

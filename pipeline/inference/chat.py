@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+from pipeline.inference.chain import Chain
 from schemas import ChatMessage, FunctionCall, LLMRequest, ToolCall, ToolSpec
 
 _BASE_USER: Final = "\u2063turnstile-base-user\u2063"
@@ -125,7 +126,7 @@ class ChatRenderer:
         ids = self.tokenizer.encode(tail, add_special_tokens=False)
         if prefix.ids and prefix.ids[-1] in self.stop_ids:
             ids = self._without_end_token(ids)
-        prompt = [*prefix.ids, *ids]
+        prompt = Chain.of(prefix.ids).then(ids).tolist()  # the engines take a list; a held prefix is a Chain
         drift = self.full(request) != prompt if self.check_drift else None
         return Prompt(prompt, render_drift=drift)
 

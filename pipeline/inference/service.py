@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from pipeline.errors import describe_validation_error, field_path
 from pipeline.inference.backends import Backend, Generation
+from pipeline.inference.chain import Chain, as_list
 from pipeline.inference.chat import REASONING_MARKERS, split_reasoning, split_tool_calls
 from pipeline.inference.client import CONSUMER_HEADER, HEARTBEAT_HEADER, RequestRejected
 from pipeline.inference.held import DEFAULT_BUDGET_TOKENS, HeldPrefixes, HeldTurn
@@ -80,8 +81,8 @@ class InferenceService:
         self.max_payload = max_payload
         self.heartbeat_interval = heartbeat_interval
         self.requests_served = 0
-        # by request id: (digest of the request's bytes, the task answering it / the reply it got)
-        self._in_flight: dict[uuid.UUID, tuple[bytes, asyncio.Task[bytes]]] = {}
+        # by request id: (digest of the request's bytes, the future of its reply / the reply it got)
+        self._in_flight: dict[uuid.UUID, tuple[bytes, asyncio.Future[bytes]]] = {}
         self._recent: OrderedDict[uuid.UUID, tuple[bytes, bytes]] = OrderedDict()
         self._reload = asyncio.Lock()
 
@@ -111,18 +112,33 @@ class InferenceService:
             return self._error(request.request_id, "invalid_request", message, "request_id")
         if recent is not None:
             return recent[1]
-        if running is None:
-            task = asyncio.create_task(self._answer(request, received, digest))
-            self._in_flight[request.request_id] = (digest, task)
-            task.add_done_callback(lambda _: self._in_flight.pop(request.request_id, None))
-        else:
-            task = running[1]
         heartbeat = _Heartbeats(self, reply_to) if reply_to else None
         try:
-            return await asyncio.shield(task)
+            if running is not None:  # sent again while it runs: the same reply, generated once
+                return await asyncio.shield(running[1])
+            return await self._answer_once(request, received, digest)
         finally:
             if heartbeat is not None:
                 await heartbeat.stop()
+
+    async def _answer_once(self, request: LLMRequest, received: float, digest: bytes) -> bytes:
+        """Answer in the caller's task, with a future for the same request sent again meanwhile.
+
+        No task of its own: a task per request (made, shielded, awaited) was a measurable part of the
+        consumer's CPU per turn on a fast backend. If this request's task is cancelled (the consumer stops)
+        the generation stops with it, and a copy waiting on it is cancelled too: its requester sends again.
+        """
+        answered: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._in_flight[request.request_id] = (digest, answered)
+        try:
+            body = await self._answer(request, received, digest)
+        except BaseException:
+            answered.cancel()
+            raise
+        finally:
+            del self._in_flight[request.request_id]
+        answered.set_result(body)
+        return body
 
     async def on_version(self, data: bytes) -> None:
         """A trainer published a new policy version: load it unless we already have it (or newer)."""
@@ -156,9 +172,10 @@ class InferenceService:
                     "whole conversation and the tools"
                 )
                 return self._error(request.request_id, "prefix_unknown", message, "prefix.key")
+            # The backend reads the held ids as the chain they are kept in (a Sequence: no copy of them here).
             request = request.model_copy(
                 update={
-                    "messages": [*held.messages, *request.messages],
+                    "messages": [*held.messages.tolist(), *request.messages],
                     "tools": held.tools,
                     "prefix": prefix.model_copy(update={"token_ids": held.token_ids}),
                 }
@@ -203,19 +220,29 @@ class InferenceService:
         )
         # The reply leaves out the prompt's prefix (the requester sent it or named it): no echo of history.
         prompt, known = generation.prompt_token_ids, 0
-        prefix_ids = request.prefix.token_ids if request.prefix is not None else None
+        prefix_ids = request.prefix.ids if request.prefix is not None else None
         if (
             prefix_ids
             and not generation.prefix_break
             and (generation.extends_prefix or prompt[: len(prefix_ids)] == prefix_ids)
         ):
             known = len(prefix_ids)
-        added = prompt[known:] if known else prompt
+        added = as_list(prompt[known:] if known else prompt)  # the new ids: a slice, or the prompt itself
         reply = ChatMessage(
             role="assistant", content=content, tool_calls=tool_calls or None, reasoning_content=reasoning
         )
-        kept = prompt + generation.completion_token_ids  # a copy of references: no id is converted
-        key = self.held.keep(kept, [*request.messages, reply], request.tools)
+        # Kept as what this turn adds to the prefix's chain (the held one's, shared): O(new ids), not a copy
+        # of the whole turn.
+        completion = generation.completion_token_ids
+        if prefix_ids is not None and known:
+            kept = Chain.of(prefix_ids).then([*added, *completion])
+        else:
+            kept = Chain.of(prompt).then(completion)
+        if held is None:
+            messages = Chain.of(request.messages).then([reply])
+        else:
+            messages = held.messages.then([*request.messages[len(held.messages) :], reply])
+        key = self.held.keep(kept, messages, request.tools)
         now = time.monotonic()
         return LLMResponse(
             request_id=request.request_id,

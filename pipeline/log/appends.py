@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 STREAM_PATTERN: Final = re.compile(r"^(?P<category>[a-z]+)-[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
 TOKEN_FIELDS: Final = frozenset({"prompt_token_ids", "completion_token_ids", "completion_logprobs"})
+_TURN_WRITTEN_BY_HAND: Final = {*TOKEN_FIELDS, "event_id", "turn_id"}
+"""Left out of pydantic's JSON of a turn: the token arrays (stored in binary) and the two ids, which
+``encode_event`` writes itself (see there)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +71,14 @@ def encode_event(event: Event) -> EncodedEvent:
     try:
         if isinstance(event, TurnCompleted):
             # A turn is the bulk of the log: fields at their defaults are left out (readers fill them in), the
-            # type is the row's own column, and the schema version is always written.
-            data = event.model_dump_json(exclude=set(TOKEN_FIELDS), exclude_defaults=True)
-            data = f'{{"schema_version":{event.schema_version},{data[1:]}'  # a turn always has fields
+            # type is the row's own column, and the schema version is always written. The ids come first,
+            # written here: to leave out defaults pydantic calls each field's default factory, and theirs is
+            # uuid4 (a read of the OS's random source each, only to find the ids differ).
+            rest = event.model_dump_json(exclude=_TURN_WRITTEN_BY_HAND, exclude_defaults=True)
+            data = (  # the rest always has fields (request and reply)
+                f'{{"schema_version":{event.schema_version},"event_id":"{event.event_id}",'
+                f'"turn_id":"{event.turn_id}",{rest[1:]}'
+            )
             if event.request.tools:
                 data = _parameters_as_text(data)
             tokens: bytes | None = pack_tokens(
@@ -97,7 +105,10 @@ def _parameters_as_text(data: str) -> str:
     fields = json.loads(data)
     for tool in fields["request"]["tools"]:
         function = tool["function"]
-        function["parameters"] = json.dumps(function["parameters"], ensure_ascii=False, separators=(",", ":"))
+        if "parameters" in function:  # left out at its default ({}): readers fill it in
+            function["parameters"] = json.dumps(
+                function["parameters"], ensure_ascii=False, separators=(",", ":")
+            )
     return json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -192,8 +203,10 @@ def prepare_append(
                 "bytes (TURNSTILE_MAX_EVENT_BYTES); shorten the messages or raise the limit"
             )
         encoded.append(item)
+    metadata_json = "{}"  # what an append without metadata stores, without running the encoder
     try:
-        metadata_json = json.dumps(dict(metadata or {}), separators=(",", ":"), allow_nan=False)
+        if metadata:
+            metadata_json = json.dumps(dict(metadata), separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as error:
         raise InvalidEvent(f"metadata of the append to {stream!r} is not JSON: {error}") from None
     return PendingAppend(stream, encoded, expected_version, metadata_json)

@@ -74,6 +74,8 @@ class WriterStats:
     appends: int = 0
     events: int = 0
     transactions: int = 0
+    rewritten: int = 0
+    """Batches the database refused as written optimistically, written again with look-ups."""
 
 
 # --- the store -----------------------------------------------------------------------------------
@@ -153,7 +155,7 @@ class EventStore:
                 asyncio.create_task(_Writer(self).run(), name=f"turnstile-group-commit-{n}")
                 for n in range(self.writers)
             ]
-        await self._queue.put(pending)
+        self._queue.put_nowait(pending)  # unbounded: never waits
         return await pending.future
 
     @asynccontextmanager
@@ -328,11 +330,21 @@ class _Writer:
         raise AssertionError("unreachable: the retry loop returns or raises")
 
     async def commit(self, batch: list[PendingAppend]) -> list[AppendResult | TurnstileError]:
-        """One attempt: the batch in one transaction on this writer's connection (dropped if it broke)."""
+        """One attempt: the batch in one transaction on this writer's connection (dropped if it broke).
+
+        Written optimistically first (``write_appends``); if the database refuses that, written again with
+        everything looked up, which decides each append (a retry of a recorded append, a stale expected
+        version) and fails only where an append itself is refused."""
+        wait = self.store.lock_timeout
         try:
             connection = await self.connect()
-            async with connection.transaction():
-                outcomes = await write_appends(connection, batch, self.store.lock_timeout)
+            try:
+                async with connection.transaction():
+                    outcomes = await write_appends(connection, batch, wait, optimistic=True)
+            except psycopg.errors.IntegrityError:
+                self.store.stats.rewritten += 1
+                async with connection.transaction():
+                    outcomes = await write_appends(connection, batch, wait)
         except Exception as error:
             if is_connection_error(error):
                 await _close_quietly(self._connection)
@@ -399,36 +411,64 @@ def _lock_wait(timeout: float) -> Iterator[None]:
 
 
 async def write_appends(
-    connection: psycopg.AsyncConnection[Any], appends: Sequence[PendingAppend], lock_timeout: float
+    connection: psycopg.AsyncConnection[Any],
+    appends: Sequence[PendingAppend],
+    lock_timeout: float,
+    *,
+    optimistic: bool = False,
 ) -> list[AppendResult | TurnstileError]:
     """Take the append lock (waiting at most ``lock_timeout`` s; the database refuses appends without it),
     decide every append (``plan_appends``) and COPY the accepted rows.
 
+    ``optimistic``: look up only what the database does not check itself. No event id is looked up (the
+    unique index on ``event_id`` refuses one recorded already), and an append that names its expected
+    version is written as if the stream were at that version (the unique index on (stream, version) refuses
+    a stream that is further on, migration 0015's guard one that is not as far): the usual append, a new
+    event at its stream's version, then costs the database no look-up and the client no parameters to send
+    or rows to read. Where the database refuses the COPY (an ``IntegrityError``), the caller rolls back and
+    calls again without ``optimistic``, which looks everything up and decides each append on its own.
+
     Runs inside the caller's transaction; the caller commits, which releases the lock.
     """
-    ids = [item.event_id for append in appends for item in append.events]
-    streams = sorted({append.stream for append in appends})
+    if optimistic:
+        ids = []
+        streams = {append.stream for append in appends if append.expected_version is None}
+    else:
+        ids = [item.event_id for append in appends for item in append.events]
+        streams = {append.stream for append in appends}
     with _lock_wait(lock_timeout):
         async with connection.pipeline():  # the lock and the look-ups in one round trip
             await _request_append_lock(connection, lock_timeout)
-            recorded_cursor = await connection.execute(
-                "SELECT event_id, stream, position, version, content_hash FROM events "
-                "WHERE event_id = ANY(%s)",
-                (ids,),
-            )
-            # One index probe per stream; "stream = ANY(...) GROUP BY stream" makes the planner scan the
-            # table.
-            versions_cursor = await connection.execute(
-                "SELECT s.stream, (SELECT max(e.version) FROM events e WHERE e.stream = s.stream) "
-                "FROM unnest(%s::text[]) AS s(stream)",
-                (streams,),
-            )
+            recorded_cursor = versions_cursor = None
+            if ids:
+                recorded_cursor = await connection.execute(
+                    "SELECT event_id, stream, position, version, content_hash FROM events "
+                    "WHERE event_id = ANY(%s)",
+                    (ids,),
+                )
+            if streams:
+                # One index probe per stream; "stream = ANY(...) GROUP BY stream" makes the planner scan
+                # the table.
+                versions_cursor = await connection.execute(
+                    "SELECT s.stream, (SELECT max(e.version) FROM events e WHERE e.stream = s.stream) "
+                    "FROM unnest(%s::text[]) AS s(stream)",
+                    (sorted(streams),),
+                )
             head_cursor = await connection.execute("SELECT coalesce(max(position), 0) FROM events")
             recorded = {
-                row[0]: RecordedId(row[1], row[2], row[3], row[4]) for row in await recorded_cursor.fetchall()
+                row[0]: RecordedId(row[1], row[2], row[3], row[4])
+                for row in (await recorded_cursor.fetchall() if recorded_cursor else ())
             }
-            versions = {row[0]: row[1] for row in await versions_cursor.fetchall() if row[1] is not None}
+            versions = {
+                row[0]: row[1]
+                for row in (await versions_cursor.fetchall() if versions_cursor else ())
+                if row[1] is not None
+            }
             head_row = await head_cursor.fetchone()
+    if optimistic:  # each stream not looked up is taken to be where its first append expects it
+        for append in appends:
+            if append.stream not in streams and append.expected_version is not None:
+                versions.setdefault(append.stream, append.expected_version)
     plan = plan_appends(appends, recorded, versions, int(head_row[0]) if head_row else 0)
     if plan.rows:
         cursor = connection.cursor()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -13,7 +14,8 @@ from schemas import FinishReason, LLMRequest, ToolCall
 class Generation:
     """What an engine produced for one request: its own token ids and raw logprobs."""
 
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
+    """The whole prompt: a list, or the request's prefix ``Chain`` extended by the new ids (no copy)."""
     completion_token_ids: list[int]
     completion_logprobs: list[float]
     text: str

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 from pipeline.inference.backends import Generation
+from pipeline.inference.chain import Chain
 from schemas import LLMRequest
 
 
@@ -24,8 +25,8 @@ class ScriptedBackend:
         started = time.monotonic()
         if self.delay:
             await asyncio.sleep(self.delay)
-        prompt = list(request.prefix.ids) if request.prefix else []
-        prompt += [len(message.content or "") % 1000 for message in request.messages]
+        new = [len(message.content or "") % 1000 for message in request.messages]
+        prompt = Chain.of(request.prefix.ids).then(new) if request.prefix else new  # the prefix not copied
         return Generation(
             prompt_token_ids=prompt,
             completion_token_ids=self.completion_ids,
