@@ -12,7 +12,7 @@ runner's profile (issue 21).
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Any, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict
 
@@ -22,5 +22,22 @@ IGNORE: Final[Literal["ignore"]] = "ignore"
 """``extra=IGNORE``: a tolerant read drops unknown fields, at every depth."""
 
 
+_set = object.__setattr__  # how pydantic sets a frozen model's internals
+
+
 class Contract(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @classmethod
+    def trusted(cls, **fields: Any) -> Self:
+        """A model of values that are valid already (parts of models validated before), every field given:
+        nothing is checked or filled in, the caller vouches for both. It sets what ``model_construct`` sets
+        (pydantic's own way to skip validation) without that method's per-field loop over aliases and
+        defaults: 4 us against 9 for a TurnCompleted of the runner's hot path (issue 21). Every use is
+        tested against the validated model, field by field."""
+        model = cls.__new__(cls)
+        _set(model, "__dict__", fields)
+        _set(model, "__pydantic_fields_set__", set(fields))
+        _set(model, "__pydantic_extra__", None)
+        _set(model, "__pydantic_private__", None)
+        return model

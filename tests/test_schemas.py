@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from pipeline.log.tokens import pack_tokens, unpack_tokens
 from schemas import (
     EVENT_TYPES,
+    Contract,
     LLMError,
     LLMRequest,
     LLMResponse,
@@ -144,3 +145,20 @@ def test_a_turn_recorded_before_the_train_mark_existed_reads_as_trained() -> Non
     marked = parse_event({**recorded, "train": False})
     assert isinstance(marked, TurnCompleted)
     assert marked.train is False
+
+
+@pytest.mark.parametrize("event", [started(), turn(), reward(), finished()], ids=lambda e: e.type)
+def test_a_trusted_model_of_every_field_is_the_validated_model_frozen_copyable_and_encoded_alike(
+    event: object,
+) -> None:
+    assert isinstance(event, Contract)
+    fields = {name: getattr(event, name) for name in type(event).model_fields}
+    built = type(event).trusted(**fields)
+    assert built == event
+    assert built.model_dump_json() == event.model_dump_json()
+    assert built.model_dump() == event.model_dump()
+    assert built.model_copy(update={"event_id": uuid.UUID(int=1)}) == event.model_copy(
+        update={"event_id": uuid.UUID(int=1)}
+    )
+    with pytest.raises(ValidationError, match="frozen"):
+        built.event_id = uuid.UUID(int=2)  # type: ignore[attr-defined]

@@ -11,6 +11,8 @@ import asyncio
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.episodes import (
     RUNNER_METADATA,
@@ -21,11 +23,16 @@ from pipeline.episodes import (
     fold_episode,
     run_episode,
 )
+from pipeline.episodes.errors import InvalidLLMCall
 from pipeline.episodes.fold import EpisodeOutcome, whole_events
+from pipeline.episodes.session import turn_event
 from pipeline.errors import TurnstileError, WrongExpectedVersion
+from pipeline.inference.client import InferenceError
 from pipeline.log import InMemoryStore
+from pipeline.log.appends import encode_event
 from pipeline.runners import Runner, RunnerConfig, TaskSpec
 from schemas import (
+    ChatMessage,
     EpisodeFinished,
     EpisodeStarted,
     Event,
@@ -34,10 +41,15 @@ from schemas import (
     RewardAssigned,
     SamplingParams,
     Timings,
+    ToolChoice,
+    ToolSpec,
     TurnCompleted,
+    TurnReply,
+    TurnRequest,
 )
 from tests.agents import FailingAgent, ThreeTurnAgent
 from tests.backends import PrefixEcho
+from tests.factories import turn as factory_turn
 
 
 async def recorded(store: InMemoryStore, session: EpisodeSession) -> list[Event]:
@@ -251,3 +263,222 @@ async def test_llm_chat_train_false_records_a_side_call_and_sampling_keywords_st
     turns = session.episode().turns
     assert [t.train for t in turns] == [None, False]  # None: trained, as on every older turn
     assert (turns[0].request.sampling.temperature, turns[1].request.sampling.max_tokens) == (0.5, 7)
+
+
+# --- a turn put together from validated parts is the turn validation would make --------------------
+
+TEXT = st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=12)  # JSON-encodable str
+IDS = st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=8)
+
+
+@st.composite
+def chat_messages(draw: st.DrawFn) -> ChatMessage:
+    role = draw(st.sampled_from(["system", "user", "assistant", "tool"]))
+    calls = None
+    if role == "assistant" and draw(st.booleans()):
+        calls = [{"id": "c1", "function": {"name": "f", "arguments": draw(TEXT)}}]
+    return ChatMessage.model_validate(
+        {
+            "role": role,
+            "content": draw(st.none() | TEXT),
+            "name": draw(st.none() | TEXT),
+            "tool_calls": calls,
+            "tool_call_id": draw(st.none() | st.just("c1")),
+            "reasoning_content": draw(st.none() | TEXT),
+        }
+    )
+
+
+TOOLS = st.lists(
+    st.builds(
+        lambda name, schema: ToolSpec.model_validate({"function": {"name": name, "parameters": schema}}),
+        st.sampled_from(["calc", "search"]),
+        st.sampled_from([{}, {"type": "object", "properties": {"b": {}, "a": {}}}]),
+    ),
+    max_size=2,
+)
+
+
+@st.composite
+def exchanges(draw: st.DrawFn) -> tuple[LLMRequest, LLMResponse, TurnCompleted | None, int]:
+    """A request, its reply (both validated, as a session has them) and a parent with what it shares."""
+    messages = draw(st.lists(chat_messages(), min_size=1, max_size=4))
+    request = LLMRequest.model_validate(
+        {
+            "policy": "main",
+            "episode_id": "e1",
+            "messages": messages,
+            "tools": draw(TOOLS),
+            "sampling": {"temperature": draw(st.floats(0, 2)), "stop": draw(st.lists(TEXT, max_size=2))},
+            "tool_choice": draw(st.none() | st.builds(ToolChoice, mode=st.sampled_from(["auto", "none"]))),
+        }
+    )
+    completion = draw(IDS)
+    parent = factory_turn(seed=draw(st.integers(0, 9))) if draw(st.booleans()) else None
+    response = LLMResponse.model_validate(
+        {
+            "request_id": request.request_id,
+            "text": draw(TEXT),
+            "tool_calls": draw(
+                st.lists(
+                    st.builds(lambda a: {"id": "t", "function": {"name": "f", "arguments": a}}, TEXT),
+                    max_size=2,
+                )
+            ),
+            "finish_reason": draw(st.sampled_from(["stop", "length", "tool_calls"])),
+            "reasoning": draw(st.none() | TEXT),
+            "prompt_token_ids": draw(IDS),
+            "prompt_prefix_tokens": draw(st.integers(0, 2**31 - 1)) if parent else 0,
+            "completion_token_ids": completion,
+            "completion_logprobs": draw(
+                st.lists(st.floats(-1e30, 0.0), min_size=len(completion), max_size=len(completion))
+            ),
+            "policy_version": draw(st.integers(0, 2**31 - 1)),
+            "consumer_id": draw(TEXT),
+            "timings": {"queued_ms": draw(st.floats(0, 1e9)), "total_ms": draw(st.floats(0, 1e9))},
+            "prefix_break": draw(st.booleans()),
+            "render_drift": draw(st.none() | st.booleans()),
+            "chat_template": draw(st.none() | st.just("0123456789ab")),
+        }
+    )
+    shared = draw(st.integers(0, len(messages) - 1)) if parent else 0
+    return request, response, parent, shared
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(exchange=exchanges(), delivered=st.sampled_from([None, False]), train=st.booleans())
+def test_a_turn_put_together_without_validation_equals_the_validated_turn_and_encodes_the_same(
+    exchange: tuple[LLMRequest, LLMResponse, TurnCompleted | None, int], delivered: bool | None, train: bool
+) -> None:
+    """``turn_event`` skips validation (its parts were validated as the request and the reply): what it
+    makes must be the event that validating the same values makes, down to the stored bytes."""
+    request, response, parent, shared = exchange
+    built = turn_event(request, response, parent, shared, delivered=delivered, train=train)
+    tools_from_parent = parent is not None and bool(request.tools)
+    validated = TurnCompleted(
+        event_id=built.event_id,
+        turn_id=built.turn_id,
+        parent_turn_id=parent.turn_id if parent else None,
+        prefix_messages=shared,
+        prefix_tokens=response.prompt_prefix_tokens,
+        tools_from_parent=tools_from_parent,
+        request=TurnRequest(
+            messages=request.messages[shared:],
+            tools=[] if tools_from_parent else request.tools,
+            sampling=request.sampling,
+            tool_choice=request.tool_choice,
+        ),
+        reply=TurnReply(
+            text=response.text,
+            tool_calls=response.tool_calls,
+            finish_reason=response.finish_reason,
+            reasoning=response.reasoning,
+        ),
+        prompt_token_ids=response.prompt_token_ids,
+        completion_token_ids=response.completion_token_ids,
+        completion_logprobs=response.completion_logprobs,
+        policy_version=response.policy_version,
+        engine_id=response.consumer_id,
+        timings=response.timings,
+        prefix_break=response.prefix_break,
+        render_drift=response.render_drift,
+        chat_template=response.chat_template,
+        delivered=delivered,
+        train=None if train else False,
+    )
+    for name in TurnCompleted.model_fields:
+        assert (name, getattr(built, name)) == (name, getattr(validated, name))
+        assert type(getattr(built, name)) is type(getattr(validated, name))
+    assert built == validated
+    assert encode_event(built) == encode_event(validated)  # the log's data, token bytes and content hash
+    assert built.model_dump_json() == validated.model_dump_json()
+
+
+async def test_a_reply_with_a_logprob_count_unlike_its_token_count_fails_the_turn_and_records_nothing() -> (
+    None
+):
+    class Short(PrefixEcho):
+        async def __call__(self, request: LLMRequest) -> LLMResponse:
+            response = await super().__call__(request)
+            return response.model_copy(update={"completion_logprobs": [-0.5]})
+
+    store = InMemoryStore()
+    session = EpisodeSession(store, Short(), policy="main")
+    await session.start()
+    with pytest.raises(InferenceError, match="in-process answered 1 completion_logprobs for 3"):
+        await session.chat([{"role": "user", "content": "hi"}])
+    assert [r.type for r in await store.read_stream(session.stream)] == ["EpisodeStarted"]
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(
+    messages=st.lists(chat_messages(), min_size=1, max_size=5),
+    tools=TOOLS,
+    choice=st.none() | st.builds(ToolChoice, mode=st.sampled_from(["auto", "required"])),
+)
+def test_a_request_of_models_is_put_together_as_validating_their_dicts_makes_it(
+    messages: list[ChatMessage], tools: list[ToolSpec], choice: ToolChoice | None
+) -> None:
+    session = EpisodeSession(InMemoryStore(), PrefixEcho(), policy="main", episode_id="e1")
+    sampling = SamplingParams(max_tokens=6)
+    built = session._new_request(messages, tools, sampling, choice, None)
+    validated = session._new_request(
+        [message.model_dump() for message in messages],
+        [tool.model_dump() for tool in tools],
+        sampling,
+        choice,
+        None,
+    )
+    assert built.model_dump(exclude={"request_id"}) == validated.model_dump(exclude={"request_id"})
+    assert built == validated.model_copy(update={"request_id": built.request_id})
+    assert built.messages[0] is messages[0]  # the agent's own objects, not copies
+    assert built.request_id != validated.request_id
+
+
+async def test_a_nul_in_a_message_that_a_continuing_turn_adds_is_refused_naming_it() -> None:
+    session = EpisodeSession(InMemoryStore(), PrefixEcho(), policy="main")
+    await session.start()
+    question = ChatMessage(role="user", content="hi")
+    reply = await session.chat([question])
+    with pytest.raises(InvalidLLMCall, match=r"messages\.2\.content holds a NUL character"):
+        await session.chat([question, reply.message, ChatMessage(role="user", content="a\x00b")])
+    assert len(session.turns) == 1
+
+
+class AppendLog(InMemoryStore):
+    """The in-memory store, keeping the event types of each append."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.appends: list[list[str]] = []
+
+    async def append(self, stream: str, events: Any, expected_version: int | None = None, **kw: Any) -> Any:
+        self.appends.append([event.type for event in events])
+        return await super().append(stream, events, expected_version, **kw)
+
+
+async def test_an_episodes_closing_rewards_are_recorded_with_its_finish_in_one_append() -> None:
+    store = AppendLog()
+    outcome = await run_episode(ThreeTurnAgent(), EpisodeSession(store, PrefixEcho(), policy="main"))
+    assert (outcome.termination, outcome.reward) == ("done", 1.0)
+    assert store.appends[-1] == ["RewardAssigned", "EpisodeFinished"]
+    assert len(store.appends) == 5  # started, three turns, rewards + finish
+
+
+async def test_rewards_scored_before_one_that_fails_are_recorded_with_the_error_finish() -> None:
+    store = AppendLog()
+    session = EpisodeSession(store, PrefixEcho(), policy="main")
+
+    async def agent(task: dict[str, Any], llm: EpisodeLLM) -> dict[str, float]:
+        reply = await llm.chat([{"role": "user", "content": "q"}])
+        return {str(reply.turn_id): 0.5, "not-a-turn": 1.0}
+
+    outcome = await run_episode(FunctionAgent(agent), session)
+    assert outcome.termination == "error"
+    assert "reward for turn 'not-a-turn': not a turn id" in (outcome.error or "")
+    assert store.appends[-1] == ["RewardAssigned", "EpisodeFinished"]
+    events = await recorded(store, session)
+    reward, finished = events[-2:]
+    assert isinstance(reward, RewardAssigned)
+    assert isinstance(finished, EpisodeFinished)
+    assert (reward.value, reward.turn_id, finished.metrics["reward"]) == (0.5, session.turns[0].turn_id, 0.5)

@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from pipeline.episodes.errors import MaxTurnsExceeded
 from pipeline.episodes.fold import Episode, EpisodeOutcome
 from pipeline.episodes.session import EpisodeLLM, EpisodeSession
+from schemas import RewardAssigned
 from schemas.episode import Termination
 
 
@@ -88,27 +89,33 @@ async def _run_episode(
         termination, error = "timeout", f"the episode ran past its timeout of {timeout} s"
     except Exception:
         termination, error = "error", traceback.format_exc()
+    rewards: list[RewardAssigned] = []  # recorded with the finish, in one append
     if termination != "error" and termination != "timeout":
         try:
-            await _record_rewards(session, result, reward_fn)
+            await _score(session, result, reward_fn, rewards)
         except Exception:
             termination, error = "error", traceback.format_exc()
-    await session.finish(termination, error=error)
+    await session.finish(termination, error=error, rewards=rewards)
     return EpisodeOutcome.of_events(session.events)
 
 
-async def _record_rewards(
-    session: EpisodeSession, result: AgentResult, reward_fn: RewardFunction | None
+async def _score(
+    session: EpisodeSession,
+    result: AgentResult,
+    reward_fn: RewardFunction | None,
+    rewards: list[RewardAssigned],
 ) -> None:
+    """The episode's rewards from the agent's result (or the reward function), onto ``rewards``; those
+    made before one that fails stay there, to be recorded."""
     if isinstance(result, bool):
         raise TypeError(
             f"the agent returned {result!r}; return a float reward, a dict of turn rewards or None"
         )
     if isinstance(result, int | float):
-        await session.reward(float(result))
+        rewards.append(session.reward_event(float(result)))
     elif isinstance(result, dict):
         for turn_id, value in result.items():
-            await session.reward(float(value), turn_id)
+            rewards.append(session.reward_event(float(value), turn_id))
     elif result is not None:
         raise TypeError(
             f"the agent returned {type(result).__name__}; return a float reward, a dict mapping turn ids "
@@ -117,4 +124,4 @@ async def _record_rewards(
     elif reward_fn is not None:
         scored = reward_fn(session.started.task, session.episode())
         value = await scored if inspect.isawaitable(scored) else scored
-        await session.reward(float(value), source="reward_fn")
+        rewards.append(session.reward_event(float(value), source="reward_fn"))

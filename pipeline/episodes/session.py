@@ -17,7 +17,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeGuard, TypeVar
 
 import jsonschema
 from pydantic import ValidationError
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 EPISODE_NAMESPACE: Final = uuid.UUID("6c1f4a57-1d0e-4a8e-9f55-3b8f0f5a7e21")
 RUNNER_METADATA: Final = "runner"
+T = TypeVar("T")
 
 
 def episode_stream(episode_id: str) -> str:
@@ -146,6 +147,7 @@ class EpisodeSession:
         self._appends: set[asyncio.Task[AppendResult]] = set()
         self._started_at = time.monotonic()
         self._calls = 0
+        self._sampling_defaults = self.started.sampling.model_dump()
 
     @property
     def policy(self) -> str:
@@ -189,7 +191,7 @@ class EpisodeSession:
             self.max_turns_hit = True
             raise MaxTurnsExceeded(self.max_turns)
         self._calls += 1
-        request, parent = self._request(messages, tools, sampling, tool_choice, top_logprobs)
+        request, parent, shared = self._request(messages, tools, sampling, tool_choice, top_logprobs)
         began = time.monotonic()
         response = await self._call(request, parent)
         self.llm_seconds += time.monotonic() - began
@@ -199,37 +201,9 @@ class EpisodeSession:
                 f"inference consumer {response.consumer_id} answered with a prompt prefix of {taken} tokens; "
                 f"the request's was {parent.length if parent is not None else 0}"
             )
-        shared = shared_messages(request.messages, [*parent.messages, parent.reply]) if parent else 0
         delivered = None if listening is None or await listening() else False
-        tools_from_parent = parent is not None and bool(request.tools)
-        turn = TurnCompleted(
-            parent_turn_id=parent.turn.turn_id if parent else None,
-            prefix_messages=shared,
-            prefix_tokens=taken,
-            tools_from_parent=tools_from_parent,
-            request=TurnRequest(
-                messages=request.messages[shared:],
-                tools=[] if tools_from_parent else request.tools,
-                sampling=request.sampling,
-                tool_choice=request.tool_choice,
-            ),
-            reply=TurnReply(
-                text=response.text,
-                tool_calls=response.tool_calls,
-                finish_reason=response.finish_reason,
-                reasoning=response.reasoning,
-            ),
-            prompt_token_ids=response.prompt_token_ids,
-            completion_token_ids=response.completion_token_ids,
-            completion_logprobs=response.completion_logprobs,
-            policy_version=response.policy_version,
-            engine_id=response.consumer_id,
-            timings=response.timings,
-            prefix_break=response.prefix_break,
-            render_drift=response.render_drift,
-            chat_template=response.chat_template,
-            delivered=delivered,
-            train=None if train else False,
+        turn = turn_event(
+            request, response, parent.turn if parent else None, shared, delivered=delivered, train=train
         )
         await self._append([turn])
         context = _Context(
@@ -300,6 +274,12 @@ class EpisodeSession:
     async def reward(
         self, value: float, turn_id: uuid.UUID | str | None = None, source: str = "agent"
     ) -> None:
+        await self._append([self.reward_event(value, turn_id, source)])
+
+    def reward_event(
+        self, value: float, turn_id: uuid.UUID | str | None = None, source: str = "agent"
+    ) -> RewardAssigned:
+        """A reward for the episode or one of its turns, checked (``InvalidLLMCall``), not yet recorded."""
         if turn_id is not None and not isinstance(turn_id, uuid.UUID):
             try:
                 turn_id = uuid.UUID(str(turn_id))
@@ -308,10 +288,9 @@ class EpisodeSession:
         if turn_id is not None and turn_id not in {turn.turn_id for turn in self.turns}:
             raise InvalidLLMCall(f"reward for turn {turn_id}: no such turn in episode {self.episode_id}")
         try:
-            event = RewardAssigned(turn_id=turn_id, value=value, source=source)
+            return RewardAssigned(turn_id=turn_id, value=value, source=source)
         except ValidationError as error:
             raise InvalidLLMCall(f"reward {value!r}: {describe_validation_error(error)}") from None
-        await self._append([event])
 
     async def finish(
         self,
@@ -319,9 +298,12 @@ class EpisodeSession:
         *,
         error: str | None = None,
         metrics: Mapping[str, float] | None = None,
+        rewards: Sequence[RewardAssigned] = (),
     ) -> None:
-        """Close the stream. Appends still in flight (a turn whose agent was cancelled) land first; if one
-        of them closed the stream already (a finish that was cancelled while appending), that one stands."""
+        """Close the stream, after ``rewards`` (``reward_event``s) in the same append: an episode's closing
+        rewards and its end are recorded together (and an append less each episode). Appends still in flight
+        (a turn whose agent was cancelled) land first; if one of them closed the stream already (a finish
+        that was cancelled while appending), that one stands."""
         if self._appends:
             await asyncio.gather(*self._appends, return_exceptions=True)
         if self.finished:
@@ -334,12 +316,14 @@ class EpisodeSession:
             "turns": float(len(turns)),
             "prompt_tokens": float(sum(t.prefix_tokens + len(t.prompt_token_ids) for t in turns)),
             "completion_tokens": float(sum(len(t.completion_token_ids) for t in turns)),
-            "reward": sum(event.value for event in self.events if isinstance(event, RewardAssigned)),
+            "reward": sum(
+                event.value for event in [*self.events, *rewards] if isinstance(event, RewardAssigned)
+            ),
             "duration_s": round(time.monotonic() - self._started_at, 6),
             "llm_s": round(self.llm_seconds, 6),
         }
         summary.update(metrics or {})
-        await self._append([EpisodeFinished(termination=termination, metrics=summary, error=error)])
+        await self._append([*rewards, EpisodeFinished(termination=termination, metrics=summary, error=error)])
 
     def _request(
         self,
@@ -348,27 +332,14 @@ class EpisodeSession:
         sampling: SamplingParams | Mapping[str, Any] | None,
         tool_choice: ToolChoice | None = None,
         top_logprobs: int | None = None,
-    ) -> tuple[LLMRequest, _Context | None]:
+    ) -> tuple[LLMRequest, _Context | None, int]:
+        """The request, the recorded turn it continues (if any) and how many of its leading messages are
+        that turn's conversation and reply (recorded there, not again)."""
         if isinstance(sampling, SamplingParams):
             sampling = sampling.model_dump()
-        # Messages that are ChatMessage objects are valid already (frozen): validating the request with the
-        # last of them and then putting all of them in keeps a turn's cost from growing with the history.
-        built = all(type(message) is ChatMessage for message in messages) and bool(messages)
         try:
-            chosen = SamplingParams.model_validate({**self.started.sampling.model_dump(), **(sampling or {})})
-            request = LLMRequest.model_validate(
-                {
-                    "policy": self.policy,
-                    "episode_id": self.episode_id,
-                    "messages": list(messages[-1:] if built else messages),
-                    "tools": list(tools or []),
-                    "sampling": chosen,
-                    "tool_choice": tool_choice,
-                    "top_logprobs": top_logprobs,
-                }
-            )
-            if built:
-                request = request.model_copy(update={"messages": list(messages)})
+            chosen = SamplingParams.model_validate({**self._sampling_defaults, **(sampling or {})})
+            request = self._new_request(messages, tools or [], chosen, tool_choice, top_logprobs)
         except ValidationError as error:
             raise InvalidLLMCall(
                 f"llm.chat: {describe_validation_error(error)}; messages are OpenAI-style chat messages "
@@ -376,13 +347,59 @@ class EpisodeSession:
                 f"are {', '.join(SamplingParams.model_fields)}"
             ) from None
         check_tool_schemas(request.tools)
-        for index, message in enumerate(request.messages):
+        parent = self._parent(request)
+        shared = shared_messages(request.messages, [*parent.messages, parent.reply]) if parent else 0
+        # Only what the turn records is checked: the shared messages are its parent's, checked then.
+        for index, message in enumerate(request.messages[shared:], start=shared):
             if "\x00" in (message.content or ""):
                 raise InvalidLLMCall(
                     f"llm.chat: messages.{index}.content holds a NUL character (\\x00), which the event log "
                     "(PostgreSQL jsonb) cannot store; remove or replace it"
                 )
-        return request, self._parent(request)
+        return request, parent, shared
+
+    def _new_request(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        tools: Sequence[ToolSpec | Mapping[str, Any]],
+        sampling: SamplingParams,
+        tool_choice: ToolChoice | None,
+        top_logprobs: int | None,
+    ) -> LLMRequest:
+        """An ``LLMRequest``, validated once: parts that are models already (frozen, so valid; the agent's
+        conversation is mostly the messages of earlier turns) are put together as they are, with no Python
+        loop over the history; anything else (dicts, a top_logprobs to range-check) is validated."""
+        if (
+            messages
+            and all_of(messages, ChatMessage)
+            and all_of(tools, ToolSpec)
+            and (tool_choice is None or type(tool_choice) is ToolChoice)
+            and top_logprobs is None
+        ):
+            return LLMRequest.trusted(
+                type="LLMRequest",
+                schema_version=2,
+                request_id=uuid.uuid4(),
+                policy=self.policy,
+                episode_id=self.episode_id,
+                messages=list(messages),
+                tools=list(tools),
+                sampling=sampling,
+                prefix=None,
+                tool_choice=tool_choice,
+                top_logprobs=None,
+            )
+        return LLMRequest.model_validate(
+            {
+                "policy": self.policy,
+                "episode_id": self.episode_id,
+                "messages": list(messages),
+                "tools": list(tools),
+                "sampling": sampling,
+                "tool_choice": tool_choice,
+                "top_logprobs": top_logprobs,
+            }
+        )
 
     def _parent(self, request: LLMRequest) -> _Context | None:
         """The latest recorded turn whose conversation and reply begin this request's messages."""
@@ -391,7 +408,10 @@ class EpisodeSession:
             if (
                 len(request.messages) > count
                 and context.tools == request.tools
-                and all(map(same_message, request.messages[:count], context.messages))
+                and (  # the same objects, mostly: compared in C first
+                    request.messages[:count] == context.messages
+                    or all(map(same_message, request.messages[:count], context.messages))
+                )
                 and same_assistant_message(request.messages[count], context.reply)
             ):
                 return context
@@ -414,10 +434,77 @@ class EpisodeSession:
             return result
 
 
+def all_of(items: Sequence[object], kind: type[T]) -> TypeGuard[Sequence[T]]:
+    """Whether every item is exactly a ``kind`` (a set of their types: no Python loop over a history)."""
+    return {*map(type, items)} <= {kind}
+
+
+def turn_event(
+    request: LLMRequest,
+    response: LLMResponse,
+    parent: TurnCompleted | None,
+    shared: int,
+    *,
+    delivered: bool | None = None,
+    train: bool = True,
+) -> TurnCompleted:
+    """The ``TurnCompleted`` of ``request`` answered by ``response``, continuing ``parent`` (whose
+    conversation and reply are the request's first ``shared`` messages; ``response.prompt_prefix_tokens``
+    ids are its tokens).
+
+    Put together from parts validated already (the request when the call was made, the reply when it came
+    off the wire), not validated again: a second validation of the token arrays alone cost ~50 us a turn
+    of 1,000 prompt ids. What ``TurnCompleted``'s own checks would add is checked here; the rest holds by
+    construction (tests/test_session_logic.py compares this with the validated event field by field)."""
+    if len(response.completion_logprobs) != len(response.completion_token_ids):
+        raise InferenceError(
+            f"inference consumer {response.consumer_id} answered {len(response.completion_logprobs)} "
+            f"completion_logprobs for {len(response.completion_token_ids)} completion_token_ids: one "
+            "logprob per completion token"
+        )
+    tools_from_parent = parent is not None and bool(request.tools)
+    return TurnCompleted.trusted(
+        type="TurnCompleted",
+        schema_version=2,
+        event_id=uuid.uuid4(),
+        turn_id=uuid.uuid4(),
+        parent_turn_id=parent.turn_id if parent else None,
+        prefix_messages=shared,
+        prefix_tokens=response.prompt_prefix_tokens,
+        tools_from_parent=tools_from_parent,
+        request=TurnRequest.trusted(
+            messages=request.messages[shared:],
+            tools=[] if tools_from_parent else request.tools,
+            sampling=request.sampling,
+            tool_choice=request.tool_choice,
+        ),
+        reply=TurnReply.trusted(
+            text=response.text,
+            tool_calls=response.tool_calls,
+            finish_reason=response.finish_reason,
+            reasoning=response.reasoning,
+        ),
+        prompt_token_ids=response.prompt_token_ids,
+        completion_token_ids=response.completion_token_ids,
+        completion_logprobs=response.completion_logprobs,
+        policy_version=response.policy_version,
+        engine_id=response.consumer_id,
+        timings=response.timings,
+        prefix_break=response.prefix_break,
+        render_drift=response.render_drift,
+        chat_template=response.chat_template,
+        delivered=delivered,
+        train=None if train else False,
+    )
+
+
 def shared_messages(sent: Sequence[ChatMessage], conversation: Sequence[ChatMessage]) -> int:
     """How many leading messages of ``sent`` are exactly the parent's ``conversation`` (its messages and
     reply): a turn records the rest. A reply sent back without its reasoning is recorded as it was sent."""
-    shared, limit = 0, min(len(conversation), len(sent) - 1)  # a turn adds at least one message
+    limit = min(len(conversation), len(sent) - 1)  # a turn adds at least one message
+    if sent[:limit] == conversation[:limit]:  # the usual case, compared in C (the same objects, mostly)
+        return limit
+    shared = 0
     while shared < limit and (sent[shared] is conversation[shared] or sent[shared] == conversation[shared]):
         shared += 1
     return shared

@@ -113,8 +113,9 @@ class _NoResponders:
 class _Inbox:
     """The messages for one request, in order of arrival: heartbeats, then the reply (or a status).
 
-    A deque and a future to wake the waiter, rather than an ``asyncio.Queue`` awaited through
-    ``asyncio.wait_for``: that made a task and a queue per request, a fair share of the client's CPU."""
+    A deque, a future to wake the waiter and a timer to give up on it, rather than an ``asyncio.Queue``
+    awaited through ``asyncio.wait_for``: that made a task and a queue per request, and ``wait_for`` a
+    second future and callbacks per message, a fair share of the client's CPU."""
 
     __slots__ = ("messages", "waiter")
 
@@ -124,18 +125,27 @@ class _Inbox:
 
     def put(self, message: Msg) -> None:
         self.messages.append(message)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        _wake(self.waiter)
 
     async def get(self, within: float) -> Msg:
         """The next message; ``TimeoutError`` if none comes ``within`` seconds."""
         if not self.messages:
-            self.waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            self.waiter = loop.create_future()
+            timer = loop.call_later(within, _wake, self.waiter)
             try:
-                await asyncio.wait_for(self.waiter, within)  # a future, not a coroutine: no task made
+                await self.waiter
             finally:
+                timer.cancel()
                 self.waiter = None
+            if not self.messages:
+                raise TimeoutError
         return self.messages.popleft()
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 class NatsLLMClient:

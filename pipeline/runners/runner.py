@@ -198,6 +198,8 @@ class Runner:
         """Every slot of the group, to its last attempt. ``resume``: take over from an earlier runner."""
         group = group_id or uuid.uuid4().hex
         size = group_size or self.config.group_size
+        if size == 1:
+            return [await self._run_slot(spec, group, 0, resume, size)]  # no gather: a task less an episode
         return list(
             await asyncio.gather(*(self._run_slot(spec, group, slot, resume, size) for slot in range(size)))
         )
