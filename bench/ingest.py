@@ -10,7 +10,9 @@ What it measures, in one run on one PostgreSQL server (fsync on, so every commit
    ``--copy-chunk`` rows: about as fast as one client can load these rows.
 2. ``EventStore.append`` at each level of ``--levels``: that many asyncio tasks, each owning one
    ``episode-<uuid>`` stream and appending one event per call with its expected version. Timed: model
-   encoding, the group-commit writer (append lock, look-ups, COPY, commit) and the waiting callers.
+   encoding, the group-commit writer (append lock, one INSERT, commit: one round trip for a batch of up
+   to 32 events; a COPY above that) and the waiting callers. ``--copy-path``: each level also with every
+   batch COPYed (four round trips a transaction), the store before batches went out in one round trip.
 
 Reading the table: "x COPY" is events/s divided by the rows/s of the COPY baseline measured in the same
 round (``--repeat`` runs several rounds and shows the median one; on a small, shared machine the spread
@@ -236,6 +238,7 @@ async def copy_baseline(
 
 
 UNGUARDED = "without the append guard"
+COPIED = "COPY path"
 
 # --- the event store -----------------------------------------------------------------------------
 
@@ -254,13 +257,19 @@ async def warm_up(store: EventStore, event: TurnCompleted) -> None:
 
 
 async def store_level(
-    url: str, events: Sequence[TurnCompleted], concurrency: int, meter: CpuMeter, *, guard: bool = True
+    url: str,
+    events: Sequence[TurnCompleted],
+    concurrency: int,
+    meter: CpuMeter,
+    *,
+    guard: bool = True,
+    one_round_trip: bool = True,
 ) -> Measurement:
     await truncate(url, "events")
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
         state = "ENABLE" if guard else "DISABLE"
         await connection.execute(f"ALTER TABLE events {state} TRIGGER events_append_guard")
-    store = await EventStore.connect(url)
+    store = await EventStore.connect(url, **({} if one_round_trip else {"one_round_trip_max_events": 0}))
     try:
         await warm_up(store, events[0])
         before = store.stats.transactions
@@ -275,6 +284,8 @@ async def store_level(
     finally:
         await store.close()
     label = str(concurrency) if guard else f"{concurrency} {UNGUARDED}"
+    if not one_round_trip:
+        label = f"{label} {COPIED}"
     return Measurement(label, len(events), seconds, transactions, cpu_us)
 
 
@@ -301,6 +312,11 @@ async def measure(
             result = await store_level(url, events[: level_size(level, args)], level, meter)
             results.append(replace(result, ratio=result.rate / baseline.rate))
             note(f"round {round_ + 1}: {level} appenders {result.rate:,.0f} events/s")
+            if args.copy_path:
+                size = level_size(level, args)
+                result = await store_level(url, events[:size], level, meter, one_round_trip=False)
+                results.append(replace(result, ratio=result.rate / baseline.rate))
+                note(f"round {round_ + 1}: {level} appenders, {COPIED} {result.rate:,.0f} events/s")
         if args.guard_cost:
             level = max(args.levels)
             result = await store_level(url, events[: level_size(level, args)], level, meter, guard=False)
@@ -399,6 +415,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--guard-cost",
         action="store_true",
         help="also measure the largest level with the append guard trigger disabled (its cost)",
+    )
+    add(
+        "--copy-path",
+        action="store_true",
+        help="also measure each level with every batch COPYed (the store before a batch went out in one "
+        "round trip), right after the default",
     )
     add("--tmp-dir", type=Path, default=None, help="parent of the embedded server's temporary directory")
     args = parser.parse_args(argv)

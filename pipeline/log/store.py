@@ -14,7 +14,8 @@ Why the lock and not an xid8 horizon: a horizon lets appends run in parallel, bu
 order is the order of transaction ids rather than commit order, readers need an (xid, position) cursor,
 and any long transaction anywhere in the database holds every tailer back. The lock's cost is that
 appends are serialized across processes; the group-commit writer below amortizes it (one lock, one
-COPY and one fsync for a batch of hundreds of appends), and bench/ingest.py measures what is left.
+COPY and one fsync for a batch of hundreds of appends), and a lone append holds it for one round trip
+(``write_in_one_round_trip``). bench/ingest.py measures what is left.
 
 Idempotency (invariant 3). An append whose events are all recorded already, with the same content, is a
 no-op that returns the recorded positions, whatever its expected version: that is what a retry after an
@@ -25,9 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence, Set
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import psycopg
@@ -67,6 +68,23 @@ COPY_COLUMNS: Final = (
     "content_hash",
 )
 COPY_TYPES: Final = ["int8", "text", "int4", "uuid", "text", "jsonb", "bytea", "jsonb", "bytea"]
+ONE_ROUND_TRIP_MAX_EVENTS: Final = 32
+"""The largest batch written in one round trip (``write_in_one_round_trip``) by default; a larger one is
+COPYed. An INSERT from arrays costs PostgreSQL more per row than COPY, the round trips it saves are per
+transaction: bench/ingest.py --copy-path measured them even at 32 events a batch, COPY ahead from 64."""
+# Positions are relative (1, 2, ...) in the parameters and become head + n here: the head is read by this
+# statement, whose snapshot is taken after the previous statement was granted the append lock, so it sees
+# every append that committed before ours. jsonb arrives as text and is parsed by the same jsonb input
+# function as COPY's binary jsonb: the stored bytes are the same.
+INSERT_UNNESTED: Final = f"""
+    INSERT INTO events ({", ".join(COPY_COLUMNS)})
+    SELECT head.position + new.position, new.stream, new.version, new.event_id, new.type, new.data::jsonb,
+           new.tokens, new.metadata::jsonb, new.content_hash
+    FROM (SELECT coalesce(max(position), 0) AS position FROM events) AS head,
+         unnest(%b::int8[], %b::text[], %b::int4[], %b::uuid[], %b::text[], %b::text[], %b::bytea[],
+                %b::text[], %b::bytea[]) AS new({", ".join(COPY_COLUMNS)})
+    RETURNING position
+"""
 
 
 @dataclass(slots=True)
@@ -74,6 +92,8 @@ class WriterStats:
     appends: int = 0
     events: int = 0
     transactions: int = 0
+    one_round_trip: int = 0
+    """Batches sent in one round trip (``write_in_one_round_trip``), refused ones included."""
     rewritten: int = 0
     """Batches the database refused as written optimistically, written again with look-ups."""
 
@@ -96,6 +116,7 @@ class EventStore:
         writers: int = 2,
         retry_for: float = 30.0,
         lock_timeout: float = 30.0,
+        one_round_trip_max_events: int = ONE_ROUND_TRIP_MAX_EVENTS,
         owns_engine: bool = False,
     ) -> None:
         if lock_timeout <= 0:
@@ -104,6 +125,7 @@ class EventStore:
         self.lock_timeout = lock_timeout  # how long an append waits for the append lock
         self.max_event_bytes = max_event_bytes
         self.max_batch_events = max_batch_events
+        self.one_round_trip_max_events = one_round_trip_max_events  # 0: every batch COPYed (bench/ingest.py)
         self.writers = writers
         self.retry_for = retry_for
         self.stats = WriterStats()
@@ -332,15 +354,20 @@ class _Writer:
     async def commit(self, batch: list[PendingAppend]) -> list[AppendResult | TurnstileError]:
         """One attempt: the batch in one transaction on this writer's connection (dropped if it broke).
 
-        Written optimistically first (``write_appends``); if the database refuses that, written again with
+        Written optimistically first (in one round trip where every append names its expected version,
+        ``write_in_one_round_trip``, else ``write_appends``); if the database refuses that, written again with
         everything looked up, which decides each append (a retry of a recorded append, a stale expected
         version) and fails only where an append itself is refused."""
         wait = self.store.lock_timeout
         try:
             connection = await self.connect()
             try:
-                async with connection.transaction():
-                    outcomes = await write_appends(connection, batch, wait, optimistic=True)
+                if in_one_round_trip(batch, self.store.one_round_trip_max_events):
+                    self.store.stats.one_round_trip += 1
+                    outcomes = await write_in_one_round_trip(connection, batch, wait)
+                else:
+                    async with connection.transaction():
+                        outcomes = await write_appends(connection, batch, wait, optimistic=True)
             except psycopg.errors.IntegrityError:
                 self.store.stats.rewritten += 1
                 async with connection.transaction():
@@ -356,8 +383,15 @@ class _Writer:
         return outcomes
 
     async def connect(self) -> psycopg.AsyncConnection[Any]:
+        """This writer's connection, with ``lock_timeout`` set for the session: ``write_in_one_round_trip``
+        sends no statement of its own to set it."""
         if self._connection is None or self._connection.closed or self._connection.broken:
-            self._connection = await psycopg.AsyncConnection.connect(self.store.libpq_url)
+            connection = await psycopg.AsyncConnection.connect(self.store.libpq_url, autocommit=True)
+            await connection.execute(
+                "SELECT set_config('lock_timeout', %s, false)", (f"{int(self.store.lock_timeout * 1000)}ms",)
+            )
+            await connection.set_autocommit(False)
+            self._connection = connection
         return self._connection
 
 
@@ -466,9 +500,7 @@ async def write_appends(
             }
             head_row = await head_cursor.fetchone()
     if optimistic:  # each stream not looked up is taken to be where its first append expects it
-        for append in appends:
-            if append.stream not in streams and append.expected_version is not None:
-                versions.setdefault(append.stream, append.expected_version)
+        versions.update(_expected_versions(appends, looked_up=streams))
     plan = plan_appends(appends, recorded, versions, int(head_row[0]) if head_row else 0)
     if plan.rows:
         cursor = connection.cursor()
@@ -478,6 +510,60 @@ async def write_appends(
             for row in plan.rows:
                 await copy.write_row(row)
     return plan.outcomes
+
+
+def in_one_round_trip(appends: Sequence[PendingAppend], max_events: int) -> bool:
+    """Whether ``write_in_one_round_trip`` can write this batch: every append names its expected version
+    (so nothing needs looking up) and the batch has at most ``max_events`` events (over that, COPY)."""
+    events = 0
+    for append in appends:
+        if append.expected_version is None:
+            return False
+        events += len(append.events)
+    return events <= max_events
+
+
+async def write_in_one_round_trip(
+    connection: psycopg.AsyncConnection[Any], appends: Sequence[PendingAppend], lock_timeout: float
+) -> list[AppendResult | TurnstileError]:
+    """``write_appends(optimistic=True)`` for appends that all name their expected version, as one
+    transaction in one round trip: BEGIN, the append lock, one INSERT that assigns the positions after the
+    head, and COMMIT, pipelined before a single sync (the connection's ``lock_timeout`` is set already, see
+    ``_Writer.connect``). At one episode every turn is a transaction of its own, and each round trip that
+    puts the process to sleep costs more CPU than the statements (bench/ingest.py ``--copy-path``).
+
+    Where the database refuses the INSERT (an ``IntegrityError``: a stream not at its expected version, an
+    event id recorded already), the transaction is rolled back and the error raised, as in
+    ``write_appends``: the caller writes the batch again with look-ups. Commits on success.
+    """
+    plan = plan_appends(appends, {}, _expected_versions(appends), 0)
+    columns = [list(column) for column in zip(*plan.rows, strict=True)]
+    with _lock_wait(lock_timeout):
+        try:
+            async with connection.pipeline():  # psycopg's BEGIN, these three, then one sync at the exit
+                await connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
+                cursor = await connection.execute(INSERT_UNNESTED, columns)
+                await connection.execute("COMMIT")
+        except psycopg.Error:
+            if not connection.broken:  # a refused statement leaves the transaction aborted
+                await connection.rollback()
+            raise
+    head = min(row[0] for row in await cursor.fetchall()) - 1
+    return [
+        replace(outcome, positions=tuple(head + position for position in outcome.positions))
+        if isinstance(outcome, AppendResult)
+        else outcome
+        for outcome in plan.outcomes
+    ]
+
+
+def _expected_versions(appends: Sequence[PendingAppend], looked_up: Set[str] = frozenset()) -> dict[str, int]:
+    """Each stream's version as its first append in the batch expects it (but for streams looked up)."""
+    versions: dict[str, int] = {}
+    for append in appends:
+        if append.expected_version is not None and append.stream not in looked_up:
+            versions.setdefault(append.stream, append.expected_version)
+    return versions
 
 
 class JsonText(str):
