@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -21,8 +22,9 @@ from pipeline.gateway import create_gateway
 from pipeline.log import EventStore
 from pipeline.ui import charts, create_app, parse_query, reader_engine
 from pipeline.ui.filters import BadRequest
+from schemas import ChatMessage, EpisodeStarted
 from tests.conftest import login_url
-from tests.ui_episodes import Recorded, record_counting_episode, record_episodes
+from tests.ui_episodes import Recorded, make_turn, record_counting_episode, record_episodes
 
 
 @dataclass
@@ -161,6 +163,22 @@ async def test_an_episode_page_shows_its_tree_messages_numbers_and_shaded_tokens
     assert prefix.headers["location"] == f"/episodes/{recorded.branching}"
     deep = await client.get(f"/turns/{b.turn_id}", follow_redirects=False)
     assert deep.headers["location"] == f"/episodes/{recorded.branching}#turn-{b.turn_id}"
+
+
+async def test_an_episode_page_marks_turns_not_for_training_and_never_delivered(
+    browsing: Browsing, store: EventStore
+) -> None:
+    episode_id = f"marked-{uuid.uuid4().hex[:20]}"
+    question = [ChatMessage(role="user", content="Name this chat")]
+    side = make_turn(question, text="A title.", seed=61).model_copy(update={"train": False})
+    lost = make_turn(question, text="Gone.", seed=62).model_copy(update={"delivered": False})
+    plain = make_turn(question, text="Kept.", seed=63)
+    started = EpisodeStarted(episode_id=episode_id, task_id="t", agent="tests.ui:Agent", policy="main")
+    await store.append(f"episode-{episode_id}", [started, side, lost, plain], expected_version=0)
+    page = (await browsing.client.get(f"/episodes/{episode_id}")).text
+    sections = page.split('<section class="turn')[1:]
+    assert [section.split("</section>")[0].count(">not for training<") for section in sections] == [1, 0, 0]
+    assert [section.split("</section>")[0].count(">never delivered<") for section in sections] == [0, 1, 0]
 
 
 async def test_a_run_and_a_batch_lead_to_their_samples_and_episodes(browsing: Browsing) -> None:
