@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pipeline.errors import InvalidEvent
+from pipeline.materialize.trajectory import path_to
 
 _MAGIC = b"TSK1"
 _HEADER = struct.Struct("<4sIII")
@@ -162,16 +163,7 @@ def concat_samples(
     for leaf in turns:
         if leaf.turn_id in has_children:
             continue
-        path = [leaf]
-        while (parent_id := tree[path[-1].turn_id]) is not None:
-            parent, child = by_id[parent_id], path[-1]
-            if parent.index >= child.index or not _extends(child, parent):
-                raise ValueError(
-                    f"turn {child.turn_id} does not extend its parent {parent_id} token for token; "
-                    "concat samples need exact prefixes (build the parents with trajectory.parents)"
-                )
-            path.append(parent)
-        path.reverse()
+        path = path_to(leaf, by_id, tree, _extends)
         n = leaf.length
         mask = bytearray(n)
         logprobs = bytearray(4 * n)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 import uuid
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -35,6 +35,10 @@ class Node(Protocol[_Id_co]):
     def index(self) -> int: ...
     @property
     def reward(self) -> float: ...
+
+
+N = TypeVar("N", bound=Node[Any])
+"""A turn of either kind (``path_to``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,12 +201,13 @@ def individual_samples(turns: Iterable[Turn], values: Mapping[uuid.UUID, float])
     ]
 
 
-def _path(leaf: Turn, by_id: Mapping[uuid.UUID, Turn], parents: Parents) -> list[Turn]:
-    """The turns from the root down to ``leaf``; refuses a link that is not a token-exact extension."""
+def path_to(leaf: N, by_id: Mapping[Id, N], tree: Tree[Id], extends: Callable[[N, N], bool]) -> list[N]:
+    """The turns from the root down to ``leaf`` (``Turn``s, or the fold's packed turns with their own
+    ``extends``); refuses a link that is not a token-exact extension."""
     path = [leaf]
-    while (parent_id := parents[path[-1].turn_id]) is not None:
+    while (parent_id := tree[path[-1].turn_id]) is not None:
         parent, child = by_id[parent_id], path[-1]
-        if parent.index >= child.index or not _extends(child, parent):
+        if parent.index >= child.index or not extends(child, parent):
             raise ValueError(
                 f"turn {child.turn_id} does not extend its parent {parent_id} token for token; "
                 "concat samples need exact prefixes (build the parents with trajectory.parents)"
@@ -247,7 +252,7 @@ def concat_samples(
     by_id = {turn.turn_id: turn for turn in ordered}
     kids = children(parents)
     leaves = [turn for turn in ordered if not kids.get(turn.turn_id)]
-    return [_concat_sample(_path(leaf, by_id, parents), values) for leaf in leaves]
+    return [_concat_sample(path_to(leaf, by_id, parents, _extends), values) for leaf in leaves]
 
 
 def group_advantages(
