@@ -151,8 +151,9 @@ async def test_an_explicit_transaction_appends_atomically(store: EventStore) -> 
 
 
 class CommitCutter:
-    """A TCP proxy in front of PostgreSQL that, once, lets a COMMIT through and then cuts the connection
-    before the client hears PostgreSQL's answer: the append is committed but its outcome unknown."""
+    """A TCP proxy in front of PostgreSQL that, once, lets a commit through (a COMMIT, or a lone append's one
+    statement, ``append_events``, whose transaction commits as it returns) and then cuts the connection before
+    the client hears PostgreSQL's answer: the append is committed but its outcome unknown."""
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
@@ -180,7 +181,7 @@ class CommitCutter:
 
         async def upstream() -> None:
             while data := await client_in.read(65536):
-                if self.armed and b"COMMIT" in data:
+                if self.armed and (b"COMMIT" in data or b"append_events" in data):
                     self.armed = False
                     commit_sent.set()
                 server_out.write(data)

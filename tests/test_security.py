@@ -35,7 +35,7 @@ from pipeline.training import BatchSubscription
 from schemas import ChatMessage, LLMRequest
 from tests.backends import RuleBackend, echo_rule
 from tests.conftest import login_url
-from tests.factories import new_stream, started
+from tests.factories import finished, new_stream, reward, started
 from tests.roles import Connected, RoleNats
 from tests.serving import serving
 from tests.test_deploy import new_policy
@@ -333,3 +333,26 @@ async def test_a_read_only_role_cannot_hold_the_append_lock_and_a_held_lock_time
         await store.append(new_stream(), [started()])  # released: appends go on
     finally:
         await store.close()
+
+
+async def test_only_the_writer_appends_through_append_events(
+    database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    """Migration 0016: the store's one-statement append runs as its caller (SECURITY INVOKER) and only
+    turnstile_writer may call it; the rows it writes pass the append guard like any other."""
+    writer = await EventStore.connect(login_url(database_url, logins["turnstile_writer"]))
+    try:
+        stream = new_stream()
+        assert (await writer.append(stream, [started()], 0)).positions == (1,)
+        assert (await writer.append(stream, [reward(), finished()], 1)).positions == (2, 3)
+        assert writer.stats.one_round_trip == 2
+    finally:
+        await writer.close()
+    call = (
+        "SELECT append_events(ARRAY[1]::int8[], ARRAY['episode-x'], ARRAY[1], ARRAY[gen_random_uuid()], "
+        "ARRAY['EpisodeStarted'], ARRAY['{}'], ARRAY[NULL]::bytea[], ARRAY['{}'], ARRAY['\\x00'::bytea])"
+    )
+    for login in (logins["turnstile_materializer"], logins["turnstile_reader"]):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied for function"):
+            run_as(database_url, login, call)
+        refused(f"{login[0]} calling append_events")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence, Set
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
@@ -72,19 +73,12 @@ ONE_ROUND_TRIP_MAX_EVENTS: Final = 32
 """The largest batch written in one round trip (``write_in_one_round_trip``) by default; a larger one is
 COPYed. An INSERT from arrays costs PostgreSQL more per row than COPY, the round trips it saves are per
 transaction: bench/ingest.py --copy-path measured them even at 32 events a batch, COPY ahead from 64."""
-# Positions are relative (1, 2, ...) in the parameters and become head + n here: the head is read by this
-# statement, whose snapshot is taken after the previous statement was granted the append lock, so it sees
-# every append that committed before ours. jsonb arrives as text and is parsed by the same jsonb input
-# function as COPY's binary jsonb: the stored bytes are the same.
-INSERT_UNNESTED: Final = f"""
-    INSERT INTO events ({", ".join(COPY_COLUMNS)})
-    SELECT head.position + new.position, new.stream, new.version, new.event_id, new.type, new.data::jsonb,
-           new.tokens, new.metadata::jsonb, new.content_hash
-    FROM (SELECT coalesce(max(position), 0) AS position FROM events) AS head,
-         unnest(%b::int8[], %b::text[], %b::int4[], %b::uuid[], %b::text[], %b::text[], %b::bytea[],
-                %b::text[], %b::bytea[]) AS new({", ".join(COPY_COLUMNS)})
-    RETURNING position
-"""
+APPEND_TYPES: Final = ("int8", "text", "int4", "uuid", "text", "text", "bytea", "text", "bytea")
+"""``COPY_TYPES`` with jsonb sent as text: the element types of ``append_events``'s array parameters."""
+APPEND_EVENTS: Final = f"SELECT append_events({', '.join(f'%b::{name}[]' for name in APPEND_TYPES)})"
+"""One append transaction in one statement (migration 0016): the append lock, then the rows at head + 1,
+head + 2, ...; returns the head before them. The parameters are the columns of ``COPY_COLUMNS``, positions
+relative, jsonb as text."""
 
 
 @dataclass(slots=True)
@@ -383,14 +377,15 @@ class _Writer:
         return outcomes
 
     async def connect(self) -> psycopg.AsyncConnection[Any]:
-        """This writer's connection, with ``lock_timeout`` set for the session: ``write_in_one_round_trip``
-        sends no statement of its own to set it."""
+        """This writer's connection: in autocommit, where ``write_in_one_round_trip``'s one statement is its
+        own transaction (the other paths open one with ``connection.transaction()``), with ``lock_timeout``
+        set for the session, since that statement sends nothing else to set it."""
         if self._connection is None or self._connection.closed or self._connection.broken:
             connection = await psycopg.AsyncConnection.connect(self.store.libpq_url, autocommit=True)
+            connection.adapters.register_dumper(BinaryArray, BinaryArrayDumper)
             await connection.execute(
                 "SELECT set_config('lock_timeout', %s, false)", (f"{int(self.store.lock_timeout * 1000)}ms",)
             )
-            await connection.set_autocommit(False)
             self._connection = connection
         return self._connection
 
@@ -526,35 +521,76 @@ def in_one_round_trip(appends: Sequence[PendingAppend], max_events: int) -> bool
 async def write_in_one_round_trip(
     connection: psycopg.AsyncConnection[Any], appends: Sequence[PendingAppend], lock_timeout: float
 ) -> list[AppendResult | TurnstileError]:
-    """``write_appends(optimistic=True)`` for appends that all name their expected version, as one
-    transaction in one round trip: BEGIN, the append lock, one INSERT that assigns the positions after the
-    head, and COMMIT, pipelined before a single sync (the connection's ``lock_timeout`` is set already, see
-    ``_Writer.connect``). At one episode every turn is a transaction of its own, and each round trip that
-    puts the process to sleep costs more CPU than the statements (bench/ingest.py ``--copy-path``).
+    """``write_appends(optimistic=True)`` for appends that all name their expected version, as one statement
+    on the writer's autocommit connection: ``append_events`` (migration 0016) takes the append lock, inserts
+    the rows after the head and commits, one message each way (the connection's ``lock_timeout`` is set
+    already, see ``_Writer.connect``). At one episode every turn is a transaction of its own, and each round
+    trip that puts the process to sleep costs more CPU than the statements (bench/ingest.py ``--copy-path``).
 
-    Where the database refuses the INSERT (an ``IntegrityError``: a stream not at its expected version, an
-    event id recorded already), the transaction is rolled back and the error raised, as in
-    ``write_appends``: the caller writes the batch again with look-ups. Commits on success.
+    Where the database refuses the rows (an ``IntegrityError``: a stream not at its expected version, an
+    event id recorded already), nothing was written and the error is raised, as in ``write_appends``: the
+    caller writes the batch again with look-ups.
     """
     plan = plan_appends(appends, {}, _expected_versions(appends), 0)
-    columns = [list(column) for column in zip(*plan.rows, strict=True)]
-    with _lock_wait(lock_timeout):
-        try:
-            async with connection.pipeline():  # psycopg's BEGIN, these three, then one sync at the exit
-                await connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
-                cursor = await connection.execute(INSERT_UNNESTED, columns)
-                await connection.execute("COMMIT")
-        except psycopg.Error:
-            if not connection.broken:  # a refused statement leaves the transaction aborted
-                await connection.rollback()
-            raise
-    head = min(row[0] for row in await cursor.fetchall()) - 1
+    if plan.rows:
+        with _lock_wait(lock_timeout):
+            cursor = await connection.execute(APPEND_EVENTS, binary_arrays(plan.rows))
+            row = await cursor.fetchone()
+        head = int(row[0]) if row else 0
+    else:
+        head = 0  # every append was refused in planning: nothing to write
     return [
         replace(outcome, positions=tuple(head + position for position in outcome.positions))
         if isinstance(outcome, AppendResult)
         else outcome
         for outcome in plan.outcomes
     ]
+
+
+class BinaryArray(bytes):
+    """A one-dimensional array already in PostgreSQL's binary form (``array_send``), sent as it is."""
+
+
+class BinaryArrayDumper(Dumper):
+    """Sends a ``BinaryArray`` with no type of its own (oid 0): the statement's cast (``%b::int8[]``) says
+    which array it is, and the server reads it with that type's ``array_recv``."""
+
+    format = pq.Format.BINARY
+    oid = 0
+
+    def dump(self, obj: bytes) -> bytes:
+        return obj
+
+
+_HEADER = struct.Struct("!iiIii")  # dimensions, has nulls, element type, length, lower bound
+_LENGTH, _INT4, _INT8 = struct.Struct("!i"), struct.Struct("!ii"), struct.Struct("!iq")
+_NULL = _LENGTH.pack(-1)
+
+
+def binary_arrays(rows: Sequence[Sequence[Any]]) -> list[BinaryArray]:
+    """The columns of ``rows`` (in ``COPY_COLUMNS`` order) as binary arrays for ``APPEND_EVENTS``.
+
+    Written here rather than by psycopg's list dumper, which inspects every list to choose an element type
+    and cost about 110 µs of Python for the nine one-element arrays of a lone append, a third of what the
+    whole append cost; these take a few µs."""
+    columns = []
+    for index, name in enumerate(APPEND_TYPES):
+        values = [row[index] for row in rows]
+        has_nulls = None in values
+        parts = [_HEADER.pack(1, has_nulls, postgres.types[name].oid, len(values), 1)]
+        parts += [_NULL if value is None else _element(name, value) for value in values]
+        columns.append(BinaryArray(b"".join(parts)))
+    return columns
+
+
+def _element(type_name: str, value: Any) -> bytes:
+    """One array element as ``array_recv`` reads it: its length, then its type's binary form."""
+    if type_name == "int8":
+        return _INT8.pack(8, value)
+    if type_name == "int4":
+        return _INT4.pack(4, value)
+    raw: bytes = value.bytes if type_name == "uuid" else value.encode() if type_name == "text" else value
+    return _LENGTH.pack(len(raw)) + raw
 
 
 def _expected_versions(appends: Sequence[PendingAppend], looked_up: Set[str] = frozenset()) -> dict[str, int]:
