@@ -14,6 +14,12 @@ what differs is how the agent's call reaches the session:
   (``LeanHttp``: asyncio streams, one keep-alive connection per worker) instead of the SDK, whose own CPU
   (~3 ms a turn) shares the machine's cores with the gateway and bounds what the ``gateway`` path can reach:
   this path measures the gateway's own throughput.
+- ``floor``: the lean client against ``FloorApp`` in a process of its own, on the same uvicorn, event loop
+  and servers: per turn it does only the I/O a recording gateway cannot avoid (the HTTP request, one NATS
+  request-reply to the same consumer, one fsync'd autocommit INSERT of the request and reply into a table,
+  the HTTP response), with no dialect, session, event or log logic. Its CPU per turn is the floor under any
+  Python gateway built on these libraries on this machine: what the gateway spends above it is its own
+  logic, the rest is the three waits, their wake-ups and the libraries' I/O.
 
 At each concurrency level (``--levels``, default 1 and 16) that many workers run episodes back to back,
 each episode ``--turns-per-episode`` turns that extend the conversation (reply + a new user message, so
@@ -111,7 +117,7 @@ PROFILE_ENV = "TURNSTILE_BENCH_PROFILE"
 """A path prefix: each gateway process writes its cProfile statistics to <prefix>.<pid> when it stops
 (``--profile``); read them with ``python -m pstats``."""
 ADMIN_KEY = "bench-admin-" + uuid.uuid4().hex
-PATHS = ("llm.chat", "llm.openai()", "gateway", "gateway-lean")
+PATHS = ("llm.chat", "llm.openai()", "gateway", "gateway-lean", "floor")
 BASELINE = "llm.chat"
 MAX_TOKENS = 6
 SCRIPT = str(Path(__file__).resolve())
@@ -657,6 +663,62 @@ async def serve_gateway(database_url: str, nats_url: str, admin_key: str) -> Non
     await store.close()
 
 
+class FloorApp:
+    """The least a recording gateway does per turn (the ``floor`` path): read the request, one NATS
+    request-reply (a fresh request id each, so the consumer does its usual work), one autocommit INSERT of
+    request and reply (a transaction with its fsync, as an append is), a small JSON reply. The admin routes
+    answer at once, so ``LeanGatewayEpisode`` drives it as it drives the gateway."""
+
+    def __init__(self, nats_connection: Any, database: Any) -> None:
+        from schemas import ChatMessage, LLMRequest, SamplingParams
+
+        self.nats, self.database = nats_connection, database
+        template = LLMRequest(
+            policy=POLICY,
+            messages=[ChatMessage(role="user", content="floor: count to ten")],
+            sampling=SamplingParams(max_tokens=MAX_TOKENS),
+        )
+        self.request_id = str(template.request_id)
+        self.template = template.model_dump_json(exclude_none=True)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        answer: dict[str, Any] = {"session_id": "floor", "api_key": "floor"}
+        if scope["path"] == "/v1/chat/completions":
+            payload = self.template.replace(self.request_id, str(uuid.uuid4())).encode()
+            reply = await self.nats.request(f"llm.{POLICY}.requests", payload, timeout=60)
+            await self.database.execute("INSERT INTO bench_floor (data) VALUES (%b)", (body + reply.data,))
+            text = json.loads(reply.data)["text"]
+            answer = {"choices": [{"message": {"role": "assistant", "content": text}}]}
+        raw = json.dumps(answer).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": raw})
+
+
+async def serve_floor(database_url: str, nats_url: str) -> None:
+    import nats
+    import psycopg
+
+    from pipeline.gateway import HttpServer
+
+    nats_connection = await nats.connect(nats_url)
+    database = await psycopg.AsyncConnection.connect(database_url, autocommit=True)
+    await database.execute("CREATE TABLE IF NOT EXISTS bench_floor (id bigserial PRIMARY KEY, data bytea)")
+    server = HttpServer(FloorApp(nats_connection, database), lifespan="off")
+    await server.start()
+    tune_gc()
+    print(f"ready {server.url}", flush=True)
+    await wait_for_stdin_eof()
+    await server.stop()
+    await database.close()
+    await nats_connection.close()
+
+
 # --- the run -------------------------------------------------------------------------------------
 
 
@@ -700,6 +762,16 @@ async def measure(
                             long_results.append(
                                 await measure_long(label, dialect, url, admin, gateway_pid, args)
                             )
+            if "floor" in args.paths:
+                async with child("floor", database_url, found.nats_url) as (floor_pid, url):
+                    note(f"floor on {url} (uvicorn, its own process)")
+                    lean = [LeanHttp(url) for _ in range(max(args.levels))]
+                    try:
+                        make = lambda index: LeanGatewayEpisode(lean[index])  # noqa: E731
+                        results += await measure_path("floor", make, args, {**processes, "gateway": floor_pid})
+                    finally:
+                        for http in lean:
+                            await http.close()
         finally:
             await llm.close()
             await store.close()
@@ -876,6 +948,16 @@ def print_summary(results: Sequence[Result], long_results: Sequence[LongResult])
                 target = "<= 500 us" if level == 1 else None
                 summary("gateway", f"CPU us/turn x{level} ({client}) / llm.chat's", figure, baseline,
                         cpu / base, target, cpu <= 500)  # fmt: skip
+    for level in (1, 16):
+        floor = by_key.get(("floor", level))
+        for path in ("gateway", "gateway-lean") if floor is not None else ():
+            gateway = by_key.get((path, level))
+            if gateway is None or "gateway" not in gateway.cpu_us or "gateway" not in floor.cpu_us:
+                continue
+            client = "OpenAI SDK" if path == "gateway" else "lean client"
+            cpu, base = gateway.cpu_us["gateway"], floor.cpu_us["gateway"]
+            summary("gateway", f"CPU us/turn x{level} ({client}) / the floor's", f"gateway {cpu:,.0f}",
+                    f"floor {base:,.0f}", cpu / base, None, True)  # fmt: skip
     for result in long_results:
         if result.label == "gateway":
             figure = f"turn {len(result.cpu_ms)} {result.cpu_ms[-1]:.2f} ms"
@@ -944,6 +1026,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         role: dict[str, Callable[..., Awaitable[None]]] = {
             "consumer": serve_consumer,
             "gateway": serve_gateway,
+            "floor": serve_floor,
             "in-process": serve_in_process,
         }
         run(role[args.serve[0]](*args.serve[1:]))  # the event loop of `turnstile serve ...`
