@@ -768,7 +768,8 @@ async def measure(
                     lean = [LeanHttp(url) for _ in range(max(args.levels))]
                     try:
                         make = lambda index: LeanGatewayEpisode(lean[index])  # noqa: E731
-                        results += await measure_path("floor", make, args, {**processes, "gateway": floor_pid})
+                        floor_processes = {**processes, "gateway": floor_pid}
+                        results += await measure_path("floor", make, args, floor_processes)
                     finally:
                         for http in lean:
                             await http.close()
