@@ -335,12 +335,14 @@ async def test_a_read_only_role_cannot_hold_the_append_lock_and_a_held_lock_time
         await store.close()
 
 
-async def test_only_the_writer_appends_through_append_events(
+async def test_only_the_writer_appends_through_append_events_which_checks_what_the_guard_would(
     database_url: str, logins: dict[str, tuple[str, str]]
 ) -> None:
-    """Migration 0016: the store's one-statement append runs as its caller (SECURITY INVOKER) and only
-    turnstile_writer may call it; the rows it writes pass the append guard like any other."""
-    writer = await EventStore.connect(login_url(database_url, logins["turnstile_writer"]))
+    """Migration 0016: the store's one-statement append runs as turnstile_appender, a role no one can log
+    in as or become, which the append guard does not check twice; the function checks the streams'
+    versions itself, and only turnstile_writer may call it."""
+    writer_login = logins["turnstile_writer"]
+    writer = await EventStore.connect(login_url(database_url, writer_login))
     try:
         stream = new_stream()
         assert (await writer.append(stream, [started()], 0)).positions == (1,)
@@ -348,11 +350,36 @@ async def test_only_the_writer_appends_through_append_events(
         assert writer.stats.one_round_trip == 2
     finally:
         await writer.close()
-    call = (
-        "SELECT append_events(ARRAY[1]::int8[], ARRAY['episode-x'], ARRAY[1], ARRAY[gen_random_uuid()], "
-        "ARRAY['EpisodeStarted'], ARRAY['{}'], ARRAY[NULL]::bytea[], ARRAY['{}'], ARRAY['\\x00'::bytea])"
-    )
+
+    def call(name: str, version: int, event_id: str = "gen_random_uuid()") -> str:
+        return (
+            f"SELECT append_events(ARRAY['{name}'], ARRAY[{version}], ARRAY[{event_id}], "
+            "ARRAY['RewardAssigned'], ARRAY['{}'], ARRAY[NULL]::bytea[], ARRAY['{}'], ARRAY['\\x00'::bytea])"
+        )
+
+    gap = f"versions right after its last one.*{stream} is at version 3, got version 5"
+    with pytest.raises(psycopg.errors.CheckViolation, match=gap):
+        run_as(database_url, writer_login, call(stream, 5))
+    refused("writer calling append_events with a version gap")
+    with pytest.raises(psycopg.errors.CheckViolation, match="is at version 3, got version 3"):
+        run_as(database_url, writer_login, call(stream, 3))
+    refused("writer calling append_events with a version taken already")
+    with pytest.raises(psycopg.errors.CheckViolation, match="is at version 0, got version 2"):
+        run_as(database_url, writer_login, call(new_stream(), 2))
+    refused("writer calling append_events for a new stream not at version 1")
     for login in (logins["turnstile_materializer"], logins["turnstile_reader"]):
         with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied for function"):
-            run_as(database_url, login, call)
+            run_as(database_url, login, call(new_stream(), 1))
         refused(f"{login[0]} calling append_events")
+    for login in logins.values():
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            run_as(database_url, login, "SET ROLE turnstile_appender")
+        refused(f"{login[0]} becoming turnstile_appender")
+    event_id = f"'{uuid.uuid4()}'::uuid"
+    run_as(database_url, writer_login, call(stream, 4, event_id))  # the next version: accepted
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        run_as(database_url, writer_login, call(stream, 5, event_id))
+    refused("writer calling append_events with an event id recorded already")
+    async with await psycopg.AsyncConnection.connect(libpq_url(database_url)) as connection:
+        cursor = await connection.execute("SELECT position, version FROM events ORDER BY position")
+        assert await cursor.fetchall() == [(1, 1), (2, 2), (3, 3), (4, 4)]

@@ -1,23 +1,28 @@
-"""``append_events``: an append that names its expected version is one statement, so one message each way.
+"""``append_events``: an append that names its expected version is one statement, checked by construction.
 
 Before, the event store's lone append (``write_in_one_round_trip``) was BEGIN, the append lock, an INSERT and
 COMMIT pipelined by psycopg, which flushes the socket at every statement: four sends that each woke the
 server, and psycopg's pipeline machinery in Python around each. A lone append cost the appending process
-about 1 ms of CPU (``bench/gateway.py`` at one episode, where every turn is a transaction of its own). Now
-the store calls this function on an autocommit connection: one Bind/Execute, one reply.
+about 1 ms of CPU (``bench/gateway.py`` at one episode, where every turn is a transaction of its own), and
+the append guard (0007, 0015) about half of the ~0.7 ms it cost PostgreSQL: its transition table, the look-up
+in ``pg_locks`` (a copy of the whole lock table) and five queries. Now the store calls this function on an
+autocommit connection: one Bind/Execute, one reply, one implicit transaction that commits on return.
 
-The function does what the pipelined statements did, in the same order: it takes the append lock (waiting
-at most the session's ``lock_timeout``), then reads the head and inserts the rows at head + 1, head + 2,
-... . It is VOLATILE, so in READ COMMITTED each statement in it takes a new snapshot: the head is read after
-the lock was granted and sees every append that committed before ours (invariant 4, as in
-``pipeline/log/store.py``). The append guard (0007, 0015) checks the rows as it checks any INSERT, and the
-statement's implicit transaction commits on return, which releases the lock. It runs with the caller's
-privileges (SECURITY INVOKER): a role that may not INSERT into ``events`` gets the same refusal as before.
-Only ``turnstile_writer`` (and the owner) may call it.
+The function does in this order what the guard checks after the fact: it takes the append lock (waiting at
+most the session's ``lock_timeout``), reads the head, checks that each stream's new versions start right
+after its last one and leave no gap (the guard's SQLSTATE 23514 and message), and inserts the rows at
+head + 1, head + 2, ... in the order given. It is VOLATILE, so in READ COMMITTED each statement in it takes a
+new snapshot: the head and the versions are read after the lock was granted and see every append that
+committed before (invariant 4, as in ``pipeline/log/store.py``). Event ids stay unique by their index.
 
-``positions`` are relative (1, 2, ...), one per row; ``data`` and ``metadata`` are JSON text, parsed by the
-jsonb input function that COPY uses too, so the stored bytes are the same as the COPY path's. It returns the
-head before the first new row.
+It runs as ``turnstile_appender`` (SECURITY DEFINER, search_path fixed), a role that cannot log in and that
+no one is granted: only this function acts as it. The guard's trigger now fires unless the current user is
+that role, so rows written by the function are not checked twice, and every other INSERT or COPY into
+``events`` (the store's batches, any role's own statements) is checked as before. Only
+``turnstile_writer`` (and the owner) may call it.
+
+Making the role own the function needs a superuser, or a migrating user that may SET ROLE to it
+(``GRANT turnstile_appender TO <that user>``); without either, the migration stops and says so.
 
 Revision ID: 0016
 Revises: 0015
@@ -34,33 +39,116 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 APPEND_LOCK = 0x7475726E73746C  # pipeline/log/store.py APPEND_LOCK (migrations do not import the library)
+APPENDER = "turnstile_appender"
 WRITER = "turnstile_writer"
-SIGNATURE = "append_events(int8[], text[], int4[], uuid[], text[], text[], bytea[], text[], bytea[])"
+SIGNATURE = "append_events(text[], int4[], uuid[], text[], text[], bytea[], text[], bytea[])"
+GUARD_TRIGGER = (
+    "CREATE TRIGGER events_append_guard AFTER INSERT ON events REFERENCING NEW TABLE AS appended "
+    "FOR EACH STATEMENT {when}EXECUTE FUNCTION events_append_guard()"
+)
+
+FUNCTION = f"""
+CREATE FUNCTION append_events(
+    streams text[], versions int4[], event_ids uuid[], types text[], data text[], tokens bytea[],
+    metadata text[], content_hashes bytea[]
+) RETURNS int8 LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path FROM CURRENT AS $$
+DECLARE
+    head       int8;
+    bad_stream text;
+    bad_last   integer;
+    bad_first  integer;
+BEGIN
+    PERFORM pg_advisory_xact_lock({APPEND_LOCK});
+    SELECT coalesce(max(position), 0) INTO head FROM events;
+    SELECT stream, last_before, first_new_version INTO bad_stream, bad_last, bad_first
+    FROM (
+        SELECT n.*,
+               coalesce((SELECT max(e.version) FROM events e WHERE e.stream = n.stream), 0) AS last_before
+        FROM (SELECT a.stream, min(a.version) AS first_new_version, max(a.version) AS last_new_version,
+                     count(*) AS new_versions
+              FROM unnest(streams, versions) AS a(stream, version) GROUP BY a.stream) AS n
+    ) AS checked
+    WHERE first_new_version IS DISTINCT FROM last_before + 1
+       OR last_new_version - first_new_version + 1 <> new_versions
+    LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'events of a stream must take the versions right after its last one, without '
+                        'gaps: % is at version %, got version %', bad_stream, bad_last, bad_first
+            USING ERRCODE = 'check_violation';
+    END IF;
+    INSERT INTO events (position, stream, version, event_id, type, data, tokens, metadata, content_hash)
+    SELECT head + new.n, new.stream, new.version, new.event_id, new.type, new.data::jsonb, new.tokens,
+           new.metadata::jsonb, new.content_hash
+    FROM unnest(streams, versions, event_ids, types, data, tokens, metadata, content_hashes)
+         WITH ORDINALITY AS new(stream, version, event_id, type, data, tokens, metadata, content_hash, n);
+    RETURN head;
+END
+$$
+"""
 
 
 def upgrade() -> None:
     op.execute(f"""
-CREATE FUNCTION append_events(
-    positions int8[], streams text[], versions int4[], event_ids uuid[], types text[], data text[],
-    tokens bytea[], metadata text[], content_hashes bytea[]
-) RETURNS int8 LANGUAGE plpgsql VOLATILE SECURITY INVOKER AS $$
-DECLARE
-    head int8;
-BEGIN
-    PERFORM pg_advisory_xact_lock({APPEND_LOCK});
-    SELECT coalesce(max(position), 0) INTO head FROM events;
-    INSERT INTO events (position, stream, version, event_id, type, data, tokens, metadata, content_hash)
-    SELECT head + new.position, new.stream, new.version, new.event_id, new.type, new.data::jsonb,
-           new.tokens, new.metadata::jsonb, new.content_hash
-    FROM unnest(positions, streams, versions, event_ids, types, data, tokens, metadata, content_hashes)
-         AS new(position, stream, version, event_id, type, data, tokens, metadata, content_hash);
-    RETURN head;
-END
-$$
-""")
+        DO $$
+        BEGIN
+            IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{APPENDER}') THEN
+                CREATE ROLE {APPENDER} NOLOGIN;
+            END IF;
+        EXCEPTION
+            WHEN duplicate_object OR unique_violation THEN NULL;  -- made meanwhile by another database
+            WHEN insufficient_privilege THEN
+                RAISE EXCEPTION 'creating role {APPENDER} needs CREATEROLE'
+                    USING HINT = 'ask an administrator to run: CREATE ROLE {APPENDER} NOLOGIN; '
+                                 || 'then migrate again';
+        END
+        $$
+    """)
+    op.execute(f"GRANT USAGE ON SCHEMA public TO {APPENDER}")
+    op.execute(f"GRANT SELECT, INSERT ON events TO {APPENDER}")
+    # 0007 took the advisory-lock functions from PUBLIC where it could (as a superuser): give the lock back
+    # to the role that now takes it.
+    op.execute(f"""
+        DO $$
+        BEGIN
+            GRANT EXECUTE ON FUNCTION pg_catalog.pg_advisory_xact_lock(bigint) TO {APPENDER};
+        EXCEPTION
+            WHEN insufficient_privilege THEN NULL;  -- not a superuser: 0007 could not revoke it from PUBLIC
+        END
+        $$
+    """)
+    op.execute(FUNCTION)
+    op.execute(f"""
+        DO $$
+        BEGIN
+            ALTER FUNCTION {SIGNATURE} OWNER TO {APPENDER};
+        EXCEPTION
+            WHEN insufficient_privilege THEN
+                RAISE EXCEPTION 'making {APPENDER} own append_events needs a superuser, or a migrating user '
+                                'that may SET ROLE {APPENDER}'
+                    USING HINT = 'as a superuser: GRANT {APPENDER} TO ' || current_user
+                                 || '; then migrate again';
+        END
+        $$
+    """)
     op.execute(f"REVOKE EXECUTE ON FUNCTION {SIGNATURE} FROM PUBLIC")
     op.execute(f"GRANT EXECUTE ON FUNCTION {SIGNATURE} TO {WRITER}")
+    op.execute("DROP TRIGGER events_append_guard ON events")
+    op.execute(GUARD_TRIGGER.format(when=f"WHEN (current_user <> '{APPENDER}') "))
 
 
 def downgrade() -> None:
+    op.execute("DROP TRIGGER events_append_guard ON events")
+    op.execute(GUARD_TRIGGER.format(when=""))
     op.execute(f"DROP FUNCTION {SIGNATURE}")
+    op.execute(f"""
+        DO $$
+        BEGIN
+            REVOKE EXECUTE ON FUNCTION pg_catalog.pg_advisory_xact_lock(bigint) FROM {APPENDER};
+        EXCEPTION
+            WHEN insufficient_privilege THEN NULL;
+        END
+        $$
+    """)
+    op.execute(f"REVOKE SELECT, INSERT ON events FROM {APPENDER}")
+    op.execute(f"REVOKE USAGE ON SCHEMA public FROM {APPENDER}")
+    # The role stays: roles are shared by every database on the server, and others may still use it.

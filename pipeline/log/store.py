@@ -73,12 +73,12 @@ ONE_ROUND_TRIP_MAX_EVENTS: Final = 32
 """The largest batch written in one round trip (``write_in_one_round_trip``) by default; a larger one is
 COPYed. An INSERT from arrays costs PostgreSQL more per row than COPY, the round trips it saves are per
 transaction: bench/ingest.py --copy-path measured them even at 32 events a batch, COPY ahead from 64."""
-APPEND_TYPES: Final = ("int8", "text", "int4", "uuid", "text", "text", "bytea", "text", "bytea")
-"""``COPY_TYPES`` with jsonb sent as text: the element types of ``append_events``'s array parameters."""
+APPEND_TYPES: Final = ("text", "int4", "uuid", "text", "text", "bytea", "text", "bytea")
+"""The element types of ``append_events``'s array parameters: ``COPY_COLUMNS`` but the position (the rows'
+order gives it), jsonb sent as text."""
 APPEND_EVENTS: Final = f"SELECT append_events({', '.join(f'%b::{name}[]' for name in APPEND_TYPES)})"
-"""One append transaction in one statement (migration 0016): the append lock, then the rows at head + 1,
-head + 2, ...; returns the head before them. The parameters are the columns of ``COPY_COLUMNS``, positions
-relative, jsonb as text."""
+"""One append transaction in one statement (migration 0016): the append lock, the streams' versions checked,
+then the rows at head + 1, head + 2, ... in the order given; returns the head before them."""
 
 
 @dataclass(slots=True)
@@ -530,23 +530,23 @@ async def write_in_one_round_trip(
     connection: psycopg.AsyncConnection[Any], appends: Sequence[PendingAppend], lock_timeout: float
 ) -> list[AppendResult | TurnstileError]:
     """``write_appends(optimistic=True)`` for appends that all name their expected version, as one statement
-    on the writer's autocommit connection: ``append_events`` (migration 0016) takes the append lock, inserts
-    the rows after the head and commits, one message each way (the connection's ``lock_timeout`` is set
-    already, see ``_Writer.connect``). At one episode every turn is a transaction of its own, and each round
-    trip that puts the process to sleep costs more CPU than the statements (bench/ingest.py ``--copy-path``).
+    on the writer's autocommit connection: ``append_events`` (migration 0016) takes the append lock, checks
+    the streams' versions, inserts the rows after the head and commits, one message each way (the
+    connection's ``lock_timeout`` is set already, see ``_Writer.connect``). At one episode every turn is a
+    transaction of its own, and each round trip that puts the process to sleep costs more CPU than the
+    statements (bench/ingest.py ``--copy-path``).
 
     Where the database refuses the rows (an ``IntegrityError``: a stream not at its expected version, an
     event id recorded already), nothing was written and the error is raised, as in ``write_appends``: the
     caller writes the batch again with look-ups.
     """
     plan = plan_appends(appends, {}, _expected_versions(appends), 0)
-    if plan.rows:
+    head = 0
+    if plan.rows:  # else every append was refused in planning: nothing to write
         with _lock_wait(lock_timeout):
             cursor = await connection.execute(APPEND_EVENTS, binary_arrays(plan.rows))
             row = await cursor.fetchone()
         head = int(row[0]) if row else 0
-    else:
-        head = 0  # every append was refused in planning: nothing to write
     return [
         replace(outcome, positions=tuple(head + position for position in outcome.positions))
         if isinstance(outcome, AppendResult)
@@ -571,22 +571,22 @@ class BinaryArrayDumper(Dumper):
 
 
 _HEADER = struct.Struct("!iiIii")  # dimensions, has nulls, element type, length, lower bound
-_LENGTH, _INT4, _INT8 = struct.Struct("!i"), struct.Struct("!ii"), struct.Struct("!iq")
+_LENGTH, _INT4 = struct.Struct("!i"), struct.Struct("!ii")
 _NULL, _UUID_LENGTH = _LENGTH.pack(-1), _LENGTH.pack(16)
 _APPEND_OIDS = tuple(postgres.types[name].oid for name in APPEND_TYPES)
 
 
 def binary_arrays(rows: Sequence[Sequence[Any]]) -> list[BinaryArray]:
-    """The columns of ``rows`` (in ``COPY_COLUMNS`` order) as binary arrays for ``APPEND_EVENTS``: each
-    element its length and its type's binary form (``array_recv``); only ``tokens`` may be null.
+    """The columns of ``rows`` (in ``COPY_COLUMNS`` order, positions 1, 2, ...) but the position, as binary
+    arrays for ``APPEND_EVENTS``: each element its length and its type's binary form (``array_recv``); only
+    ``tokens`` may be null.
 
     Written here rather than by psycopg's list dumper, which inspects every list to choose an element type
-    and cost about 110 µs of Python for the nine one-element arrays of a lone append, a third of what the
-    whole append cost; these take about 10."""
+    and cost about 110 µs of Python for the one-element arrays of a lone append, a third of what the whole
+    append cost; these take about 10."""
     columns: list[list[bytes]] = [[] for _ in _APPEND_OIDS]
-    positions, streams, versions, ids, types, data, tokens, metadata, hashes = columns
-    for position, stream, version, event_id, type_, text, packed, meta, content_hash in rows:
-        positions.append(_INT8.pack(8, position))
+    streams, versions, ids, types, data, tokens, metadata, hashes = columns
+    for _, stream, version, event_id, type_, text, packed, meta, content_hash in rows:
         streams.append(_text(stream))
         versions.append(_INT4.pack(4, version))
         ids.append(_UUID_LENGTH + event_id.bytes)
