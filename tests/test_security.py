@@ -380,6 +380,10 @@ async def test_only_the_writer_appends_through_append_events_which_checks_what_t
     with pytest.raises(psycopg.errors.UniqueViolation):
         run_as(database_url, writer_login, call(stream, 5, event_id))
     refused("writer calling append_events with an event id recorded already")
+    shadowed = new_stream()  # a temporary table of the caller's named events does not stand in for the log
+    run_as(database_url, writer_login, "CREATE TEMP TABLE events (LIKE public.events)", call(shadowed, 1))
     async with await psycopg.AsyncConnection.connect(libpq_url(database_url)) as connection:
-        cursor = await connection.execute("SELECT position, version FROM events ORDER BY position")
-        assert await cursor.fetchall() == [(1, 1), (2, 2), (3, 3), (4, 4)]
+        cursor = await connection.execute("SELECT position, stream, version FROM events ORDER BY position")
+        rows = await cursor.fetchall()
+    assert [(position, version) for position, _, version in rows] == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 1)]
+    assert rows[-1][1] == shadowed

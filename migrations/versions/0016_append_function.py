@@ -15,7 +15,8 @@ head + 1, head + 2, ... in the order given. It is VOLATILE, so in READ COMMITTED
 new snapshot: the head and the versions are read after the lock was granted and see every append that
 committed before (invariant 4, as in ``pipeline/log/store.py``). Event ids stay unique by their index.
 
-It runs as ``turnstile_appender`` (SECURITY DEFINER, search_path fixed), a role that cannot log in and that
+It runs as ``turnstile_appender`` (SECURITY DEFINER; its search_path is ``public, pg_temp``, so a caller's
+temporary table cannot stand in for ``events``), a role that cannot log in and that
 no one is granted: only this function acts as it. The guard's trigger now fires unless the current user is
 that role, so rows written by the function are not checked twice, and every other INSERT or COPY into
 ``events`` (the store's batches, any role's own statements) is checked as before. Only
@@ -51,7 +52,7 @@ FUNCTION = f"""
 CREATE FUNCTION append_events(
     streams text[], versions int4[], event_ids uuid[], types text[], data text[], tokens bytea[],
     metadata text[], content_hashes bytea[]
-) RETURNS int8 LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path FROM CURRENT AS $$
+) RETURNS int8 LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = public, pg_temp AS $$
 DECLARE
     head       int8;
     bad_stream text;
