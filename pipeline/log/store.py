@@ -560,7 +560,7 @@ class BinaryArray(bytes):
 
 
 class BinaryArrayDumper(Dumper):
-    """Sends a ``BinaryArray`` with no type of its own (oid 0): the statement's cast (``%b::int8[]``) says
+    """Sends a ``BinaryArray`` with no type of its own (oid 0): the statement's cast (``%b::text[]``) says
     which array it is, and the server reads it with that type's ``array_recv``."""
 
     format = pq.Format.BINARY
