@@ -797,6 +797,21 @@ def _reward(row: LogRow) -> float:
     return float(value)
 
 
+def _read_query(where: str, params: dict[str, Any], limit: int | None) -> tuple[str, dict[str, Any]]:
+    query = (
+        f"SELECT position, stream, type, {_FOLDED_DATA}, tokens, recorded_at FROM events "
+        f"WHERE {where} ORDER BY position"
+    )
+    if limit is not None:
+        query += f" LIMIT {int(limit)}"
+    return query, {**params, "unfolded": list(UNFOLDED_FIELDS)}
+
+
+def _log_rows(rows: Sequence[tuple[Any, ...]]) -> list[LogRow]:
+    data = json.loads(f"[{','.join([r[3] for r in rows])}]")
+    return [LogRow(r[0], r[1], r[2], d, r[4], r[5]) for r, d in zip(rows, data, strict=True)]
+
+
 class Materializer:
     """Runs a ``Fold`` on PostgreSQL: ``await m.open()``, then ``step()``, ``catch_up()`` or ``run()``."""
 
@@ -1027,16 +1042,18 @@ class Materializer:
         """The events ``where`` selects, in log order. Only what the fold reads of ``data`` comes (see
         ``UNFOLDED_FIELDS``), in binary (token arrays as bytes, not hex), and a page's JSON is parsed in one
         call: reading the log was a third of a rebuild's Python."""
-        query = (
-            f"SELECT position, stream, type, {_FOLDED_DATA}, tokens, recorded_at FROM events "
-            f"WHERE {where} ORDER BY position"
-        )
-        if limit is not None:
-            query += f" LIMIT {int(limit)}"
         cursor = self._require().cursor(binary=True)
-        rows = await (await cursor.execute(query, {**params, "unfolded": list(UNFOLDED_FIELDS)})).fetchall()
-        data = json.loads(f"[{','.join([r[3] for r in rows])}]")
-        return [LogRow(r[0], r[1], r[2], d, r[4], r[5]) for r, d in zip(rows, data, strict=True)]
+        rows = await (await cursor.execute(*_read_query(where, params, limit))).fetchall()
+        return _log_rows(rows)
+
+    def _read_after(self, connection: psycopg.Connection[Any], position: int) -> list[LogRow]:
+        """``_read``'s next page after ``position``, on ``connection`` (blocking: ``catch_up``'s prefetch runs
+        it in a worker thread)."""
+        with connection.cursor(binary=True) as cursor:
+            rows = cursor.execute(
+                *_read_query("position > %(position)s", {"position": position}, self.config.step_events)
+            ).fetchall()
+        return _log_rows(rows)
 
     async def step(self) -> int:
         """Fold the next events after the checkpoint and commit what they produced; the events folded."""
@@ -1219,20 +1236,37 @@ class Materializer:
     async def catch_up(self) -> int:
         """Fold until the checkpoint reaches the head of the log as it was when called; events folded."""
         # Pipelined: each step is read and folded while the step before it commits (on the writer connection,
-        # in a worker thread), so PostgreSQL's work on the writes overlaps the fold. Commits still go one at
-        # a time and in order, each with its checkpoint; at most two steps' output is in memory. When a
-        # commit is refused, the step folded meanwhile was folded on a state that is gone: it is read again.
+        # in a worker thread), so PostgreSQL's work on the writes overlaps the fold; and the page after a step
+        # is read (on a reader connection, in another worker thread) while that step folds. Commits still go
+        # one at a time and in order, each with its checkpoint; at most two steps' output and one page read
+        # ahead are in memory. When a commit is refused, the step folded meanwhile was folded on a state that
+        # is gone: it is read again, and the page read ahead of it is dropped.
         target, total = await self.head(), 0
         pending: tuple[asyncio.Future[None], list[LogRow], int] | None = None
+        reader: psycopg.Connection[Any] = await asyncio.to_thread(
+            psycopg.Connection.connect, self.database_url, autocommit=True
+        )
+        ahead: tuple[int, asyncio.Future[list[LogRow]]] | None = None
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                rows = (
-                    await self._read(
-                        "position > %(position)s", {"position": self.fold.position}, self.config.step_events
-                    )
-                    if self.fold.position < target
-                    else []
-                )
+                rows: list[LogRow] = []
+                if self.fold.position < target:
+                    if ahead is not None and ahead[0] == self.fold.position:
+                        rows = await ahead[1]
+                    else:
+                        if ahead is not None:
+                            await ahead[1]  # read after a position the fold went back from: dropped
+                        rows = await self._read(
+                            "position > %(position)s",
+                            {"position": self.fold.position},
+                            self.config.step_events,
+                        )
+                    ahead = None
+                    if rows and rows[-1].position < target:
+                        # submitted now, not when the event loop next runs: it reads while this step folds
+                        after = rows[-1].position
+                        ahead = (after, loop.run_in_executor(None, self._read_after, reader, after))
                 folded = self._fold(rows) if rows else None
                 if pending is not None:
                     committed, pending = await self._settle(*pending), None
@@ -1242,11 +1276,16 @@ class Materializer:
                     break
                 skipped, writes = folded
                 pending = (asyncio.ensure_future(self._commit(writes, self.fold.position)), rows, skipped)
+                await asyncio.sleep(0)  # the commit's thread starts now, not after the next page has folded
                 total += len(rows)
         finally:
+            if ahead is not None:
+                with contextlib.suppress(Exception):
+                    await ahead[1]
             if pending is not None:  # something failed while a commit was in flight: let it finish first
                 with contextlib.suppress(Exception):
                     await pending[0]
+            await asyncio.to_thread(reader.close)
         await self.build_deferred_indexes()
         return total
 
