@@ -211,6 +211,30 @@ class NewSample(NamedTuple):
     arrays: bytes
 
 
+class Finished(NamedTuple):
+    """What an episode's end gives the group half of the fold (``Fold.take``)."""
+
+    policy: str
+    version: int | None
+    """The newest policy version of its turns (None: it has none)."""
+    group_id: str | None
+    """None: it makes no samples (not usable)."""
+    size: int
+    episode_id: str
+    samples: list[tuple[ReadySample, list[Any]]]
+    """Its samples, each with its new ``sample_rows`` row."""
+
+
+class Published(NamedTuple):
+    """A ``PolicyVersionPublished`` as the group half takes it."""
+
+    policy: str
+    version: int
+
+
+Outcome = Finished | Published
+
+
 @dataclass(slots=True)
 class PendingGroup:
     policy: str
@@ -313,6 +337,13 @@ class Unfoldable(Exception):
         self.reason = reason
 
 
+def _culprit(error: BaseException, row: LogRow) -> tuple[LogRow, str]:
+    """The event to skip for ``error`` (raised while folding ``row``), and why."""
+    if isinstance(error, Unfoldable):
+        return error.row, error.reason
+    return row, f"{type(error).__name__}: {error}"
+
+
 UNFOLDABLE: Final = (Unfoldable, KeyError, ValueError, TypeError, IndexError, AttributeError, OverflowError)
 """What reading a malformed event raises (a missing field, a wrong type, torn token arrays): the fold skips
 that event, never stops on it. Every event is validated when appended, so this is for what slipped past."""
@@ -344,12 +375,34 @@ class Fold:
             return  # delivered again: already folded
         self.position = row.position
         self._expire_groups(row)
+        outcome = self.fold_event(row)
+        if outcome is not None:
+            self.take(outcome, row)
+
+    # The fold has two halves. The episode half (``fold_event``: open episodes, their turns and samples, the
+    # episodes and turn_rows rows, skips) needs nothing from the other; the group half (``_expire_groups``
+    # and ``take``: groups, advantages, batches, the policies' newest versions) takes what the episode half
+    # made of each event, in the log's order. ``apply`` runs both; a rebuild runs the episode half in a
+    # worker process (``Materializer._catch_up_with_worker``) and the group half here, on the same events.
+
+    def fold_event(self, row: LogRow) -> Outcome | None:
+        """The episode half of ``apply``: what ``row`` gives the group half, if anything. An event it cannot
+        use is skipped here (see ``skip``)."""
         try:
-            self._dispatch(row)
+            return self._dispatch(row)
         except UNFOLDABLE as error:
-            culprit = error.row if isinstance(error, Unfoldable) else row
-            reason = error.reason if isinstance(error, Unfoldable) else f"{type(error).__name__}: {error}"
-            self.skip(culprit, reason, closing=row)
+            self.skip(*_culprit(error, row), closing=row)
+            return None
+
+    def take(self, outcome: Outcome, row: LogRow) -> None:
+        """The group half of ``apply`` for an event whose episode half gave ``outcome``."""
+        try:
+            if isinstance(outcome, Published):
+                self.newest[outcome.policy] = max(self.newest.get(outcome.policy, 0), outcome.version)
+                return
+            self._take_finished(outcome, row)
+        except UNFOLDABLE as error:  # its episode is closed already: only the skip is recorded
+            self.skip(*_culprit(error, row), closing=row)
 
     def skip(self, row: LogRow, reason: str, *, closing: LogRow | None = None) -> None:
         """Record ``row`` as skipped; if ``closing`` finishes an open episode, that episode is recorded as
@@ -373,7 +426,7 @@ class Fold:
                 (closing.recorded_at - episode[0].recorded_at).total_seconds(), closing.position],
             )  # fmt: skip
 
-    def _dispatch(self, row: LogRow) -> None:
+    def _dispatch(self, row: LogRow) -> Outcome | None:
         if row.type == "EpisodeStarted":
             self._started(row)
         elif row.type in ("TurnCompleted", "RewardAssigned"):
@@ -381,11 +434,10 @@ class Fold:
             if events is not None:
                 events.append(row)
         elif row.type == "EpisodeFinished":
-            self._finished(row)
+            return self._finished(row)
         elif row.type == "PolicyVersionPublished":
-            policy = _text(row, "policy")
-            version = _count(row, row.data["version"], "version")
-            self.newest[policy] = max(self.newest.get(policy, 0), version)
+            return Published(_text(row, "policy"), _count(row, row.data["version"], "version"))
+        return None
 
     def _started(self, row: LogRow) -> None:
         data = row.data
@@ -400,10 +452,10 @@ class Fold:
         self.open[row.stream] = [row]
         self.writes.episodes[row.stream] = values
 
-    def _finished(self, row: LogRow) -> None:
+    def _finished(self, row: LogRow) -> Finished | None:
         events = self.open.get(row.stream)
         if events is None:
-            return  # its start is not in this log (or was folded by an older reader): nothing to close
+            return None  # its start is not in this log (or was folded by an older reader): nothing to close
         # Everything that can fail on a malformed event is computed before any state changes.
         started = events[0].data
         episode_id: str = started["episode_id"]
@@ -424,18 +476,11 @@ class Fold:
         self._record_finished(row.stream, episode_id, finished)
         self.writes.turns.extend(turn_rows)
         policy = started["policy"]
-        if versions:
-            self.newest[policy] = max(self.newest.get(policy, 0), max(versions))
+        version = max(versions) if versions else None
         if not usable:
-            return
+            return Finished(policy, version, None, 1, episode_id, [])
         group_id = started.get("group_id") or episode_id
         size = int(started.get("group_size", 1)) if started.get("group_id") else 1
-        key = (policy, group_id)
-        group = self.pending.get(key) or PendingGroup(policy, group_id, size, row.recorded_at)
-        self.pending[key] = group
-        self.pending.move_to_end(key)
-        group.last_time = row.recorded_at
-        group.episodes.add(episode_id)
         if self.config.advantage_peers == "depth":
             depth_of = depths(view.tree)
             slots = [
@@ -448,6 +493,7 @@ class Fold:
         else:
             slots = list(range(len(samples)))
         by_id = {turn.turn_id: turn for turn in turns}
+        made = []
         for slot, sample in zip(slots, samples, strict=True):
             ready = ReadySample(
                 sample_id=sample.sample_id,
@@ -466,8 +512,24 @@ class Fold:
                 position=row.position,
                 slot=slot,
             )
+            made.append((ready, self._sample_row(ready, sample, by_id, view.values, slot)))
+        return Finished(policy, version, group_id, size, episode_id, made)
+
+    def _take_finished(self, outcome: Finished, row: LogRow) -> None:
+        policy = outcome.policy
+        if outcome.version is not None:
+            self.newest[policy] = max(self.newest.get(policy, 0), outcome.version)
+        if outcome.group_id is None:
+            return  # not usable: no samples
+        key = (policy, outcome.group_id)
+        group = self.pending.get(key) or PendingGroup(policy, outcome.group_id, outcome.size, row.recorded_at)
+        self.pending[key] = group
+        self.pending.move_to_end(key)
+        group.last_time = row.recorded_at
+        group.episodes.add(outcome.episode_id)
+        for ready, sample_row in outcome.samples:
             group.samples.append(ready)
-            self.writes.samples[ready.sample_id] = self._sample_row(ready, sample, by_id, view.values, slot)
+            self.writes.samples[ready.sample_id] = sample_row
         if len(group.episodes) >= group.size:
             self._make_ready([group], row)
 
