@@ -24,12 +24,17 @@ import hashlib
 import json
 import logging
 import math
+import multiprocessing
 import re
+import resource
+import signal
+import traceback
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from multiprocessing.connection import Connection
 from typing import Any, Final, Literal, NamedTuple
 
 import psycopg
@@ -859,6 +864,76 @@ def _reward(row: LogRow) -> float:
     return float(value)
 
 
+FOLD_WORKER_BACKLOG: Final = 20_000
+"""A ``catch_up`` this many events behind or more runs the fold's episode half in a worker process."""
+
+
+@dataclass(slots=True)
+class FoldedPage:
+    """A page of the log as the worker's episode half folded it (``_episode_worker``)."""
+
+    moments: list[tuple[int, datetime]]
+    """Each event's position and recorded_at, in log order: the group half's clock."""
+    outcomes: list[tuple[int, LogRow, Outcome]]
+    """The events that gave the group half something: index in ``moments``, the event, its outcome."""
+    writes: Writes
+    """The episode half's writes: episodes, finished, turns, skipped."""
+    skipped: int
+    """Events skipped in this page."""
+
+
+@dataclass(slots=True)
+class WorkerDone:
+    """The worker reached its target: the episodes still open, for this process to go on with."""
+
+    open: dict[str, list[LogRow]]
+    peak_rss_kb: int
+
+
+def _episode_worker(
+    pipe: Connection,
+    database_url: str,
+    config: MaterializerConfig,
+    position: int,
+    target: int,
+    open_episodes: dict[str, list[LogRow]],
+) -> None:
+    """A forked process: the episode half of the fold (``Fold.fold_event``) over the log after ``position``
+    until ``target``, page by page, read on its own connection; each page goes to ``pipe`` as it is folded
+    (a send waits while the page before is still unread: at most one page ahead). Ends with ``WorkerDone``,
+    or the traceback of what failed."""
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)  # the parent's event loop's, not this process's
+    try:
+        fold = Fold(config)
+        fold.open, fold.position = open_episodes, position
+        with psycopg.Connection.connect(database_url, autocommit=True) as connection:
+            while position < target:
+                with connection.cursor(binary=True) as cursor:
+                    raw = cursor.execute(
+                        *_read_query("position > %(position)s", {"position": position}, config.step_events)
+                    ).fetchall()
+                if not raw:
+                    break
+                rows = _log_rows(raw)
+                skipped = fold.skipped
+                outcomes = []
+                for index, row in enumerate(rows):
+                    outcome = fold.fold_event(row)
+                    if outcome is not None:
+                        outcomes.append((index, row, outcome))
+                writes, fold.writes = fold.writes, Writes()
+                moments = [(row.position, row.recorded_at) for row in rows]
+                pipe.send(FoldedPage(moments, outcomes, writes, fold.skipped - skipped))
+                position = rows[-1].position
+        pipe.send(WorkerDone(fold.open, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            pipe.send(traceback.format_exc())
+    finally:
+        pipe.close()
+
+
 def _read_query(where: str, params: dict[str, Any], limit: int | None) -> tuple[str, dict[str, Any]]:
     query = (
         f"SELECT position, stream, type, {_FOLDED_DATA}, tokens, recorded_at FROM events "
@@ -887,6 +962,12 @@ class Materializer:
         self._writer: psycopg.Connection[Any] | None = None
         """Writes each step in one transaction, from a worker thread (``_commit``)."""
         self._indexes_built = False
+        self.fold_worker: bool | None = None
+        """Run the fold's episode half in a worker process during ``catch_up``: None (the default) when the
+        log is at least ``FOLD_WORKER_BACKLOG`` events ahead."""
+        self.worker_peak_rss_kb: int | None = None
+        """The last worker's peak resident memory (it starts as a fork of this process: it counts the
+        pages it shares with it)."""
 
     @property
     def position(self) -> int:
@@ -1136,19 +1217,27 @@ class Materializer:
         writes, self.fold.writes = self.fold.writes, Writes()
         return skipped, writes
 
-    async def _settle(self, commit: Awaitable[None], rows: list[LogRow], skipped: int) -> bool:
-        """Wait for the commit of the step that folded ``rows``. When the read models refused it, go back to
-        the checkpoint and commit the step's events one at a time, skipping the culprit; False then."""
+    async def _settle(
+        self, commit: Awaitable[None], rows: list[LogRow] | tuple[int, int], skipped: int
+    ) -> bool:
+        """Wait for the commit of the step that folded ``rows`` (or the events in (after, last], which a
+        worker folded). When the read models refused it, go back to the checkpoint and commit the step's
+        events one at a time, skipping the culprit; False then."""
         try:
             await commit
             return True
         except REFUSED_WRITES as error:
+            after = rows[0] if isinstance(rows, tuple) else rows[0].position - 1
             log.warning(
                 "materializer %s: the read models refused the step after position %d (%s); folding its "
                 "events one at a time to find the one to skip",
-                self.config.name, rows[0].position - 1, _first_line(error),
+                self.config.name, after, _first_line(error),
             )  # fmt: skip
             await self._reload(skipped)
+            if isinstance(rows, tuple):
+                rows = await self._read(
+                    "position > %(after)s AND position <= %(last)s", {"after": after, "last": rows[1]}
+                )
             await self._fold_one_at_a_time(rows)
             return False
 
@@ -1296,14 +1385,37 @@ class Materializer:
         return int(row[0]) if row else 0
 
     async def catch_up(self) -> int:
-        """Fold until the checkpoint reaches the head of the log as it was when called; events folded."""
+        """Fold until the checkpoint reaches the head of the log as it was when called; events folded. Far
+        behind (``fold_worker``), the episode half of the fold runs in a worker process."""
+        target, total = await self.head(), 0
+        while True:
+            if self._wants_worker(target):
+                done, folded = await self._catch_up_with_worker(target)
+            else:
+                done, folded = await self._catch_up_here(target)
+            total += folded
+            if done:
+                break
+        await self.build_deferred_indexes()
+        return total
+
+    def _wants_worker(self, target: int) -> bool:
+        if self.fold_worker is None:
+            wanted = target - self.fold.position >= FOLD_WORKER_BACKLOG
+        else:
+            wanted = self.fold_worker and self.fold.position < target
+        return wanted and "fork" in multiprocessing.get_all_start_methods()
+
+    async def _catch_up_here(self, target: int) -> tuple[bool, int]:
+        """``catch_up`` in this process; (True, events folded), or (False, ...) after a refused step (the
+        caller goes on from the checkpoint)."""
         # Pipelined: each step is read and folded while the step before it commits (on the writer connection,
         # in a worker thread), so PostgreSQL's work on the writes overlaps the fold; and the page after a step
         # is read (on a reader connection, in another worker thread) while that step folds. Commits still go
         # one at a time and in order, each with its checkpoint; at most two steps' output and one page read
         # ahead are in memory. When a commit is refused, the step folded meanwhile was folded on a state that
         # is gone: it is read again, and the page read ahead of it is dropped.
-        target, total = await self.head(), 0
+        total = 0
         pending: tuple[asyncio.Future[None], list[LogRow], int] | None = None
         reader: psycopg.Connection[Any] = await asyncio.to_thread(
             psycopg.Connection.connect, self.database_url, autocommit=True
@@ -1333,7 +1445,7 @@ class Materializer:
                 if pending is not None:
                     committed, pending = await self._settle(*pending), None
                     if not committed:
-                        continue
+                        return False, total
                 if folded is None:
                     break
                 skipped, writes = folded
@@ -1348,8 +1460,90 @@ class Materializer:
                 with contextlib.suppress(Exception):
                     await pending[0]
             await asyncio.to_thread(reader.close)
-        await self.build_deferred_indexes()
-        return total
+        return True, total
+
+    async def _catch_up_with_worker(self, target: int) -> tuple[bool, int]:
+        """``_catch_up_here`` with the fold's episode half in a forked worker process (``_episode_worker``),
+        which reads the log itself and sends each page folded; this process folds the group half of each
+        page (``_take_page``) and commits it, pipelined as ``_catch_up_here`` does. The worker holds the open
+        episodes meanwhile, and hands them back when it is done. After a refused step the worker is stopped
+        (it is ahead, on a state that is gone)."""
+        loop = asyncio.get_running_loop()
+        context = multiprocessing.get_context("fork")  # nothing to import or pickle at start
+        ours, theirs = context.Pipe(duplex=False)
+        handed, self.fold.open = self.fold.open, {}
+        worker = context.Process(
+            target=_episode_worker,
+            args=(theirs, self.database_url, self.config, self.fold.position, target, handed),
+            name=f"materializer-{self.config.name}-episodes",
+            daemon=True,
+        )
+        worker.start()
+        theirs.close()
+        total = 0
+        pending: tuple[asyncio.Future[None], tuple[int, int], int] | None = None
+        incoming: asyncio.Future[Any] | None = loop.run_in_executor(None, ours.recv)
+        try:
+            while True:
+                assert incoming is not None
+                message, incoming = await incoming, None
+                page: tuple[Writes, tuple[int, int], int, int] | None = None
+                if isinstance(message, FoldedPage):
+                    incoming = loop.run_in_executor(None, ours.recv)  # the next page comes while this folds
+                    after, skipped = self.fold.position, self.fold.skipped
+                    page = (
+                        self._take_page(message),
+                        (after, self.fold.position),
+                        skipped,
+                        len(message.moments),
+                    )
+                elif isinstance(message, WorkerDone):
+                    self.fold.open = message.open
+                    self.worker_peak_rss_kb = message.peak_rss_kb
+                else:
+                    raise RuntimeError(f"the materializer's episode worker failed:\n{message}")
+                if pending is not None:
+                    committed, pending = await self._settle(*pending), None
+                    if not committed:
+                        return False, total
+                if page is None:
+                    return True, total
+                writes, span, skipped, events = page
+                pending = (asyncio.ensure_future(self._commit(writes, span[1])), span, skipped)
+                await asyncio.sleep(0)  # the commit's thread starts now, not after the next page has folded
+                total += events
+        finally:
+            if pending is not None:  # something failed while a commit was in flight: let it finish first
+                with contextlib.suppress(Exception):
+                    await pending[0]
+            if worker.is_alive():
+                worker.terminate()
+            await asyncio.to_thread(worker.join)
+            if incoming is not None:  # its pipe is closed now: it ends
+                with contextlib.suppress(BaseException):
+                    await incoming
+            ours.close()
+
+    def _take_page(self, page: FoldedPage) -> Writes:
+        """The group half of the fold over a page the worker folded; the step's writes, both halves'."""
+        fold = self.fold
+        outcomes = iter(page.outcomes)
+        upcoming = next(outcomes, None)
+        for index, (position, recorded_at) in enumerate(page.moments):
+            fold.position = position
+            if upcoming is not None and upcoming[0] == index:
+                row, outcome = upcoming[1], upcoming[2]
+                fold._expire_groups(row)
+                fold.take(outcome, row)
+                upcoming = next(outcomes, None)
+            else:
+                fold._expire_groups(LogRow(position, "", "", {}, None, recorded_at))
+        fold.skipped += page.skipped
+        writes, fold.writes = fold.writes, Writes()
+        theirs = page.writes
+        writes.episodes, writes.finished, writes.turns = theirs.episodes, theirs.finished, theirs.turns
+        writes.skipped = theirs.skipped + writes.skipped
+        return writes
 
     async def run(self, stop: asyncio.Event, *, poll_interval: float = 5.0) -> None:
         """Fold new events as they are appended (woken by the log's NOTIFY) until ``stop`` is set."""
