@@ -25,7 +25,7 @@ async def rebuild(database_url: str, config: MaterializerConfig, worker: bool) -
     return materializer
 
 
-async def test_a_worker_folding_the_episodes_gives_the_digests_the_earlier_fold_made(database_url: str) -> None:
+async def test_a_worker_folding_the_episodes_gives_what_the_earlier_fold_made(database_url: str) -> None:
     log = varied_log()
     write_log(database_url, log)
     expected = json.loads(FIXTURE.read_text())

@@ -20,20 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copyreg
 import hashlib
+import io
 import json
 import logging
 import math
 import multiprocessing
+import pickle
 import re
 import resource
 import signal
 import traceback
 import uuid
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields
+from datetime import UTC, datetime, timedelta
 from multiprocessing.connection import Connection
 from typing import Any, Final, Literal, NamedTuple
 
@@ -872,14 +877,57 @@ FOLD_WORKER_BACKLOG: Final = 20_000
 class FoldedPage:
     """A page of the log as the worker's episode half folded it (``_episode_worker``)."""
 
-    moments: list[tuple[int, datetime]]
-    """Each event's position and recorded_at, in log order: the group half's clock."""
-    outcomes: list[tuple[int, LogRow, Outcome]]
-    """The events that gave the group half something: index in ``moments``, the event, its outcome."""
+    positions: array[int]
+    """Each event's position, in log order."""
+    micros: array[int]
+    """Each event's recorded_at, microseconds since the Unix epoch: the group half's clock."""
+    outcomes: list[tuple[int, str, str, Outcome]]
+    """The events that gave the group half something: index in ``positions``, stream, type, outcome."""
     writes: Writes
     """The episode half's writes: episodes, finished, turns, skipped."""
     skipped: int
     """Events skipped in this page."""
+
+
+_READY_FIELDS: Final = tuple(field.name for field in fields(ReadySample))
+_UNIX_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND: Final = timedelta(microseconds=1)
+
+
+def _micros(moment: datetime) -> int:
+    return (moment - _UNIX_EPOCH) // _MICROSECOND
+
+
+def _moment(micros: int) -> datetime:
+    """The instant ``micros`` (in UTC: only instants reach the tables and the group timeouts)."""
+    return _UNIX_EPOCH + timedelta(microseconds=micros)
+
+
+def _reduce_datetime(value: datetime) -> Any:
+    if value.tzinfo is None:
+        return value.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return _moment, (_micros(value),)
+
+
+_WIRE: Final = {
+    **copyreg.dispatch_table,
+    uuid.UUID: lambda value: (uuid.UUID, (None, None, None, None, value.int)),
+    datetime: _reduce_datetime,
+    JsonText: lambda value: (JsonText, (str(value),)),
+    ReadySample: lambda value: (ReadySample, tuple(getattr(value, name) for name in _READY_FIELDS)),
+    Finished: lambda value: (Finished, tuple(value)),
+}
+"""How the worker's pages cross the pipe: ``uuid.UUID`` by its int, an aware ``datetime`` by its instant, a
+``ReadySample`` by its fields in order (pickle's own way restores each through ``__setstate__``, a
+``SafeUUID``, a time zone or ``copyreg``: together they cost more than folding the episodes)."""
+
+
+def _dumps(message: Any) -> memoryview:
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _WIRE
+    pickler.dump(message)
+    return buffer.getbuffer()
 
 
 @dataclass(slots=True)
@@ -899,39 +947,53 @@ def _episode_worker(
     open_episodes: dict[str, list[LogRow]],
 ) -> None:
     """A forked process: the episode half of the fold (``Fold.fold_event``) over the log after ``position``
-    until ``target``, page by page, read on its own connection; each page goes to ``pipe`` as it is folded
-    (a send waits while the page before is still unread: at most one page ahead). Ends with ``WorkerDone``,
-    or the traceback of what failed."""
+    until ``target``, page by page, read on its own connection (the next page while one folds); each page
+    goes to ``pipe`` as it is folded (a send waits while the page before is still unread: at most one page
+    ahead of this process). Ends with ``WorkerDone``, or the traceback of what failed."""
     with contextlib.suppress(ValueError):
         signal.set_wakeup_fd(-1)  # the parent's event loop's, not this process's
     try:
         fold = Fold(config)
         fold.open, fold.position = open_episodes, position
-        with psycopg.Connection.connect(database_url, autocommit=True) as connection:
-            while position < target:
+        with (
+            psycopg.Connection.connect(database_url, autocommit=True) as connection,
+            ThreadPoolExecutor(1) as reader,
+        ):
+
+            def page_after(after: int) -> list[LogRow]:
                 with connection.cursor(binary=True) as cursor:
-                    raw = cursor.execute(
-                        *_read_query("position > %(position)s", {"position": position}, config.step_events)
-                    ).fetchall()
-                if not raw:
+                    query = _read_query("position > %(position)s", {"position": after}, config.step_events)
+                    return _log_rows(cursor.execute(*query).fetchall())
+
+            ahead = reader.submit(page_after, position) if position < target else None
+            while ahead is not None:
+                rows = ahead.result()
+                if not rows:
                     break
-                rows = _log_rows(raw)
+                position = rows[-1].position
+                # the next page is read (PostgreSQL's work; psycopg waits without the GIL) while this folds
+                ahead = reader.submit(page_after, position) if position < target else None
                 skipped = fold.skipped
                 outcomes = []
                 for index, row in enumerate(rows):
                     outcome = fold.fold_event(row)
                     if outcome is not None:
-                        outcomes.append((index, row, outcome))
+                        outcomes.append((index, row.stream, row.type, outcome))
                 writes, fold.writes = fold.writes, Writes()
-                moments = [(row.position, row.recorded_at) for row in rows]
-                pipe.send(FoldedPage(moments, outcomes, writes, fold.skipped - skipped))
-                position = rows[-1].position
-        pipe.send(WorkerDone(fold.open, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+                positions = array("q", [row.position for row in rows])
+                micros = array("q", [_micros(row.recorded_at) for row in rows])
+                page = FoldedPage(positions, micros, outcomes, writes, fold.skipped - skipped)
+                pipe.send_bytes(_dumps(page))
+        pipe.send_bytes(_dumps(WorkerDone(fold.open, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))
     except BaseException:
         with contextlib.suppress(Exception):
-            pipe.send(traceback.format_exc())
+            pipe.send_bytes(_dumps(traceback.format_exc()))
     finally:
         pipe.close()
+
+
+def _receive(pipe: Connection) -> Any:
+    return pickle.loads(pipe.recv_bytes())
 
 
 def _read_query(where: str, params: dict[str, Any], limit: int | None) -> tuple[str, dict[str, Any]]:
@@ -1482,20 +1544,22 @@ class Materializer:
         theirs.close()
         total = 0
         pending: tuple[asyncio.Future[None], tuple[int, int], int] | None = None
-        incoming: asyncio.Future[Any] | None = loop.run_in_executor(None, ours.recv)
+        incoming: asyncio.Future[Any] | None = loop.run_in_executor(None, _receive, ours)
         try:
             while True:
                 assert incoming is not None
                 message, incoming = await incoming, None
                 page: tuple[Writes, tuple[int, int], int, int] | None = None
                 if isinstance(message, FoldedPage):
-                    incoming = loop.run_in_executor(None, ours.recv)  # the next page comes while this folds
+                    incoming = loop.run_in_executor(
+                        None, _receive, ours
+                    )  # the next page comes while this folds
                     after, skipped = self.fold.position, self.fold.skipped
                     page = (
                         self._take_page(message),
                         (after, self.fold.position),
                         skipped,
-                        len(message.moments),
+                        len(message.positions),
                     )
                 elif isinstance(message, WorkerDone):
                     self.fold.open = message.open
@@ -1527,17 +1591,22 @@ class Materializer:
     def _take_page(self, page: FoldedPage) -> Writes:
         """The group half of the fold over a page the worker folded; the step's writes, both halves'."""
         fold = self.fold
+        pending, micros, timeout = fold.pending, page.micros, self.config.group_timeout_s
         outcomes = iter(page.outcomes)
         upcoming = next(outcomes, None)
-        for index, (position, recorded_at) in enumerate(page.moments):
+        for index, position in enumerate(page.positions):
             fold.position = position
             if upcoming is not None and upcoming[0] == index:
-                row, outcome = upcoming[1], upcoming[2]
+                _, stream, kind, outcome = upcoming
+                row = LogRow(position, stream, kind, {}, None, _moment(micros[index]))
                 fold._expire_groups(row)
                 fold.take(outcome, row)
                 upcoming = next(outcomes, None)
-            else:
-                fold._expire_groups(LogRow(position, "", "", {}, None, recorded_at))
+            elif pending:
+                # _expire_groups' own test on the oldest group, in integers: most events expire nothing
+                oldest = next(iter(pending.values()))
+                if (micros[index] - _micros(oldest.last_time)) / 10**6 > timeout:
+                    fold._expire_groups(LogRow(position, "", "", {}, None, _moment(micros[index])))
         fold.skipped += page.skipped
         writes, fold.writes = fold.writes, Writes()
         theirs = page.writes
