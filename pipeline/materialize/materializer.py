@@ -960,19 +960,23 @@ def _episode_worker(
             ThreadPoolExecutor(1) as reader,
         ):
 
-            def page_after(after: int) -> list[LogRow]:
+            def page_after(after: int, size: int) -> list[LogRow]:
                 with connection.cursor(binary=True) as cursor:
-                    query = _read_query("position > %(position)s", {"position": after}, config.step_events)
+                    query = _read_query("position > %(position)s", {"position": after}, size)
                     return _log_rows(cursor.execute(*query).fetchall())
 
-            ahead = reader.submit(page_after, position) if position < target else None
+            # The first pages are smaller, so that this process (and the parent, waiting for the first) get
+            # going sooner: 1/8 of a step, then twice as many each page up to a step.
+            size = max(1, config.step_events // 8)
+            ahead = reader.submit(page_after, position, size) if position < target else None
             while ahead is not None:
                 rows = ahead.result()
                 if not rows:
                     break
                 position = rows[-1].position
                 # the next page is read (PostgreSQL's work; psycopg waits without the GIL) while this folds
-                ahead = reader.submit(page_after, position) if position < target else None
+                size = min(config.step_events, 2 * size)
+                ahead = reader.submit(page_after, position, size) if position < target else None
                 skipped = fold.skipped
                 outcomes = []
                 for index, row in enumerate(rows):
@@ -1143,10 +1147,25 @@ class Materializer:
         ).fetchone()
         built = 0
         if existing is not None and existing[0] == 0:  # a rebuild made before this rule has its indexes
-            for _, unique, definition in await self._index_definitions(connection):
-                if not unique:
-                    await connection.execute(definition)
-                    built += 1
+            definitions = [d for _, unique, d in await self._index_definitions(connection) if not unique]
+            # Two at a time, on this connection and one more: each build is one sort on one core (and two
+            # builds on one table take SHARE locks, which do not conflict).
+            other = await psycopg.AsyncConnection.connect(self.database_url, autocommit=True)
+            async with other:
+
+                async def build(on: psycopg.AsyncConnection[Any], statements: list[str]) -> None:
+                    for statement in statements:
+                        await on.execute(statement)
+
+                failed = await asyncio.gather(
+                    build(connection, definitions[0::2]),
+                    build(other, definitions[1::2]),
+                    return_exceptions=True,
+                )
+            for error in failed:
+                if isinstance(error, BaseException):
+                    raise error
+            built = len(definitions)
         self._indexes_built = True
         return built
 
