@@ -28,10 +28,12 @@ async def test_a_caught_up_rebuild_has_every_index_of_the_live_read_models(datab
     try:
         with psycopg.connect(database_url) as connection:
             unique_only = connection.execute(
-                "SELECT bool_and(x.indisunique), count(*) FROM pg_index x JOIN pg_class t ON t.oid = x.indrelid "
-                "JOIN pg_namespace n ON n.oid = t.relnamespace WHERE n.nspname = 'rm_indexed'"
+                "SELECT bool_and(x.indisunique), count(*) FROM pg_index x "
+                "JOIN pg_class t ON t.oid = x.indrelid JOIN pg_namespace n ON n.oid = t.relnamespace "
+                "WHERE n.nspname = 'rm_indexed'"
             ).fetchone()
-        assert unique_only is not None and unique_only[0] is True
+        assert unique_only is not None
+        assert unique_only[0] is True
         await materializer.catch_up()
         assert await materializer.build_deferred_indexes() == 0  # once
     finally:

@@ -37,7 +37,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from multiprocessing.connection import Connection
 from typing import Any, Final, Literal, NamedTuple
@@ -889,7 +889,6 @@ class FoldedPage:
     """Events skipped in this page."""
 
 
-_READY_FIELDS: Final = tuple(field.name for field in fields(ReadySample))
 _UNIX_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND: Final = timedelta(microseconds=1)
 
@@ -903,6 +902,14 @@ def _moment(micros: int) -> datetime:
     return _UNIX_EPOCH + timedelta(microseconds=micros)
 
 
+def _ready_fields(s: ReadySample) -> tuple[Any, ...]:
+    """A ``ReadySample``'s fields in order: what its constructor takes."""
+    return (
+        s.sample_id, s.episode_id, s.group_id, s.policy, s.turn_ids, s.policy_version, s.tokens, s.reward,
+        s.arrays, s.position, s.slot, s.advantage,
+    )  # fmt: skip
+
+
 def _reduce_datetime(value: datetime) -> Any:
     if value.tzinfo is None:
         return value.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
@@ -914,7 +921,7 @@ _WIRE: Final = {
     uuid.UUID: lambda value: (uuid.UUID, (None, None, None, None, value.int)),
     datetime: _reduce_datetime,
     JsonText: lambda value: (JsonText, (str(value),)),
-    ReadySample: lambda value: (ReadySample, tuple(getattr(value, name) for name in _READY_FIELDS)),
+    ReadySample: lambda sample: (ReadySample, _ready_fields(sample)),
     Finished: lambda value: (Finished, tuple(value)),
 }
 """How the worker's pages cross the pipe: ``uuid.UUID`` by its int, an aware ``datetime`` by its instant, a
