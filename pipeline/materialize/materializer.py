@@ -22,7 +22,9 @@ import asyncio
 import contextlib
 import copyreg
 import hashlib
+import heapq
 import io
+import itertools
 import json
 import logging
 import math
@@ -870,13 +872,18 @@ def _reward(row: LogRow) -> float:
 
 
 FOLD_WORKER_BACKLOG: Final = 20_000
-"""A ``catch_up`` this many events behind or more runs the fold's episode half in a worker process."""
+"""A ``catch_up`` this many events behind or more runs the fold's episode half in worker processes."""
+FOLD_WORKERS: Final = 2
+"""Worker processes of such a catch-up: with this process, which folds the groups and writes, and
+PostgreSQL, they keep two cores busy."""
 
 
 @dataclass(slots=True)
 class FoldedPage:
-    """A page of the log as the worker's episode half folded it (``_episode_worker``)."""
+    """A page of the log as a worker's episode half folded it (``_episode_worker``)."""
 
+    span: tuple[int, int]
+    """The positions it covers: (after, last]."""
     positions: array[int]
     """Each event's position, in log order."""
     micros: array[int]
@@ -945,45 +952,65 @@ class WorkerDone:
     peak_rss_kb: int
 
 
+_SHARD: Final = "(hashtext(stream) & 2147483647) %% %(shards)s = %(shard)s"
+"""The streams of one worker of ``shards`` (an episode's events are all in its stream)."""
+
+
 def _episode_worker(
     pipe: Connection,
     database_url: str,
     config: MaterializerConfig,
+    shard: tuple[int, int],
     position: int,
     target: int,
     open_episodes: dict[str, list[LogRow]],
 ) -> None:
-    """A forked process: the episode half of the fold (``Fold.fold_event``) over the log after ``position``
-    until ``target``, page by page, read on its own connection (the next page while one folds); each page
-    goes to ``pipe`` as it is folded (a send waits while the page before is still unread: at most one page
-    ahead of this process). Ends with ``WorkerDone``, or the traceback of what failed."""
+    """A forked process: the episode half of the fold (``Fold.fold_event``) over the events of the streams
+    of ``shard`` (this worker's number, and how many there are) after ``position`` until ``target``, page by
+    page, read on its own connection (the next page while one folds). A page is a range of positions, the
+    same for every worker; each goes to ``pipe`` as it is folded (a send waits while the page before is still
+    unread: at most one page ahead of the parent). Ends with ``WorkerDone``, or the traceback of what
+    failed."""
     with contextlib.suppress(ValueError):
         signal.set_wakeup_fd(-1)  # the parent's event loop's, not this process's
     try:
         fold = Fold(config)
-        fold.open, fold.position = open_episodes, position
+        fold.position = position
+        number, shards = shard
+        params: dict[str, Any] = {"shard": number, "shards": shards}
+        where = "position > %(after)s AND position <= %(last)s" + (f" AND {_SHARD}" if shards > 1 else "")
         with (
             psycopg.Connection.connect(database_url, autocommit=True) as connection,
             ThreadPoolExecutor(1) as reader,
         ):
+            if shards > 1 and open_episodes:
+                mine = connection.execute(
+                    f"SELECT stream FROM unnest(%(streams)s::text[]) AS stream WHERE {_SHARD}",
+                    {**params, "streams": list(open_episodes)},
+                ).fetchall()
+                open_episodes = {stream: open_episodes[stream] for (stream,) in mine}
+            fold.open = open_episodes
 
-            def page_after(after: int, size: int) -> list[LogRow]:
+            def read(after: int, last: int) -> list[tuple[Any, ...]]:
+                # the rows only: they are parsed by the thread that folds them (one thread at a time holds the
+                # GIL, and handing it back and forth costs)
                 with connection.cursor(binary=True) as cursor:
-                    query = _read_query("position > %(position)s", {"position": after}, size)
-                    return _log_rows(cursor.execute(*query).fetchall())
+                    query = _read_query(where, {**params, "after": after, "last": last}, None)
+                    return cursor.execute(*query).fetchall()
 
-            # The first pages are smaller, so that this process (and the parent, waiting for the first) get
-            # going sooner: 1/8 of a step, then twice as many each page up to a step.
+            # The first pages are smaller, so that the processes get going sooner: 1/8 of a step, then twice
+            # as many each page up to a step.
             size = max(1, config.step_events // 8)
-            ahead = reader.submit(page_after, position, size) if position < target else None
+            last = min(target, position + size)
+            ahead = reader.submit(read, position, last) if position < target else None
             while ahead is not None:
-                rows = ahead.result()
-                if not rows:
-                    break
-                position = rows[-1].position
+                raw = ahead.result()
+                after, position = position, last
                 # the next page is read (PostgreSQL's work; psycopg waits without the GIL) while this folds
                 size = min(config.step_events, 2 * size)
-                ahead = reader.submit(page_after, position, size) if position < target else None
+                last = min(target, position + size)
+                ahead = reader.submit(read, position, last) if position < target else None
+                rows = _log_rows(raw)
                 skipped = fold.skipped
                 outcomes = []
                 for index, row in enumerate(rows):
@@ -993,7 +1020,9 @@ def _episode_worker(
                 writes, fold.writes = fold.writes, Writes()
                 positions = array("q", [row.position for row in rows])
                 micros = array("q", [_micros(row.recorded_at) for row in rows])
-                page = FoldedPage(positions, micros, outcomes, writes, fold.skipped - skipped)
+                page = FoldedPage(
+                    (after, position), positions, micros, outcomes, writes, fold.skipped - skipped
+                )
                 pipe.send_bytes(_dumps(page))
         pipe.send_bytes(_dumps(WorkerDone(fold.open, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))
     except BaseException:
@@ -1003,8 +1032,8 @@ def _episode_worker(
         pipe.close()
 
 
-def _receive(pipe: Connection) -> Any:
-    return pickle.loads(pipe.recv_bytes())
+def _receive_bytes(pipes: list[Connection]) -> list[bytes]:
+    return [pipe.recv_bytes() for pipe in pipes]
 
 
 def _read_query(where: str, params: dict[str, Any], limit: int | None) -> tuple[str, dict[str, Any]]:
@@ -1036,8 +1065,10 @@ class Materializer:
         """Writes each step in one transaction, from a worker thread (``_commit``)."""
         self._indexes_built = False
         self.fold_worker: bool | None = None
-        """Run the fold's episode half in a worker process during ``catch_up``: None (the default) when the
+        """Run the fold's episode half in worker processes during ``catch_up``: None (the default) when the
         log is at least ``FOLD_WORKER_BACKLOG`` events ahead."""
+        self.fold_workers = FOLD_WORKERS
+        """How many: each folds the episodes of its share of the streams."""
         self.worker_peak_rss_kb: int | None = None
         """The last worker's peak resident memory (it starts as a fork of this process: it counts the
         pages it shares with it)."""
@@ -1277,14 +1308,13 @@ class Materializer:
         rows = await (await cursor.execute(*_read_query(where, params, limit))).fetchall()
         return _log_rows(rows)
 
-    def _read_after(self, connection: psycopg.Connection[Any], position: int) -> list[LogRow]:
-        """``_read``'s next page after ``position``, on ``connection`` (blocking: ``catch_up``'s prefetch runs
-        it in a worker thread)."""
+    def _read_after(self, connection: psycopg.Connection[Any], position: int) -> list[tuple[Any, ...]]:
+        """``_read``'s next page after ``position``, on ``connection``, unparsed (blocking: ``catch_up``'s
+        prefetch runs it in a worker thread, and the rows are parsed by the thread that folds them)."""
         with connection.cursor(binary=True) as cursor:
-            rows = cursor.execute(
+            return cursor.execute(
                 *_read_query("position > %(position)s", {"position": position}, self.config.step_events)
             ).fetchall()
-        return _log_rows(rows)
 
     async def step(self) -> int:
         """Fold the next events after the checkpoint and commit what they produced; the events folded."""
@@ -1478,7 +1508,7 @@ class Materializer:
         target, total = await self.head(), 0
         while True:
             if self._wants_worker(target):
-                done, folded = await self._catch_up_with_worker(target)
+                done, folded = await self._catch_up_with_workers(target)
             else:
                 done, folded = await self._catch_up_here(target)
             total += folded
@@ -1508,14 +1538,14 @@ class Materializer:
         reader: psycopg.Connection[Any] = await asyncio.to_thread(
             psycopg.Connection.connect, self.database_url, autocommit=True
         )
-        ahead: tuple[int, asyncio.Future[list[LogRow]]] | None = None
+        ahead: tuple[int, asyncio.Future[list[tuple[Any, ...]]]] | None = None
         loop = asyncio.get_running_loop()
         try:
             while True:
                 rows: list[LogRow] = []
                 if self.fold.position < target:
                     if ahead is not None and ahead[0] == self.fold.position:
-                        rows = await ahead[1]
+                        rows = _log_rows(await ahead[1])
                     else:
                         if ahead is not None:
                             await ahead[1]  # read after a position the fold went back from: dropped
@@ -1550,48 +1580,63 @@ class Materializer:
             await asyncio.to_thread(reader.close)
         return True, total
 
-    async def _catch_up_with_worker(self, target: int) -> tuple[bool, int]:
-        """``_catch_up_here`` with the fold's episode half in a forked worker process (``_episode_worker``),
-        which reads the log itself and sends each page folded; this process folds the group half of each
-        page (``_take_page``) and commits it, pipelined as ``_catch_up_here`` does. The worker holds the open
-        episodes meanwhile, and hands them back when it is done. After a refused step the worker is stopped
-        (it is ahead, on a state that is gone)."""
+    async def _catch_up_with_workers(self, target: int) -> tuple[bool, int]:
+        """``_catch_up_here`` with the fold's episode half in forked worker processes (``_episode_worker``),
+        ``fold_workers`` of them, each with its share of the streams: each reads the log itself and sends
+        each page folded; this process folds the group half of each page, its workers' events merged in log
+        order (``_take_pages``), and commits it, pipelined as ``_catch_up_here`` does. The workers hold the
+        open episodes meanwhile, and hand them back when they are done. After a refused step the workers are
+        stopped (they are ahead, on a state that is gone)."""
         loop = asyncio.get_running_loop()
         context = multiprocessing.get_context("fork")  # nothing to import or pickle at start
-        ours, theirs = context.Pipe(duplex=False)
         handed, self.fold.open = self.fold.open, {}
-        worker = context.Process(
-            target=_episode_worker,
-            args=(theirs, self.database_url, self.config, self.fold.position, target, handed),
-            name=f"materializer-{self.config.name}-episodes",
-            daemon=True,
-        )
-        worker.start()
-        theirs.close()
+        shards = max(1, self.fold_workers)
+        pipes: list[Connection] = []
+        workers: list[multiprocessing.process.BaseProcess] = []
+        for number in range(shards):
+            ours, theirs = context.Pipe(duplex=False)
+            worker = context.Process(
+                target=_episode_worker,
+                args=(
+                    theirs,
+                    self.database_url,
+                    self.config,
+                    (number, shards),
+                    self.fold.position,
+                    target,
+                    handed,
+                ),
+                name=f"materializer-{self.config.name}-episodes-{number}",
+                daemon=True,
+            )
+            worker.start()
+            theirs.close()
+            pipes.append(ours)
+            workers.append(worker)
+
         total = 0
         pending: tuple[asyncio.Future[None], tuple[int, int], int] | None = None
-        incoming: asyncio.Future[Any] | None = loop.run_in_executor(None, _receive, ours)
+        # The pages' bytes arrive in a thread (without the GIL); they are unpickled here, by the thread that
+        # folds them.
+        incoming: asyncio.Future[list[bytes]] | None = loop.run_in_executor(None, _receive_bytes, pipes)
         try:
             while True:
                 assert incoming is not None
-                message, incoming = await incoming, None
+                messages, incoming = [pickle.loads(data) for data in await incoming], None
                 page: tuple[Writes, tuple[int, int], int, int] | None = None
-                if isinstance(message, FoldedPage):
-                    incoming = loop.run_in_executor(
-                        None, _receive, ours
-                    )  # the next page comes while this folds
+                failed = [message for message in messages if isinstance(message, str)]
+                if failed:
+                    raise RuntimeError(f"the materializer's episode worker failed:\n{failed[0]}")
+                if all(isinstance(message, FoldedPage) for message in messages):
+                    incoming = loop.run_in_executor(None, _receive_bytes, pipes)  # the next, while these fold
                     after, skipped = self.fold.position, self.fold.skipped
-                    page = (
-                        self._take_page(message),
-                        (after, self.fold.position),
-                        skipped,
-                        len(message.positions),
-                    )
-                elif isinstance(message, WorkerDone):
-                    self.fold.open = message.open
-                    self.worker_peak_rss_kb = message.peak_rss_kb
+                    events = sum(len(message.positions) for message in messages)
+                    page = (self._take_pages(messages), (after, self.fold.position), skipped, events)
+                elif all(isinstance(message, WorkerDone) for message in messages):
+                    self.fold.open = {stream: e for message in messages for stream, e in message.open.items()}
+                    self.worker_peak_rss_kb = max(message.peak_rss_kb for message in messages)
                 else:
-                    raise RuntimeError(f"the materializer's episode worker failed:\n{message}")
+                    raise RuntimeError("the materializer's episode workers fell out of step")
                 if pending is not None:
                     committed, pending = await self._settle(*pending), None
                     if not committed:
@@ -1606,38 +1651,51 @@ class Materializer:
             if pending is not None:  # something failed while a commit was in flight: let it finish first
                 with contextlib.suppress(Exception):
                     await pending[0]
-            if worker.is_alive():
-                worker.terminate()
-            await asyncio.to_thread(worker.join)
-            if incoming is not None:  # its pipe is closed now: it ends
+            for process in workers:
+                if process.is_alive():
+                    process.terminate()
+            for process in workers:
+                await asyncio.to_thread(process.join)
+            if incoming is not None:  # their pipes are closed now: it ends
                 with contextlib.suppress(BaseException):
                     await incoming
-            ours.close()
+            for pipe in pipes:
+                pipe.close()
 
-    def _take_page(self, page: FoldedPage) -> Writes:
-        """The group half of the fold over a page the worker folded; the step's writes, both halves'."""
+    def _take_pages(self, pages: list[FoldedPage]) -> Writes:
+        """The group half of the fold over one page of each worker (the same positions), their events in
+        log order; the step's writes, both halves'."""
+        if len({page.span for page in pages}) != 1:
+            raise RuntimeError(f"the episode workers sent different pages: {[page.span for page in pages]}")
         fold = self.fold
-        pending, micros, timeout = fold.pending, page.micros, self.config.group_timeout_s
-        outcomes = iter(page.outcomes)
-        upcoming = next(outcomes, None)
-        for index, position in enumerate(page.positions):
+        pending, timeout = fold.pending, self.config.group_timeout_s
+        outcomes = [iter(page.outcomes) for page in pages]
+        upcoming = [next(each, None) for each in outcomes]
+        shares = [
+            zip(p.positions, p.micros, itertools.repeat(n), itertools.count()) for n, p in enumerate(pages)
+        ]
+        for position, micros, shard, index in heapq.merge(*shares) if len(shares) > 1 else shares[0]:
             fold.position = position
-            if upcoming is not None and upcoming[0] == index:
-                _, stream, kind, outcome = upcoming
-                row = LogRow(position, stream, kind, {}, None, _moment(micros[index]))
+            next_outcome = upcoming[shard]
+            if next_outcome is not None and next_outcome[0] == index:
+                _, stream, kind, outcome = next_outcome
+                row = LogRow(position, stream, kind, {}, None, _moment(micros))
                 fold._expire_groups(row)
                 fold.take(outcome, row)
-                upcoming = next(outcomes, None)
+                upcoming[shard] = next(outcomes[shard], None)
             elif pending:
                 # _expire_groups' own test on the oldest group, in integers: most events expire nothing
                 oldest = next(iter(pending.values()))
-                if (micros[index] - _micros(oldest.last_time)) / 10**6 > timeout:
-                    fold._expire_groups(LogRow(position, "", "", {}, None, _moment(micros[index])))
-        fold.skipped += page.skipped
+                if (micros - _micros(oldest.last_time)) / 10**6 > timeout:
+                    fold._expire_groups(LogRow(position, "", "", {}, None, _moment(micros)))
+        fold.skipped += sum(page.skipped for page in pages)
         writes, fold.writes = fold.writes, Writes()
-        theirs = page.writes
-        writes.episodes, writes.finished, writes.turns = theirs.episodes, theirs.finished, theirs.turns
-        writes.skipped = theirs.skipped + writes.skipped
+        for page in pages:
+            theirs = page.writes
+            writes.episodes.update(theirs.episodes)
+            writes.finished += theirs.finished
+            writes.turns += theirs.turns
+        writes.skipped = [row for page in pages for row in page.writes.skipped] + writes.skipped
         return writes
 
     async def run(self, stop: asyncio.Event, *, poll_interval: float = 5.0) -> None:
