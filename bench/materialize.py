@@ -33,11 +33,12 @@ Reading the table: "x SELECT" is turns/s ÷ the baseline's turns/s at the same s
 folding and writing cost nothing over reading the log; the target is at least 0.50. "peak RSS" is this
 process's resident high-water mark during the timed part, and in brackets how far it rose over the RSS
 just before (VmHWM, reset through /proc/self/clear_refs; Linux). "CPU s": CPU seconds of this process
-and of the fold's worker process together ("py"; "of which worker": the worker's alone) and of the
-PostgreSQL server with all its processes ("pg"; embedded server only) in the timed part. A rebuild this
-far behind the log folds its episodes in a worker process (``Materializer.fold_worker``); ``--fold-worker
-on,off`` rebuilds once with it and once without, one after the other. "worker RSS": the worker's peak
-resident memory (a fork: it counts the pages it shares with this process). ``--profile FILE`` runs one
+and of the fold's worker processes together ("py"; "of which worker": the workers' alone) and of the
+PostgreSQL server with all its processes ("pg"; embedded server only) in the timed part. On a machine of
+four cores or more, a rebuild this far behind the log folds its episodes in two worker processes
+(``Materializer.fold_worker``); ``--fold-worker on,off`` rebuilds once with them and once without, one
+after the other, on any machine. "worker RSS": the larger worker's peak resident memory (a fork: it counts
+the pages it shares with this process). ``--profile FILE`` runs one
 more rebuild (untimed) under cProfile, saves the stats to FILE and prints the top functions by cumulative
 and by own time (this process's only).
 
@@ -444,9 +445,9 @@ class Measurement:
     rss_growth_mb: float | None = None
     """That peak over the resident memory just before."""
     worker_cpu: float | None = None
-    """CPU seconds of the fold's worker process (part of ``py_cpu``; None: none ran)."""
+    """CPU seconds of the fold's worker processes (part of ``py_cpu``; None: none ran)."""
     worker_rss_mb: float | None = None
-    """The worker's peak resident memory (a fork of this process: it counts the pages it shares with it)."""
+    """The larger worker's peak resident memory (a fork of this process: it counts the pages it shares)."""
 
     @property
     def turn_rate(self) -> float:
@@ -548,11 +549,12 @@ async def scan(url: str, step: int, schedule: Schedule, server_pid: int | None) 
 
 
 FOLD_WORKER: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
-"""``--fold-worker``: ``Materializer.fold_worker`` (auto: a worker process when the log is far ahead)."""
+"""``--fold-worker``: ``Materializer.fold_worker`` (auto: worker processes when the log is far ahead and the
+machine has four cores or more)."""
 
 
 def children_cpu() -> float:
-    """CPU seconds of this process's children that have ended (the fold's worker, once joined)."""
+    """CPU seconds of this process's children that have ended (the fold's workers, once joined)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
@@ -584,7 +586,7 @@ async def rebuild(
             profiler.disable()
         seconds = time.perf_counter() - started
         py_cpu, pg_after = time.process_time() - py_cpu, server_cpu(server_pid)
-        worker_cpu = children_cpu() - children  # the worker is joined when catch_up returns
+        worker_cpu = children_cpu() - children  # the workers are joined when catch_up returns
         peak = memory_kb("VmHWM") if exact_peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     finally:
         await materializer.close()
@@ -779,8 +781,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--fold-worker",
         type=parse_modes,
         default=["auto"],
-        help="the fold's worker process: auto (the materializer's choice), on, off, or several, e.g. on,off "
-        "(each rebuilds in turn)",
+        help="the fold's worker processes: auto (the materializer's choice), on, off, or several, e.g. "
+        "on,off (each rebuilds in turn)",
     )
     add("--open", type=int, default=256, help="episodes open at once as the log is recorded (default 256)")
     add("--workers", type=int, default=os.cpu_count() or 1, help="processes encoding the log (default: CPUs)")

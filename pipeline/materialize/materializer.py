@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import multiprocessing
+import os
 import pickle
 import re
 import resource
@@ -395,7 +396,7 @@ class Fold:
     # episodes and turn_rows rows, skips) needs nothing from the other; the group half (``_expire_groups``
     # and ``take``: groups, advantages, batches, the policies' newest versions) takes what the episode half
     # made of each event, in the log's order. ``apply`` runs both; a rebuild runs the episode half in a
-    # worker process (``Materializer._catch_up_with_worker``) and the group half here, on the same events.
+    # worker processes (``Materializer._catch_up_with_workers``) and the group half here, on the same events.
 
     def fold_event(self, row: LogRow) -> Outcome | None:
         """The episode half of ``apply``: what ``row`` gives the group half, if anything. An event it cannot
@@ -874,8 +875,11 @@ def _reward(row: LogRow) -> float:
 FOLD_WORKER_BACKLOG: Final = 20_000
 """A ``catch_up`` this many events behind or more runs the fold's episode half in worker processes."""
 FOLD_WORKERS: Final = 2
-"""Worker processes of such a catch-up: with this process, which folds the groups and writes, and
-PostgreSQL, they keep two cores busy."""
+"""Worker processes of such a catch-up, each with half of the episodes."""
+FOLD_WORKER_CPUS: Final = 4
+"""Cores a machine needs for the workers by default: they cost CPU (the pages cross a pipe: ~35% more
+Python than one process), which pays where the workers, this process (groups, batches, the writes) and
+PostgreSQL each find a core; on two cores shared with other work it did not (``bench/materialize.py``)."""
 
 
 @dataclass(slots=True)
@@ -1066,7 +1070,7 @@ class Materializer:
         self._indexes_built = False
         self.fold_worker: bool | None = None
         """Run the fold's episode half in worker processes during ``catch_up``: None (the default) when the
-        log is at least ``FOLD_WORKER_BACKLOG`` events ahead."""
+        log is at least ``FOLD_WORKER_BACKLOG`` events ahead and the machine has ``FOLD_WORKER_CPUS``."""
         self.fold_workers = FOLD_WORKERS
         """How many: each folds the episodes of its share of the streams."""
         self.worker_peak_rss_kb: int | None = None
@@ -1504,7 +1508,7 @@ class Materializer:
 
     async def catch_up(self) -> int:
         """Fold until the checkpoint reaches the head of the log as it was when called; events folded. Far
-        behind (``fold_worker``), the episode half of the fold runs in a worker process."""
+        behind (``fold_worker``), the episode half of the fold runs in worker processes."""
         target, total = await self.head(), 0
         while True:
             if self._wants_worker(target):
@@ -1519,7 +1523,10 @@ class Materializer:
 
     def _wants_worker(self, target: int) -> bool:
         if self.fold_worker is None:
-            wanted = target - self.fold.position >= FOLD_WORKER_BACKLOG
+            wanted = (
+                target - self.fold.position >= FOLD_WORKER_BACKLOG
+                and (os.cpu_count() or 1) >= FOLD_WORKER_CPUS
+            )
         else:
             wanted = self.fold_worker and self.fold.position < target
         return wanted and "fork" in multiprocessing.get_all_start_methods()
