@@ -395,7 +395,7 @@ class Fold:
     # The fold has two halves. The episode half (``fold_event``: open episodes, their turns and samples, the
     # episodes and turn_rows rows, skips) needs nothing from the other; the group half (``_expire_groups``
     # and ``take``: groups, advantages, batches, the policies' newest versions) takes what the episode half
-    # made of each event, in the log's order. ``apply`` runs both; a rebuild runs the episode half in a
+    # made of each event, in the log's order. ``apply`` runs both; a rebuild may run the episode half in
     # worker processes (``Materializer._catch_up_with_workers``) and the group half here, on the same events.
 
     def fold_event(self, row: LogRow) -> Outcome | None:
