@@ -1,15 +1,16 @@
 """Batch payloads and unbatched sample arrays are stored without pglz: with lz4 where the server has it,
 uncompressed otherwise.
 
-``batch_outbox.payload`` (each batch's safetensors payload, kept after it is published) and
-``sample_rows.arrays`` (a sample's packed arrays until its batch is made) had the default storage of
-``bytea``, EXTENDED with pglz: PostgreSQL compressed every payload as the materializer wrote it. pglz is
-slow, and it was the largest part of a rebuild's server CPU: ``bench/materialize.py --quick`` wrote 827
-payloads (153 MB) that pglz took to 52 MB, and PostgreSQL's CPU over the rebuild went from 4.1-5.6 s with
-it to 3.0-3.3 s without it. lz4 compresses the same bytes for a fraction of that, so a server built with
-lz4 (``default_toast_compression`` accepts it) keeps them compressed with lz4; one without (the embedded
-server of the tests and benchmarks is one) stores them as they are (STORAGE EXTERNAL: out of line,
-uncompressed), three times the space.
+``batch_outbox.payload`` (each batch's safetensors payload, until the relay deletes it after publishing:
+``turnstile serve relay --outbox-retention``, a day by default) and ``sample_rows.arrays`` (a sample's
+packed arrays until its batch is made) had the default storage of ``bytea``, EXTENDED with pglz:
+PostgreSQL compressed every payload as the materializer wrote it. pglz is slow, and it was the largest part
+of a rebuild's server CPU: ``bench/materialize.py --quick`` wrote 827 payloads (153 MB) that pglz took to
+52 MB, and PostgreSQL's CPU over the rebuild went from 4.1-5.6 s with it to 3.0-3.3 s without it. lz4
+compresses the same bytes for a fraction of that, so a server built with lz4 (``default_toast_compression``
+accepts it) keeps them compressed with lz4; one without (the embedded server of the tests and benchmarks
+is one) stores them as they are (STORAGE EXTERNAL: out of line, uncompressed), three times the space while
+they are kept.
 
 The bytes read back are the same; rows written before keep their form, and readers cannot tell the two
 apart. The rebuild schemas ``rm_<name>`` get the same setting: those made before now, here; new ones copy
