@@ -34,10 +34,10 @@ folding and writing cost nothing over reading the log; the target is at least 0.
 process's resident high-water mark during the timed part, and in brackets how far it rose over the RSS
 just before (VmHWM, reset through /proc/self/clear_refs; Linux). "CPU s": CPU seconds of this process
 and of the fold's worker processes together ("py"; "of which worker": the workers' alone) and of the
-PostgreSQL server with all its processes ("pg"; embedded server only) in the timed part. On a machine of
-four cores or more, a rebuild this far behind the log folds its episodes in two worker processes
-(``Materializer.fold_worker``); ``--fold-worker on,off`` rebuilds once with them and once without, one
-after the other, on any machine. "worker RSS": the larger worker's peak resident memory (a fork: it counts
+PostgreSQL server with all its processes ("pg"; embedded server only) in the timed part. A rebuild this
+far behind the log folds its episodes in two worker processes (``Materializer.fold_worker``, on a machine
+of two cores or more); ``--fold-worker on,off`` rebuilds once with them and once without, one after the
+other. "worker RSS": the larger worker's peak resident memory (a fork: it counts
 the pages it shares with this process). ``--profile FILE`` runs one
 more rebuild (untimed) under cProfile, saves the stats to FILE and prints the top functions by cumulative
 and by own time (this process's only).
@@ -549,8 +549,7 @@ async def scan(url: str, step: int, schedule: Schedule, server_pid: int | None) 
 
 
 FOLD_WORKER: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
-"""``--fold-worker``: ``Materializer.fold_worker`` (auto: worker processes when the log is far ahead and the
-machine has four cores or more)."""
+"""``--fold-worker``: ``Materializer.fold_worker`` (auto: worker processes when the log is far ahead)."""
 
 
 def children_cpu() -> float:

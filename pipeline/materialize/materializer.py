@@ -876,10 +876,11 @@ FOLD_WORKER_BACKLOG: Final = 20_000
 """A ``catch_up`` this many events behind or more runs the fold's episode half in worker processes."""
 FOLD_WORKERS: Final = 2
 """Worker processes of such a catch-up, each with half of the episodes."""
-FOLD_WORKER_CPUS: Final = 4
-"""Cores a machine needs for the workers by default: they cost CPU (the pages cross a pipe: ~35% more
+FOLD_WORKER_CPUS: Final = 2
+"""Cores a machine needs for the workers by default. They cost CPU (the pages cross a pipe: ~40% more
 Python than one process), which pays where the workers, this process (groups, batches, the writes) and
-PostgreSQL each find a core; on two cores shared with other work it did not (``bench/materialize.py``)."""
+PostgreSQL find the cores idle: on two quiet cores a rebuild took 5.7-5.9 s with them and 7.6-7.7 s
+without; on two cores busy with other work it did no better than one process (``bench/materialize.py``)."""
 
 
 @dataclass(slots=True)
