@@ -33,10 +33,14 @@ Reading the table: "x SELECT" is turns/s ÷ the baseline's turns/s at the same s
 folding and writing cost nothing over reading the log; the target is at least 0.50. "peak RSS" is this
 process's resident high-water mark during the timed part, and in brackets how far it rose over the RSS
 just before (VmHWM, reset through /proc/self/clear_refs; Linux). "CPU s": CPU seconds of this process
-("py") and of the PostgreSQL server with all its processes ("pg"; embedded server only) in the timed
-part: py close to "seconds" means the Python side is the bottleneck. ``--profile FILE`` runs one more
-rebuild (untimed) under cProfile, saves the stats to FILE and prints the top functions by cumulative and
-by own time.
+and of the fold's worker processes together ("py"; "of which worker": the workers' alone) and of the
+PostgreSQL server with all its processes ("pg"; embedded server only) in the timed part. A rebuild this
+far behind the log folds its episodes in two worker processes (``Materializer.fold_worker``, on a machine
+of two cores or more); ``--fold-worker on,off`` rebuilds once with them and once without, one after the
+other. "worker RSS": the larger worker's peak resident memory (a fork: it counts
+the pages it shares with this process). ``--profile FILE`` runs one
+more rebuild (untimed) under cProfile, saves the stats to FILE and prints the top functions by cumulative
+and by own time (this process's only).
 
 Server: ``TURNSTILE_DATABASE_URL`` if set, else an embedded PostgreSQL in a temporary directory (under
 ``--tmp-dir``). Either way the run works in a scratch database ``bench_<random>``, dropped at the end.
@@ -440,6 +444,10 @@ class Measurement:
     """The peak resident memory of this process during the timed part."""
     rss_growth_mb: float | None = None
     """That peak over the resident memory just before."""
+    worker_cpu: float | None = None
+    """CPU seconds of the fold's worker processes (part of ``py_cpu``; None: none ran)."""
+    worker_rss_mb: float | None = None
+    """The larger worker's peak resident memory (a fork of this process: it counts the pages it shares)."""
 
     @property
     def turn_rate(self) -> float:
@@ -508,7 +516,7 @@ class StepResult:
 
     @property
     def rebuilds(self) -> list[tuple[Measurement, Produced]]:
-        timed = [m for m in self.measurements if m.label == "rebuild"]
+        timed = [m for m in self.measurements if m.label.startswith("rebuild")]
         return list(zip(timed, self.produced, strict=True))
 
 
@@ -540,6 +548,16 @@ async def scan(url: str, step: int, schedule: Schedule, server_pid: int | None) 
     return measurement
 
 
+FOLD_WORKER: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+"""``--fold-worker``: ``Materializer.fold_worker`` (auto: worker processes when the log is far ahead)."""
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's children that have ended (the fold's workers, once joined)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 async def rebuild(
     url: str,
     step: int,
@@ -547,14 +565,17 @@ async def rebuild(
     server_pid: int | None,
     name: str,
     profiler: cProfile.Profile | None = None,
+    fold_worker: str = "auto",
 ) -> tuple[Measurement, Produced]:
     """``turnstile rematerialize --name NAME`` in this process; only ``catch_up()`` is timed."""
     materializer = TallyingMaterializer(url, MaterializerConfig(name=name, step_events=step))
+    materializer.fold_worker = FOLD_WORKER[fold_worker]
     await materializer.open(create=True)
     try:
         gc.collect()
         rss_before = memory_kb("VmRSS")
         exact_peak = reset_peak_rss()
+        children = children_cpu()
         py_cpu, pg_cpu = time.process_time(), server_cpu(server_pid)
         started = time.perf_counter()
         if profiler is not None:
@@ -564,6 +585,7 @@ async def rebuild(
             profiler.disable()
         seconds = time.perf_counter() - started
         py_cpu, pg_after = time.process_time() - py_cpu, server_cpu(server_pid)
+        worker_cpu = children_cpu() - children  # the workers are joined when catch_up returns
         peak = memory_kb("VmHWM") if exact_peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     finally:
         await materializer.close()
@@ -572,9 +594,12 @@ async def rebuild(
     peak_mb = None if peak is None else peak / 1024
     growth_mb = None if peak is None or rss_before is None else (peak - rss_before) / 1024
     pg = None if pg_cpu is None or pg_after is None else pg_after - pg_cpu
+    worker_kb = materializer.worker_peak_rss_kb
+    label = "rebuild" if fold_worker == "auto" else f"rebuild, worker {fold_worker}"
     measurement = Measurement(
-        "rebuild", step, events, schedule.turns, seconds, py_cpu, pg, peak_mb, growth_mb
-    )
+        label, step, events, schedule.turns, seconds, py_cpu + worker_cpu, pg, peak_mb, growth_mb,
+        worker_cpu if worker_kb is not None else None, None if worker_kb is None else worker_kb / 1024,
+    )  # fmt: skip
     produced = await count_and_drop(url, MaterializerConfig(name=name).schema, name, materializer.tally)
     note(
         f"rebuild, step {step:,}: {events:,} events in {seconds:.1f} s: {measurement.event_rate:,.0f} "
@@ -629,9 +654,12 @@ async def measure(
         result = StepResult(step)
         for round_ in range(args.repeat):
             result.measurements.append(await scan(url, step, schedule, server_pid))
-            measurement, produced = await rebuild(url, step, schedule, server_pid, f"bench_{step}_{round_}")
-            result.measurements.append(measurement)
-            result.produced.append(produced)
+            for mode in args.fold_worker:
+                measurement, produced = await rebuild(
+                    url, step, schedule, server_pid, f"bench_{step}_{round_}_{mode}", fold_worker=mode
+                )
+                result.measurements.append(measurement)
+                result.produced.append(produced)
         result.measurements.append(await scan(url, step, schedule, server_pid))
         results.append(result)
     if args.profile:
@@ -656,7 +684,7 @@ def print_report(results: Sequence[StepResult], schedule: Schedule) -> None:
         caption="x SELECT: turns/s ÷ the faster SELECT's turns/s at the same step; (+): over the RSS before",
     )
     columns = ["measurement", "step", "seconds", "events/s", "turns/s", "x SELECT", "peak RSS MB (+)"]
-    for column in [*columns, "CPU s py", "CPU s pg"]:
+    for column in [*columns, "CPU s py", "of which worker", "worker RSS MB", "CPU s pg"]:
         table.add_column(column, justify="right")
     for result in results:
         baseline = result.baseline
@@ -670,6 +698,8 @@ def print_report(results: Sequence[StepResult], schedule: Schedule) -> None:
                 f"{item.turn_rate / baseline.turn_rate:.2f}",
                 rss_text(item),
                 f"{item.py_cpu:.1f}",
+                "-" if item.worker_cpu is None else f"{item.worker_cpu:.1f}",
+                "-" if item.worker_rss_mb is None else f"{item.worker_rss_mb:,.0f}",
                 "-" if item.pg_cpu is None else f"{item.pg_cpu:.1f}",
             )
     console.print(table)
@@ -721,6 +751,13 @@ def parse_steps(text: str) -> list[int]:
     return steps
 
 
+def parse_modes(text: str) -> list[str]:
+    modes = [part.strip() for part in text.split(",") if part.strip()]
+    if not modes or any(mode not in FOLD_WORKER for mode in modes):
+        raise argparse.ArgumentTypeError("fold worker modes are auto, on and off, e.g. on,off")
+    return modes
+
+
 def _set_layout(layout: str) -> None:
     global LAYOUT
     LAYOUT = layout
@@ -739,6 +776,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"the materializer's step sizes to measure, e.g. 500,2000,10000 (default {default_step})",
     )
     add("--repeat", type=int, default=1, help="rebuilds per step size (default 1)")
+    add(
+        "--fold-worker",
+        type=parse_modes,
+        default=["auto"],
+        help="the fold's worker processes: auto (the materializer's choice), on, off, or several, e.g. "
+        "on,off (each rebuilds in turn)",
+    )
     add("--open", type=int, default=256, help="episodes open at once as the log is recorded (default 256)")
     add("--workers", type=int, default=os.cpu_count() or 1, help="processes encoding the log (default: CPUs)")
     add("--chunk-events", type=int, default=20_000, help="events per encoded chunk and COPY (default 20000)")

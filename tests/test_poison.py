@@ -29,6 +29,7 @@ from pipeline.replay.lookup import UnreadableEpisode
 from pipeline.settings import libpq_url
 from schemas import EpisodeFinished, Event, RewardAssigned
 from tests.test_materializer import materialize, rows, started, turn
+from tests.test_rebuild_equivalence import digests
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 
@@ -198,3 +199,45 @@ async def test_a_live_materializer_keeps_folding_while_poison_arrives(
         await materializer.close()
     assert rows(database_url, "SELECT position, episode_id FROM skipped_events") == [(position, "late")]
     assert rows(database_url, "SELECT episode_id FROM samples ORDER BY 1") == [("after",), ("before",)]
+
+
+@pytest.mark.parametrize("step_events", [1, 2, 3, 5])
+async def test_catch_up_reading_ahead_folds_every_event_once_also_around_a_refused_step(
+    store: EventStore, database_url: str, step_events: int
+) -> None:
+    """``catch_up`` reads each page while the one before it folds, and commits while the next folds; a step
+    the read models refuse (the duplicate episode id) sends it back to fold that step's events one at a
+    time, and the page it had read ahead is dropped. The read models end as those of ``step()`` alone,
+    which reads one page after the other and commits each before reading on."""
+    bad = await poisoned_log(store, database_url)
+    head = await store.head()
+
+    def config(name: str) -> MaterializerConfig:
+        return MaterializerConfig(name=name, batch_samples=1, step_events=step_events)
+
+    stepwise = Materializer(database_url, config("stepwise"))
+    await stepwise.open(create=True)
+    while await stepwise.step():
+        pass
+    await stepwise.close()
+
+    ahead = Materializer(database_url, config("ahead"))
+    await ahead.open(create=True)
+    folded: list[int] = []
+    fold = ahead._fold
+
+    def recording(rows: list[Any]) -> Any:
+        folded.extend(row.position for row in rows)
+        return fold(rows)
+
+    ahead._fold = recording  # type: ignore[method-assign]
+    try:
+        assert await ahead.catch_up() == head
+    finally:
+        await ahead.close()
+    assert ahead.position == head
+    assert ahead.skipped == stepwise.skipped == len(bad)
+    # pages come in order without a gap; a position comes twice only where a refused step was read again
+    assert sorted(set(folded)) == list(range(1, head + 1))
+    assert len(folded) > head  # the duplicate's step was refused and its next page read again
+    assert digests(database_url, "rm_ahead") == digests(database_url, "rm_stepwise")

@@ -20,16 +20,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copyreg
 import hashlib
+import heapq
+import io
+import itertools
 import json
 import logging
 import math
+import multiprocessing
+import os
+import pickle
 import re
+import resource
+import signal
+import traceback
 import uuid
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
+from multiprocessing.connection import Connection
 from typing import Any, Final, Literal, NamedTuple
 
 import psycopg
@@ -211,6 +224,30 @@ class NewSample(NamedTuple):
     arrays: bytes
 
 
+class Finished(NamedTuple):
+    """What an episode's end gives the group half of the fold (``Fold.take``)."""
+
+    policy: str
+    version: int | None
+    """The newest policy version of its turns (None: it has none)."""
+    group_id: str | None
+    """None: it makes no samples (not usable)."""
+    size: int
+    episode_id: str
+    samples: list[tuple[ReadySample, list[Any]]]
+    """Its samples, each with its new ``sample_rows`` row."""
+
+
+class Published(NamedTuple):
+    """A ``PolicyVersionPublished`` as the group half takes it."""
+
+    policy: str
+    version: int
+
+
+Outcome = Finished | Published
+
+
 @dataclass(slots=True)
 class PendingGroup:
     policy: str
@@ -313,6 +350,13 @@ class Unfoldable(Exception):
         self.reason = reason
 
 
+def _culprit(error: BaseException, row: LogRow) -> tuple[LogRow, str]:
+    """The event to skip for ``error`` (raised while folding ``row``), and why."""
+    if isinstance(error, Unfoldable):
+        return error.row, error.reason
+    return row, f"{type(error).__name__}: {error}"
+
+
 UNFOLDABLE: Final = (Unfoldable, KeyError, ValueError, TypeError, IndexError, AttributeError, OverflowError)
 """What reading a malformed event raises (a missing field, a wrong type, torn token arrays): the fold skips
 that event, never stops on it. Every event is validated when appended, so this is for what slipped past."""
@@ -344,12 +388,34 @@ class Fold:
             return  # delivered again: already folded
         self.position = row.position
         self._expire_groups(row)
+        outcome = self.fold_event(row)
+        if outcome is not None:
+            self.take(outcome, row)
+
+    # The fold has two halves. The episode half (``fold_event``: open episodes, their turns and samples, the
+    # episodes and turn_rows rows, skips) needs nothing from the other; the group half (``_expire_groups``
+    # and ``take``: groups, advantages, batches, the policies' newest versions) takes what the episode half
+    # made of each event, in the log's order. ``apply`` runs both; a rebuild may run the episode half in
+    # worker processes (``Materializer._catch_up_with_workers``) and the group half here, on the same events.
+
+    def fold_event(self, row: LogRow) -> Outcome | None:
+        """The episode half of ``apply``: what ``row`` gives the group half, if anything. An event it cannot
+        use is skipped here (see ``skip``)."""
         try:
-            self._dispatch(row)
+            return self._dispatch(row)
         except UNFOLDABLE as error:
-            culprit = error.row if isinstance(error, Unfoldable) else row
-            reason = error.reason if isinstance(error, Unfoldable) else f"{type(error).__name__}: {error}"
-            self.skip(culprit, reason, closing=row)
+            self.skip(*_culprit(error, row), closing=row)
+            return None
+
+    def take(self, outcome: Outcome, row: LogRow) -> None:
+        """The group half of ``apply`` for an event whose episode half gave ``outcome``."""
+        try:
+            if isinstance(outcome, Published):
+                self.newest[outcome.policy] = max(self.newest.get(outcome.policy, 0), outcome.version)
+                return
+            self._take_finished(outcome, row)
+        except UNFOLDABLE as error:  # its episode is closed already: only the skip is recorded
+            self.skip(*_culprit(error, row), closing=row)
 
     def skip(self, row: LogRow, reason: str, *, closing: LogRow | None = None) -> None:
         """Record ``row`` as skipped; if ``closing`` finishes an open episode, that episode is recorded as
@@ -373,7 +439,7 @@ class Fold:
                 (closing.recorded_at - episode[0].recorded_at).total_seconds(), closing.position],
             )  # fmt: skip
 
-    def _dispatch(self, row: LogRow) -> None:
+    def _dispatch(self, row: LogRow) -> Outcome | None:
         if row.type == "EpisodeStarted":
             self._started(row)
         elif row.type in ("TurnCompleted", "RewardAssigned"):
@@ -381,11 +447,10 @@ class Fold:
             if events is not None:
                 events.append(row)
         elif row.type == "EpisodeFinished":
-            self._finished(row)
+            return self._finished(row)
         elif row.type == "PolicyVersionPublished":
-            policy = _text(row, "policy")
-            version = _count(row, row.data["version"], "version")
-            self.newest[policy] = max(self.newest.get(policy, 0), version)
+            return Published(_text(row, "policy"), _count(row, row.data["version"], "version"))
+        return None
 
     def _started(self, row: LogRow) -> None:
         data = row.data
@@ -400,10 +465,10 @@ class Fold:
         self.open[row.stream] = [row]
         self.writes.episodes[row.stream] = values
 
-    def _finished(self, row: LogRow) -> None:
+    def _finished(self, row: LogRow) -> Finished | None:
         events = self.open.get(row.stream)
         if events is None:
-            return  # its start is not in this log (or was folded by an older reader): nothing to close
+            return None  # its start is not in this log (or was folded by an older reader): nothing to close
         # Everything that can fail on a malformed event is computed before any state changes.
         started = events[0].data
         episode_id: str = started["episode_id"]
@@ -424,18 +489,11 @@ class Fold:
         self._record_finished(row.stream, episode_id, finished)
         self.writes.turns.extend(turn_rows)
         policy = started["policy"]
-        if versions:
-            self.newest[policy] = max(self.newest.get(policy, 0), max(versions))
+        version = max(versions) if versions else None
         if not usable:
-            return
+            return Finished(policy, version, None, 1, episode_id, [])
         group_id = started.get("group_id") or episode_id
         size = int(started.get("group_size", 1)) if started.get("group_id") else 1
-        key = (policy, group_id)
-        group = self.pending.get(key) or PendingGroup(policy, group_id, size, row.recorded_at)
-        self.pending[key] = group
-        self.pending.move_to_end(key)
-        group.last_time = row.recorded_at
-        group.episodes.add(episode_id)
         if self.config.advantage_peers == "depth":
             depth_of = depths(view.tree)
             slots = [
@@ -448,6 +506,7 @@ class Fold:
         else:
             slots = list(range(len(samples)))
         by_id = {turn.turn_id: turn for turn in turns}
+        made = []
         for slot, sample in zip(slots, samples, strict=True):
             ready = ReadySample(
                 sample_id=sample.sample_id,
@@ -466,8 +525,24 @@ class Fold:
                 position=row.position,
                 slot=slot,
             )
+            made.append((ready, self._sample_row(ready, sample, by_id, view.values, slot)))
+        return Finished(policy, version, group_id, size, episode_id, made)
+
+    def _take_finished(self, outcome: Finished, row: LogRow) -> None:
+        policy = outcome.policy
+        if outcome.version is not None:
+            self.newest[policy] = max(self.newest.get(policy, 0), outcome.version)
+        if outcome.group_id is None:
+            return  # not usable: no samples
+        key = (policy, outcome.group_id)
+        group = self.pending.get(key) or PendingGroup(policy, outcome.group_id, outcome.size, row.recorded_at)
+        self.pending[key] = group
+        self.pending.move_to_end(key)
+        group.last_time = row.recorded_at
+        group.episodes.add(outcome.episode_id)
+        for ready, sample_row in outcome.samples:
             group.samples.append(ready)
-            self.writes.samples[ready.sample_id] = self._sample_row(ready, sample, by_id, view.values, slot)
+            self.writes.samples[ready.sample_id] = sample_row
         if len(group.episodes) >= group.size:
             self._make_ready([group], row)
 
@@ -797,6 +872,190 @@ def _reward(row: LogRow) -> float:
     return float(value)
 
 
+FOLD_WORKER_BACKLOG: Final = 20_000
+"""A ``catch_up`` this many events behind or more runs the fold's episode half in worker processes."""
+FOLD_WORKERS: Final = 2
+"""Worker processes of such a catch-up, each with half of the episodes."""
+FOLD_WORKER_CPUS: Final = 2
+"""Cores a machine needs for the workers by default. They cost CPU (the pages cross a pipe: ~40% more
+Python than one process), which pays where the workers, this process (groups, batches, the writes) and
+PostgreSQL find the cores idle: on two quiet cores a rebuild took 5.7-5.9 s with them and 7.6-7.7 s
+without; on two cores busy with other work it did no better than one process (``bench/materialize.py``)."""
+
+
+@dataclass(slots=True)
+class FoldedPage:
+    """A page of the log as a worker's episode half folded it (``_episode_worker``)."""
+
+    span: tuple[int, int]
+    """The positions it covers: (after, last]."""
+    positions: array[int]
+    """Each event's position, in log order."""
+    micros: array[int]
+    """Each event's recorded_at, microseconds since the Unix epoch: the group half's clock."""
+    outcomes: list[tuple[int, str, str, Outcome]]
+    """The events that gave the group half something: index in ``positions``, stream, type, outcome."""
+    writes: Writes
+    """The episode half's writes: episodes, finished, turns, skipped."""
+    skipped: int
+    """Events skipped in this page."""
+
+
+_UNIX_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND: Final = timedelta(microseconds=1)
+
+
+def _micros(moment: datetime) -> int:
+    return (moment - _UNIX_EPOCH) // _MICROSECOND
+
+
+def _moment(micros: int) -> datetime:
+    """The instant ``micros`` (in UTC: only instants reach the tables and the group timeouts)."""
+    return _UNIX_EPOCH + timedelta(microseconds=micros)
+
+
+def _ready_fields(s: ReadySample) -> tuple[Any, ...]:
+    """A ``ReadySample``'s fields in order: what its constructor takes."""
+    return (
+        s.sample_id, s.episode_id, s.group_id, s.policy, s.turn_ids, s.policy_version, s.tokens, s.reward,
+        s.arrays, s.position, s.slot, s.advantage,
+    )  # fmt: skip
+
+
+def _reduce_datetime(value: datetime) -> Any:
+    if value.tzinfo is None:
+        return value.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return _moment, (_micros(value),)
+
+
+_WIRE: Final = {
+    **copyreg.dispatch_table,
+    uuid.UUID: lambda value: (uuid.UUID, (None, None, None, None, value.int)),
+    datetime: _reduce_datetime,
+    JsonText: lambda value: (JsonText, (str(value),)),
+    ReadySample: lambda sample: (ReadySample, _ready_fields(sample)),
+    Finished: lambda value: (Finished, tuple(value)),
+}
+"""How the worker's pages cross the pipe: ``uuid.UUID`` by its int, an aware ``datetime`` by its instant, a
+``ReadySample`` by its fields in order (pickle's own way restores each through ``__setstate__``, a
+``SafeUUID``, a time zone or ``copyreg``: together they cost more than folding the episodes)."""
+
+
+def _dumps(message: Any) -> memoryview:
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _WIRE
+    pickler.dump(message)
+    return buffer.getbuffer()
+
+
+@dataclass(slots=True)
+class WorkerDone:
+    """The worker reached its target: the episodes still open, for this process to go on with."""
+
+    open: dict[str, list[LogRow]]
+    peak_rss_kb: int
+
+
+_SHARD: Final = "(hashtext(stream) & 2147483647) %% %(shards)s = %(shard)s"
+"""The streams of one worker of ``shards`` (an episode's events are all in its stream)."""
+
+
+def _episode_worker(
+    pipe: Connection,
+    database_url: str,
+    config: MaterializerConfig,
+    shard: tuple[int, int],
+    position: int,
+    target: int,
+    open_episodes: dict[str, list[LogRow]],
+) -> None:
+    """A forked process: the episode half of the fold (``Fold.fold_event``) over the events of the streams
+    of ``shard`` (this worker's number, and how many there are) after ``position`` until ``target``, page by
+    page, read on its own connection (the next page while one folds). A page is a range of positions, the
+    same for every worker; each goes to ``pipe`` as it is folded (a send waits while the page before is still
+    unread: at most one page ahead of the parent). Ends with ``WorkerDone``, or the traceback of what
+    failed."""
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)  # the parent's event loop's, not this process's
+    try:
+        fold = Fold(config)
+        fold.position = position
+        number, shards = shard
+        params: dict[str, Any] = {"shard": number, "shards": shards}
+        where = "position > %(after)s AND position <= %(last)s" + (f" AND {_SHARD}" if shards > 1 else "")
+        with (
+            psycopg.Connection.connect(database_url, autocommit=True) as connection,
+            ThreadPoolExecutor(1) as reader,
+        ):
+            if shards > 1 and open_episodes:
+                mine = connection.execute(
+                    f"SELECT stream FROM unnest(%(streams)s::text[]) AS stream WHERE {_SHARD}",
+                    {**params, "streams": list(open_episodes)},
+                ).fetchall()
+                open_episodes = {stream: open_episodes[stream] for (stream,) in mine}
+            fold.open = open_episodes
+
+            def read(after: int, last: int) -> list[tuple[Any, ...]]:
+                # the rows only: they are parsed by the thread that folds them (one thread at a time holds the
+                # GIL, and handing it back and forth costs)
+                with connection.cursor(binary=True) as cursor:
+                    query = _read_query(where, {**params, "after": after, "last": last}, None)
+                    return cursor.execute(*query).fetchall()
+
+            # The first pages are smaller, so that the processes get going sooner: 1/8 of a step, then twice
+            # as many each page up to a step.
+            size = max(1, config.step_events // 8)
+            last = min(target, position + size)
+            ahead = reader.submit(read, position, last) if position < target else None
+            while ahead is not None:
+                raw = ahead.result()
+                after, position = position, last
+                # the next page is read (PostgreSQL's work; psycopg waits without the GIL) while this folds
+                size = min(config.step_events, 2 * size)
+                last = min(target, position + size)
+                ahead = reader.submit(read, position, last) if position < target else None
+                rows = _log_rows(raw)
+                skipped = fold.skipped
+                outcomes = []
+                for index, row in enumerate(rows):
+                    outcome = fold.fold_event(row)
+                    if outcome is not None:
+                        outcomes.append((index, row.stream, row.type, outcome))
+                writes, fold.writes = fold.writes, Writes()
+                positions = array("q", [row.position for row in rows])
+                micros = array("q", [_micros(row.recorded_at) for row in rows])
+                page = FoldedPage(
+                    (after, position), positions, micros, outcomes, writes, fold.skipped - skipped
+                )
+                pipe.send_bytes(_dumps(page))
+        pipe.send_bytes(_dumps(WorkerDone(fold.open, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            pipe.send_bytes(_dumps(traceback.format_exc()))
+    finally:
+        pipe.close()
+
+
+def _receive_bytes(pipes: list[Connection]) -> list[bytes]:
+    return [pipe.recv_bytes() for pipe in pipes]
+
+
+def _read_query(where: str, params: dict[str, Any], limit: int | None) -> tuple[str, dict[str, Any]]:
+    query = (
+        f"SELECT position, stream, type, {_FOLDED_DATA}, tokens, recorded_at FROM events "
+        f"WHERE {where} ORDER BY position"
+    )
+    if limit is not None:
+        query += f" LIMIT {int(limit)}"
+    return query, {**params, "unfolded": list(UNFOLDED_FIELDS)}
+
+
+def _log_rows(rows: Sequence[tuple[Any, ...]]) -> list[LogRow]:
+    data = json.loads(f"[{','.join([r[3] for r in rows])}]")
+    return [LogRow(r[0], r[1], r[2], d, r[4], r[5]) for r, d in zip(rows, data, strict=True)]
+
+
 class Materializer:
     """Runs a ``Fold`` on PostgreSQL: ``await m.open()``, then ``step()``, ``catch_up()`` or ``run()``."""
 
@@ -810,6 +1069,14 @@ class Materializer:
         self._writer: psycopg.Connection[Any] | None = None
         """Writes each step in one transaction, from a worker thread (``_commit``)."""
         self._indexes_built = False
+        self.fold_worker: bool | None = None
+        """Run the fold's episode half in worker processes during ``catch_up``: None (the default) when the
+        log is at least ``FOLD_WORKER_BACKLOG`` events ahead and the machine has ``FOLD_WORKER_CPUS``."""
+        self.fold_workers = FOLD_WORKERS
+        """How many: each folds the episodes of its share of the streams."""
+        self.worker_peak_rss_kb: int | None = None
+        """The last worker's peak resident memory (it starts as a fork of this process: it counts the
+        pages it shares with it)."""
 
     @property
     def position(self) -> int:
@@ -923,10 +1190,25 @@ class Materializer:
         ).fetchone()
         built = 0
         if existing is not None and existing[0] == 0:  # a rebuild made before this rule has its indexes
-            for _, unique, definition in await self._index_definitions(connection):
-                if not unique:
-                    await connection.execute(definition)
-                    built += 1
+            definitions = [d for _, unique, d in await self._index_definitions(connection) if not unique]
+            # Two at a time, on this connection and one more: each build is one sort on one core (and two
+            # builds on one table take SHARE locks, which do not conflict).
+            other = await psycopg.AsyncConnection.connect(self.database_url, autocommit=True)
+            async with other:
+
+                async def build(on: psycopg.AsyncConnection[Any], statements: list[str]) -> None:
+                    for statement in statements:
+                        await on.execute(statement)
+
+                failed = await asyncio.gather(
+                    build(connection, definitions[0::2]),
+                    build(other, definitions[1::2]),
+                    return_exceptions=True,
+                )
+            for error in failed:
+                if isinstance(error, BaseException):
+                    raise error
+            built = len(definitions)
         self._indexes_built = True
         return built
 
@@ -1027,16 +1309,17 @@ class Materializer:
         """The events ``where`` selects, in log order. Only what the fold reads of ``data`` comes (see
         ``UNFOLDED_FIELDS``), in binary (token arrays as bytes, not hex), and a page's JSON is parsed in one
         call: reading the log was a third of a rebuild's Python."""
-        query = (
-            f"SELECT position, stream, type, {_FOLDED_DATA}, tokens, recorded_at FROM events "
-            f"WHERE {where} ORDER BY position"
-        )
-        if limit is not None:
-            query += f" LIMIT {int(limit)}"
         cursor = self._require().cursor(binary=True)
-        rows = await (await cursor.execute(query, {**params, "unfolded": list(UNFOLDED_FIELDS)})).fetchall()
-        data = json.loads(f"[{','.join([r[3] for r in rows])}]")
-        return [LogRow(r[0], r[1], r[2], d, r[4], r[5]) for r, d in zip(rows, data, strict=True)]
+        rows = await (await cursor.execute(*_read_query(where, params, limit))).fetchall()
+        return _log_rows(rows)
+
+    def _read_after(self, connection: psycopg.Connection[Any], position: int) -> list[tuple[Any, ...]]:
+        """``_read``'s next page after ``position``, on ``connection``, unparsed (blocking: ``catch_up``'s
+        prefetch runs it in a worker thread, and the rows are parsed by the thread that folds them)."""
+        with connection.cursor(binary=True) as cursor:
+            return cursor.execute(
+                *_read_query("position > %(position)s", {"position": position}, self.config.step_events)
+            ).fetchall()
 
     async def step(self) -> int:
         """Fold the next events after the checkpoint and commit what they produced; the events folded."""
@@ -1057,19 +1340,27 @@ class Materializer:
         writes, self.fold.writes = self.fold.writes, Writes()
         return skipped, writes
 
-    async def _settle(self, commit: Awaitable[None], rows: list[LogRow], skipped: int) -> bool:
-        """Wait for the commit of the step that folded ``rows``. When the read models refused it, go back to
-        the checkpoint and commit the step's events one at a time, skipping the culprit; False then."""
+    async def _settle(
+        self, commit: Awaitable[None], rows: list[LogRow] | tuple[int, int], skipped: int
+    ) -> bool:
+        """Wait for the commit of the step that folded ``rows`` (or the events in (after, last], which a
+        worker folded). When the read models refused it, go back to the checkpoint and commit the step's
+        events one at a time, skipping the culprit; False then."""
         try:
             await commit
             return True
         except REFUSED_WRITES as error:
+            after = rows[0] if isinstance(rows, tuple) else rows[0].position - 1
             log.warning(
                 "materializer %s: the read models refused the step after position %d (%s); folding its "
                 "events one at a time to find the one to skip",
-                self.config.name, rows[0].position - 1, _first_line(error),
+                self.config.name, after, _first_line(error),
             )  # fmt: skip
             await self._reload(skipped)
+            if isinstance(rows, tuple):
+                rows = await self._read(
+                    "position > %(after)s AND position <= %(last)s", {"after": after, "last": rows[1]}
+                )
             await self._fold_one_at_a_time(rows)
             return False
 
@@ -1217,38 +1508,203 @@ class Materializer:
         return int(row[0]) if row else 0
 
     async def catch_up(self) -> int:
-        """Fold until the checkpoint reaches the head of the log as it was when called; events folded."""
-        # Pipelined: each step is read and folded while the step before it commits (on the writer connection,
-        # in a worker thread), so PostgreSQL's work on the writes overlaps the fold. Commits still go one at
-        # a time and in order, each with its checkpoint; at most two steps' output is in memory. When a
-        # commit is refused, the step folded meanwhile was folded on a state that is gone: it is read again.
+        """Fold until the checkpoint reaches the head of the log as it was when called; events folded. Far
+        behind (``fold_worker``), the episode half of the fold runs in worker processes."""
         target, total = await self.head(), 0
+        while True:
+            if self._wants_worker(target):
+                done, folded = await self._catch_up_with_workers(target)
+            else:
+                done, folded = await self._catch_up_here(target)
+            total += folded
+            if done:
+                break
+        await self.build_deferred_indexes()
+        return total
+
+    def _wants_worker(self, target: int) -> bool:
+        if self.fold_worker is None:
+            wanted = (
+                target - self.fold.position >= FOLD_WORKER_BACKLOG
+                and (os.cpu_count() or 1) >= FOLD_WORKER_CPUS
+            )
+        else:
+            wanted = self.fold_worker and self.fold.position < target
+        return wanted and "fork" in multiprocessing.get_all_start_methods()
+
+    async def _catch_up_here(self, target: int) -> tuple[bool, int]:
+        """``catch_up`` in this process; (True, events folded), or (False, ...) after a refused step (the
+        caller goes on from the checkpoint)."""
+        # Pipelined: each step is read and folded while the step before it commits (on the writer connection,
+        # in a worker thread), so PostgreSQL's work on the writes overlaps the fold; and the page after a step
+        # is read (on a reader connection, in another worker thread) while that step folds. Commits still go
+        # one at a time and in order, each with its checkpoint; at most two steps' output and one page read
+        # ahead are in memory. When a commit is refused, the step folded meanwhile was folded on a state that
+        # is gone: it is read again, and the page read ahead of it is dropped.
+        total = 0
         pending: tuple[asyncio.Future[None], list[LogRow], int] | None = None
+        reader: psycopg.Connection[Any] = await asyncio.to_thread(
+            psycopg.Connection.connect, self.database_url, autocommit=True
+        )
+        ahead: tuple[int, asyncio.Future[list[tuple[Any, ...]]]] | None = None
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                rows = (
-                    await self._read(
-                        "position > %(position)s", {"position": self.fold.position}, self.config.step_events
-                    )
-                    if self.fold.position < target
-                    else []
-                )
+                rows: list[LogRow] = []
+                if self.fold.position < target:
+                    if ahead is not None and ahead[0] == self.fold.position:
+                        rows = _log_rows(await ahead[1])
+                    else:
+                        if ahead is not None:
+                            await ahead[1]  # read after a position the fold went back from: dropped
+                        rows = await self._read(
+                            "position > %(position)s",
+                            {"position": self.fold.position},
+                            self.config.step_events,
+                        )
+                    ahead = None
+                    if rows and rows[-1].position < target:
+                        # submitted now, not when the event loop next runs: it reads while this step folds
+                        after = rows[-1].position
+                        ahead = (after, loop.run_in_executor(None, self._read_after, reader, after))
                 folded = self._fold(rows) if rows else None
                 if pending is not None:
                     committed, pending = await self._settle(*pending), None
                     if not committed:
-                        continue
+                        return False, total
                 if folded is None:
                     break
                 skipped, writes = folded
                 pending = (asyncio.ensure_future(self._commit(writes, self.fold.position)), rows, skipped)
+                await asyncio.sleep(0)  # the commit's thread starts now, not after the next page has folded
                 total += len(rows)
+        finally:
+            if ahead is not None:
+                with contextlib.suppress(Exception):
+                    await ahead[1]
+            if pending is not None:  # something failed while a commit was in flight: let it finish first
+                with contextlib.suppress(Exception):
+                    await pending[0]
+            await asyncio.to_thread(reader.close)
+        return True, total
+
+    async def _catch_up_with_workers(self, target: int) -> tuple[bool, int]:
+        """``_catch_up_here`` with the fold's episode half in forked worker processes (``_episode_worker``),
+        ``fold_workers`` of them, each with its share of the streams: each reads the log itself and sends
+        each page folded; this process folds the group half of each page, its workers' events merged in log
+        order (``_take_pages``), and commits it, pipelined as ``_catch_up_here`` does. The workers hold the
+        open episodes meanwhile, and hand them back when they are done. After a refused step the workers are
+        stopped (they are ahead, on a state that is gone)."""
+        loop = asyncio.get_running_loop()
+        context = multiprocessing.get_context("fork")  # nothing to import or pickle at start
+        handed, self.fold.open = self.fold.open, {}
+        shards = max(1, self.fold_workers)
+        pipes: list[Connection] = []
+        workers: list[multiprocessing.process.BaseProcess] = []
+        for number in range(shards):
+            ours, theirs = context.Pipe(duplex=False)
+            worker = context.Process(
+                target=_episode_worker,
+                args=(
+                    theirs,
+                    self.database_url,
+                    self.config,
+                    (number, shards),
+                    self.fold.position,
+                    target,
+                    handed,
+                ),
+                name=f"materializer-{self.config.name}-episodes-{number}",
+                daemon=True,
+            )
+            worker.start()
+            theirs.close()
+            pipes.append(ours)
+            workers.append(worker)
+
+        total = 0
+        pending: tuple[asyncio.Future[None], tuple[int, int], int] | None = None
+        # The pages' bytes arrive in a thread (without the GIL); they are unpickled here, by the thread that
+        # folds them.
+        incoming: asyncio.Future[list[bytes]] | None = loop.run_in_executor(None, _receive_bytes, pipes)
+        try:
+            while True:
+                assert incoming is not None
+                messages, incoming = [pickle.loads(data) for data in await incoming], None
+                page: tuple[Writes, tuple[int, int], int, int] | None = None
+                failed = [message for message in messages if isinstance(message, str)]
+                if failed:
+                    raise RuntimeError(f"the materializer's episode worker failed:\n{failed[0]}")
+                if all(isinstance(message, FoldedPage) for message in messages):
+                    incoming = loop.run_in_executor(None, _receive_bytes, pipes)  # the next, while these fold
+                    after, skipped = self.fold.position, self.fold.skipped
+                    events = sum(len(message.positions) for message in messages)
+                    page = (self._take_pages(messages), (after, self.fold.position), skipped, events)
+                elif all(isinstance(message, WorkerDone) for message in messages):
+                    self.fold.open = {stream: e for message in messages for stream, e in message.open.items()}
+                    self.worker_peak_rss_kb = max(message.peak_rss_kb for message in messages)
+                else:
+                    raise RuntimeError("the materializer's episode workers fell out of step")
+                if pending is not None:
+                    committed, pending = await self._settle(*pending), None
+                    if not committed:
+                        return False, total
+                if page is None:
+                    return True, total
+                writes, span, skipped, events = page
+                pending = (asyncio.ensure_future(self._commit(writes, span[1])), span, skipped)
+                await asyncio.sleep(0)  # the commit's thread starts now, not after the next page has folded
+                total += events
         finally:
             if pending is not None:  # something failed while a commit was in flight: let it finish first
                 with contextlib.suppress(Exception):
                     await pending[0]
-        await self.build_deferred_indexes()
-        return total
+            for process in workers:
+                if process.is_alive():
+                    process.terminate()
+            for process in workers:
+                await asyncio.to_thread(process.join)
+            if incoming is not None:  # their pipes are closed now: it ends
+                with contextlib.suppress(BaseException):
+                    await incoming
+            for pipe in pipes:
+                pipe.close()
+
+    def _take_pages(self, pages: list[FoldedPage]) -> Writes:
+        """The group half of the fold over one page of each worker (the same positions), their events in
+        log order; the step's writes, both halves'."""
+        if len({page.span for page in pages}) != 1:
+            raise RuntimeError(f"the episode workers sent different pages: {[page.span for page in pages]}")
+        fold = self.fold
+        pending, timeout = fold.pending, self.config.group_timeout_s
+        outcomes = [iter(page.outcomes) for page in pages]
+        upcoming = [next(each, None) for each in outcomes]
+        shares = [
+            zip(p.positions, p.micros, itertools.repeat(n), itertools.count()) for n, p in enumerate(pages)
+        ]
+        for position, micros, shard, index in heapq.merge(*shares) if len(shares) > 1 else shares[0]:
+            fold.position = position
+            next_outcome = upcoming[shard]
+            if next_outcome is not None and next_outcome[0] == index:
+                _, stream, kind, outcome = next_outcome
+                row = LogRow(position, stream, kind, {}, None, _moment(micros))
+                fold._expire_groups(row)
+                fold.take(outcome, row)
+                upcoming[shard] = next(outcomes[shard], None)
+            elif pending:
+                # _expire_groups' own test on the oldest group, in integers: most events expire nothing
+                oldest = next(iter(pending.values()))
+                if (micros - _micros(oldest.last_time)) / 10**6 > timeout:
+                    fold._expire_groups(LogRow(position, "", "", {}, None, _moment(micros)))
+        fold.skipped += sum(page.skipped for page in pages)
+        writes, fold.writes = fold.writes, Writes()
+        for page in pages:
+            theirs = page.writes
+            writes.episodes.update(theirs.episodes)
+            writes.finished += theirs.finished
+            writes.turns += theirs.turns
+        writes.skipped = [row for page in pages for row in page.writes.skipped] + writes.skipped
+        return writes
 
     async def run(self, stop: asyncio.Event, *, poll_interval: float = 5.0) -> None:
         """Fold new events as they are appended (woken by the log's NOTIFY) until ``stop`` is set."""
