@@ -89,7 +89,7 @@ from consumers.runtime import run, tune_gc
 from pipeline.episodes import EpisodeSession
 from pipeline.inference.backends import Generation
 from pipeline.inference.backends.scripted import ScriptedBackend
-from pipeline.inference.client import NatsLLMClient
+from pipeline.inference.client import NatsLLMClient, request_subject
 from pipeline.log import EventStore
 
 from common import (
@@ -690,7 +690,7 @@ class FloorApp:
         answer: dict[str, Any] = {"session_id": "floor", "api_key": "floor"}
         if scope["path"] == "/v1/chat/completions":
             payload = self.template.replace(self.request_id, str(uuid.uuid4())).encode()
-            reply = await self.nats.request(f"llm.{POLICY}.requests", payload, timeout=60)
+            reply = await self.nats.request(request_subject(POLICY), payload, timeout=60)
             await self.database.execute("INSERT INTO bench_floor (data) VALUES (%b)", (body + reply.data,))
             text = json.loads(reply.data)["text"]
             answer = {"choices": [{"message": {"role": "assistant", "content": text}}]}
@@ -765,14 +765,7 @@ async def measure(
             if "floor" in args.paths:
                 async with child("floor", database_url, found.nats_url) as (floor_pid, url):
                     note(f"floor on {url} (uvicorn, its own process)")
-                    lean = [LeanHttp(url) for _ in range(max(args.levels))]
-                    try:
-                        make = lambda index: LeanGatewayEpisode(lean[index])  # noqa: E731
-                        floor_processes = {**processes, "gateway": floor_pid}
-                        results += await measure_path("floor", make, args, floor_processes)
-                    finally:
-                        for http in lean:
-                            await http.close()
+                    results += await measure_lean("floor", url, args, {**processes, "gateway": floor_pid})
         finally:
             await llm.close()
             await store.close()
@@ -796,14 +789,19 @@ async def measure_gateway(
         if "gateway" in args.paths:
             results += await measure_path(label, lambda _: GatewayEpisode(admin, client), args, processes)
         if "gateway-lean" in args.paths:
-            lean = [LeanHttp(url) for _ in range(max(args.levels))]
-            try:
-                make = lambda index: LeanGatewayEpisode(lean[index])  # noqa: E731
-                results += await measure_path(lean_label(label), make, args, processes)
-            finally:
-                for http in lean:
-                    await http.close()
+            results += await measure_lean(lean_label(label), url, args, processes)
     return results
+
+
+async def measure_lean(path: str, url: str, args: argparse.Namespace, processes: Processes) -> list[Result]:
+    """``path`` at ``url`` driven by ``LeanHttp``, one keep-alive connection per worker."""
+    lean = [LeanHttp(url) for _ in range(max(args.levels))]
+    try:
+        make = lambda index: LeanGatewayEpisode(lean[index])  # noqa: E731
+        return await measure_path(path, make, args, processes)
+    finally:
+        for http in lean:
+            await http.close()
 
 
 def lean_label(label: str) -> str:

@@ -11,8 +11,6 @@ order assertions never see another test's events.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ from pipeline.dev.embedded import EmbeddedServers, scratch_dir
 from pipeline.log import EventStore
 from pipeline.log.db import migrate, with_user
 from pipeline.settings import libpq_url
+from tests.models import built_model
 from tests.roles import connect, role_nats  # noqa: F401 (fixtures for every test module)
 
 
@@ -143,12 +142,8 @@ def tiny_model_dir() -> Iterator[Path]:
     pytest's basetemp, for the reason given in ``servers``)."""
     from pipeline.inference.tinymodel import build_tiny_model
 
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    directory = Path(tempfile.mkdtemp(prefix="turnstile-test-model-"))
-    try:
-        yield build_tiny_model(directory / "tiny")
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    with built_model(build_tiny_model, "tiny", "turnstile-test-model-") as directory:
+        yield directory
 
 
 @pytest.fixture(scope="session")
@@ -157,9 +152,5 @@ def long_model_dir() -> Iterator[Path]:
     attention on every layer), built once per session like ``tiny_model_dir``."""
     from pipeline.inference.tinymodel import build_long_model
 
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    directory = Path(tempfile.mkdtemp(prefix="turnstile-test-long-model-"))
-    try:
-        yield build_long_model(directory / "long")
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    with built_model(build_long_model, "long", "turnstile-test-long-model-") as directory:
+        yield directory

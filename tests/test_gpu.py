@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from pipeline.inference.backends import Generation
 from pipeline.inference.backends.torch_backend import TorchBackend
 from pipeline.inference.tinymodel import build_tiny_model
 from schemas import ChatMessage, LLMRequest, SamplingParams, TokenPrefix
+from tests.models import built_model
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("TURNSTILE_GPU_TEST_DEVICE", "cuda")
@@ -36,12 +35,8 @@ DEVICE = os.environ.get("TURNSTILE_GPU_TEST_DEVICE", "cuda")
 def model_dir() -> Iterator[Path]:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device here: run on a GPU machine (or set TURNSTILE_GPU_TEST_DEVICE=cpu)")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    directory = Path(tempfile.mkdtemp(prefix="turnstile-gpu-model-"))
-    try:
-        yield build_tiny_model(directory / "tiny")
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    with built_model(build_tiny_model, "tiny", "turnstile-gpu-model-") as directory:
+        yield directory
 
 
 def ask(content: str, **sampling: Any) -> LLMRequest:
