@@ -9,15 +9,13 @@ which ``turnstile --help`` and every quick command would otherwise pay.
 
 from __future__ import annotations
 
-import typer
-
 from consumers.cli import data, runs, serve, servers
-from consumers.cli.common import console
+from consumers.cli.common import Typer, console
 from pipeline.errors import TurnstileError
 
-app = typer.Typer(help="Turnstile: collect RL rollouts from LLM agents.", no_args_is_help=True)
-serve_app = typer.Typer(help="Run a Turnstile service.", no_args_is_help=True)
-model_app = typer.Typer(help="Model directories.", no_args_is_help=True)
+app = Typer(help="Turnstile: collect RL rollouts from LLM agents.", no_args_is_help=True)
+serve_app = Typer(help="Run a Turnstile service.", no_args_is_help=True)
+model_app = Typer(help="Model directories.", no_args_is_help=True)
 
 app.command()(servers.up)
 app.command()(servers.migrate)

@@ -4,9 +4,10 @@ validates them and ``--help`` lists them), and the small parsers of option value
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+import typer.core
 from pydantic import ValidationError
 from rich.console import Console
 
@@ -14,6 +15,43 @@ from pipeline.errors import ConfigError, describe_validation_error
 from schemas import SamplingParams
 
 console = Console(stderr=True)
+
+
+def _no_type(ctx: Any) -> None:
+    return None
+
+
+def _without_flag_types(params: list[Any]) -> list[Any]:
+    # typer's help prints a type beside every option (`--json <bool>`), which reads as if a flag took a
+    # value; typer has no setting for it, so a flag's `display_type_rich` (what the help prints) says none.
+    for param in params:
+        if param.param_type_name == "option" and (param.is_flag or param.count):
+            setattr(param, "display_type_rich", _no_type)  # noqa: B010 (a method, replaced on this object)
+    return params
+
+
+class Command(typer.core.TyperCommand):
+    """A command whose ``--help`` shows no type beside an option that takes no value."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _without_flag_types(super().get_params(ctx))
+
+
+class Group(typer.core.TyperGroup):
+    """A command group whose ``--help`` shows no type beside an option that takes no value."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _without_flag_types(super().get_params(ctx))
+
+
+class Typer(typer.Typer):
+    """``typer.Typer`` whose groups and commands are :class:`Group` and :class:`Command`."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(cls=Group, **settings)
+
+    def command(self, *args: Any, **settings: Any) -> Any:
+        return super().command(*args, **{"cls": Command, **settings})
 
 
 class Backend(enum.StrEnum):

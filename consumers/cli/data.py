@@ -362,7 +362,12 @@ def plot(
         show_default=False,
     ),
     policy: str = typer.Option("demo", help="the policy whose runs are drawn"),
-    out: Path = typer.Option(Path("plots"), help="the directory the PNG files go to (NAME.png)"),
+    out: Path | None = typer.Option(
+        None,
+        help="the directory the PNG files go to (NAME.png) "
+        "\\[default: $TURNSTILE_DATA_DIR/plots, else .turnstile/plots]",
+        show_default=False,
+    ),
     schema: str | None = typer.Option(None, help="read the tables of the rebuild NAME (schema rm_NAME)"),
     plain: bool = typer.Option(False, help="the plain PNG writer even when matplotlib is installed"),
     allow_superuser: bool = typer.Option(
@@ -371,7 +376,7 @@ def plot(
 ) -> None:
     """Draw the standard plots of a policy from the read models, at any time (read-only, as role
     turnstile_reader, like turnstile sql): reward while training and per policy version with 95% bands,
-    staleness of batches, throughput. matplotlib draws them (pip install 'turnstile-rl[plots]'); without it
+    staleness of batches, throughput. matplotlib draws them (pip install 'turnstile-rl\\[plots]'); without it
     a plain writer draws the first line of each, with tick numbers only."""
     from rich.markup import escape
 
@@ -399,8 +404,9 @@ def plot(
             "[yellow]matplotlib is not installed: plain plots (no title, axis names or legend); "
             "pip install 'turnstile-rl\\[plots]'[/yellow]"
         )
+    directory = out or Settings().data_dir / "plots"
     for chart in drawn:
-        path = draw(chart, out / f"{chart.name}.png", backend="plain" if plain else "auto")
+        path = draw(chart, directory / f"{chart.name}.png", backend="plain" if plain else "auto")
         console.print(f"{chart.title}: {path}" + (" (no data yet)" if chart.empty else ""))
 
 
