@@ -120,21 +120,25 @@ def shell_words(line: str) -> list[str]:
     return list(lexer)
 
 
-def command_lines(block: Block) -> Iterator[str]:
-    """The shell command lines of a block, continuation lines and quotes over several lines joined; in a
-    text block, the lines after `$ `."""
-    lines = block.text.replace("\\\n", " ").splitlines()
+def command_lines(block: Block) -> Iterator[tuple[int, str]]:
+    """The shell command lines of a block with their line numbers in the page, continuation lines and quotes
+    over several lines joined; in a text block, the lines after `$ `."""
+    lines = block.text.splitlines()
+    numbered = [(block.line + offset, line) for offset, line in enumerate(lines, 1)]
     if block.lang not in ("bash", "sh", "shell"):
-        yield from (line[2:] for line in lines if line.startswith("$ "))
+        yield from ((number, line[2:]) for number, line in numbered if line.startswith("$ "))
         return
-    pending = ""
-    for line in lines:
-        pending = f"{pending}\n{line}" if pending else line
+    pending, first = "", 0
+    for number, line in numbered:
+        pending, first = (f"{pending}\n{line}", first) if pending else (line, number)
+        if pending.endswith("\\"):
+            pending = pending[:-1]
+            continue
         try:
             shell_words(pending)
         except ValueError:  # a quote still open: the command goes on on the next line
             continue
-        yield pending
+        yield first, pending
         pending = ""
     assert not pending, f"{block.where()}: a quote is never closed in {pending!r}"
 
@@ -222,9 +226,9 @@ def check_invocation(args: list[str]) -> str | None:
 
 def documented_invocations() -> list[tuple[str, list[str]]]:
     return [
-        (f"{block.where()}: {line.strip()}", args)
+        (f"{block.page.relative_to(ROOT)}:{number}: {' '.join(line.split())}", args)
         for block in ALL_BLOCKS
-        for line in command_lines(block)
+        for number, line in command_lines(block)
         for args in turnstile_invocations(line)
     ]
 
