@@ -18,7 +18,7 @@ import pytest
 from pipeline.dev.embedded import free_port
 from pipeline.inference.client import NatsLLMClient
 from schemas import ChatMessage, LLMRequest, LLMResponse
-from tests.conftest import Servers
+from tests.conftest import Servers, login_url
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 
@@ -221,6 +221,8 @@ async def ask_when_ready(nats_url: str, policy: str) -> LLMResponse:
     [
         (["up"], "[default: $TURNSTILE_DATA_DIR or .turnstile]"),
         (["demo"], "[default: $TURNSTILE_DATA_DIR or .turnstile]"),
+        (["plot"], "[default: $TURNSTILE_DATA_DIR/plots or .turnstile/plots]"),
+        (["plot"], "pip install 'turnstile-rl[plots]'"),
         (["run"], "LLM turns an episode may take [default: no limit]"),
         (["serve", "inference"], "[default: host-pid-random]"),
         (["serve", "trainer"], "skip batches more than N versions behind [default: never]"),
@@ -234,6 +236,32 @@ def test_help_shows_the_defaults_written_in_words(command: list[str], shown: str
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert shown in result.stdout
+
+
+def test_help_shows_no_type_beside_an_option_that_takes_no_value() -> None:
+    result = subprocess.run(
+        [*TURNSTILE, "replay", "--help"], capture_output=True, text=True, timeout=60,
+        env=clean_env(COLUMNS="200"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    options = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("│ --")}
+    assert "<int>" in options["--until"]  # an option that takes a value says which
+    for flag in ("--tokens", "--json", "--rerun", "--all", "--help"):
+        assert "<bool>" not in options[flag], options[flag]
+
+
+def test_plot_writes_into_the_data_directory_by_default(
+    database_url: str, logins: dict[str, tuple[str, str]], tmp_path: Path
+) -> None:
+    reader_url = login_url(database_url, logins["turnstile_reader"])
+    env = clean_env(TURNSTILE_DATABASE_URL=database_url, TURNSTILE_READER_URL=reader_url)
+    done = subprocess.run(
+        [*TURNSTILE, "plot", "staleness", "--policy", "nobody"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / ".turnstile" / "plots" / "staleness.png").is_file()
+    assert not (tmp_path / "plots").exists()
 
 
 def test_submit_to_an_unreachable_nats_ends_in_one_clear_error(tmp_path: Path) -> None:

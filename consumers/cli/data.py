@@ -365,7 +365,7 @@ def plot(
     out: Path | None = typer.Option(
         None,
         help="the directory the PNG files go to (NAME.png) "
-        "\\[default: $TURNSTILE_DATA_DIR/plots, else .turnstile/plots]",
+        "\\[default: $TURNSTILE_DATA_DIR/plots or .turnstile/plots]",
         show_default=False,
     ),
     schema: str | None = typer.Option(None, help="read the tables of the rebuild NAME (schema rm_NAME)"),
