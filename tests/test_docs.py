@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import enum
+import functools
 import json
 import re
 import shlex
@@ -158,6 +159,12 @@ def turnstile_invocations(line: str) -> Iterator[list[str]]:
             command.append(token)
 
 
+@functools.cache
+def cli() -> Any:
+    """The click command tree typer makes of the `turnstile` app."""
+    return typer.main.get_command(app)
+
+
 def value_problem(kind: Any, value: str) -> str | None:
     """What is wrong with an option's value for its declared type (choices and numbers), or None."""
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
@@ -176,7 +183,7 @@ def check_invocation(args: list[str]) -> str | None:
     option is one of that command's, an option that takes no value is given none, choices and numbers are
     valid, and no more arguments are given than the command takes. (typer carries a click of its own, so
     its objects are read by their attributes, not checked against the classes of the click package.)"""
-    command: Any = typer.main.get_command(app)
+    command: Any = cli()
     path = ["turnstile"]
     rest = list(args)
     while hasattr(command, "commands") and rest and not rest[0].startswith("-"):
@@ -238,6 +245,54 @@ def test_every_documented_turnstile_command_parses_against_the_cli() -> None:
     assert len(found) > 20  # the extraction still finds the commands
     wrong = [f"{where}\n    {problem}" for where, args in found if (problem := check_invocation(args))]
     assert not wrong, "commands in the docs that the CLI refuses:\n" + "\n".join(wrong)
+
+
+INLINE_COMMAND = re.compile(r"`(turnstile [^`]+)`")
+
+
+def inline_commands() -> Iterator[tuple[str, str]]:
+    """`turnstile ...` in inline code outside code blocks (the synopses in tables and text), by page:line."""
+    for page in PAGES:
+        fenced = False
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip().startswith("```"):
+                fenced = not fenced
+            elif not fenced:
+                for span in INLINE_COMMAND.findall(line):
+                    yield f"{page.relative_to(ROOT)}:{number}", span
+
+
+def synopsis_problem(span: str) -> str | None:
+    """Why a synopsis such as `turnstile plot [NAME ...] [--policy P]` names what the CLI lacks: its
+    commands must exist and every `--option` in it must be one of that command's."""
+    command: Any = cli()
+    path = ["turnstile"]
+    for word in span.split()[1:]:
+        if not hasattr(command, "commands") or not re.fullmatch(r"[a-z][a-z-]*", word):
+            break
+        if word not in command.commands:
+            return f"`{' '.join(path)}` has no command {word!r}"
+        path.append(word)
+        command = command.commands[word]
+    if hasattr(command, "commands"):
+        return None  # a group named in passing (`turnstile serve ...`)
+    names = {name for param in command.params for name in (*param.opts, *param.secondary_opts)}
+    unknown = sorted(set(re.findall(r"--[a-z][a-z-]*", span)) - names - {"--help"})
+    return f"`{' '.join(path)}` has no option {', '.join(unknown)}" if unknown else None
+
+
+def test_every_turnstile_synopsis_in_the_text_names_real_commands_and_options() -> None:
+    found = list(inline_commands())
+    assert len(found) > 30  # the extraction still finds them
+    wrong = [f"{where}: `{span}`: {problem}" for where, span in found if (problem := synopsis_problem(span))]
+    assert not wrong, "synopses the CLI does not match:\n" + "\n".join(wrong)
+
+
+def test_the_synopsis_check_finds_a_missing_option() -> None:
+    assert synopsis_problem("turnstile plot [NAME ...] [--policy P] [--out DIR]") is None
+    assert synopsis_problem("turnstile serve gateway --port 8000 [--max-open-sessions N]") is None
+    assert "--plian" in (synopsis_problem("turnstile plot [--plian]") or "")
+    assert "'servee'" in (synopsis_problem("turnstile servee gateway") or "")
 
 
 @pytest.mark.parametrize(
