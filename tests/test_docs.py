@@ -98,18 +98,35 @@ def relative_links() -> Iterator[tuple[Path, int, str]]:
     for page in PAGES:
         for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
             for target in LINK.findall(line):
-                if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-                    continue  # a URL or an anchor on the same page
-                yield page, number, target
+                if re.match(r"[a-z][a-z0-9+.-]*:", target):
+                    continue  # a URL
+                yield page, number, f"{page.name}{target}" if target.startswith("#") else target
 
 
-def test_every_relative_link_resolves_to_a_file() -> None:
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub makes of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.M | re.S)
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def link_problem(page: Path, target: str) -> str | None:
+    path, _, anchor = target.partition("#")
+    linked = page.parent / path
+    if not linked.exists():
+        return "no such file"
+    if anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+        return f"no heading #{anchor} in {path}"
+    return None
+
+
+def test_every_relative_link_resolves_to_a_file_and_heading() -> None:
     links = list(relative_links())
     assert len(links) > 10  # the pattern still finds the links
     broken = [
-        f"{page.relative_to(ROOT)}:{number}: {target}"
+        f"{page.relative_to(ROOT)}:{number}: {target}: {problem}"
         for page, number, target in links
-        if not (page.parent / target.split("#", 1)[0]).exists()
+        if (problem := link_problem(page, target))
     ]
     assert not broken, "links to nothing:\n" + "\n".join(broken)
 
