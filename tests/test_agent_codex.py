@@ -49,13 +49,13 @@ CODEX_FLAGS = [
     "--skip-git-repo-check",
     "--dangerously-bypass-approvals-and-sandbox",
 ]
-"""Events as JSON lines (the usage of its calls), the config checked (an unknown key fails: the README's
+"""Events as JSON lines (the usage of its calls), the config checked (an unknown key fails: the docs'
 config stays right for the pinned version), outside a git repository, no approvals and no sandbox of its
 own (as root in a container; the test's directory is the sandbox)."""
 
 
 def codex_config(base_url: str) -> str:
-    """``config.toml`` as the README gives it: a provider of its own, the key read from an env variable; no
+    """``config.toml`` as the docs give it: a provider of its own, the key read from an env variable; no
     usage analytics (otherwise it resolves chatgpt.com to send them)."""
     return f"""\
 model = "main"

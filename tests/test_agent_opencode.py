@@ -56,7 +56,7 @@ OPENCODE_OFFLINE = {
 
 
 def opencode_config(base_url: str) -> dict[str, Any]:
-    """``opencode.json`` as the README gives it: the gateway as an OpenAI-compatible provider, the session
+    """``opencode.json`` as the docs give it: the gateway as an OpenAI-compatible provider, the session
     key from an env variable, the same model for titles (``small_model``), the shell allowed unasked."""
     return {
         "$schema": "https://opencode.ai/config.json",
