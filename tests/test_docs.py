@@ -21,6 +21,7 @@ import pytest
 import typer.main
 
 from consumers.cli import app
+from pipeline.inference.script import Script
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -372,7 +373,9 @@ def test_some_python_blocks_run() -> None:
     ids=lambda block: block.where(),
 )
 def test_json_and_toml_blocks_parse(block: Block) -> None:
-    if block.lang == "json":
-        json.loads(block.text)
-    else:
+    if block.lang == "toml":
         tomllib.loads(block.text)
+        return
+    document = json.loads(block.text)
+    if isinstance(document, dict) and "rules" in document:  # a scripted policy: the consumer must take it
+        Script.model_validate(document)
