@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -28,7 +28,16 @@ from rich.table import Table
 
 from consumers.runtime import stop_on_signals
 from pipeline.dev.charts import CHART_NAMES, curve_chart, draw, read_charts
-from pipeline.dev.demo import POLICY, ServiceProcesses, Summary, loop_status, query, summarize
+from pipeline.dev.demo import (
+    POLICY,
+    TRY_QUERIES,
+    ServiceProcesses,
+    Summary,
+    batches_trained,
+    log_head,
+    loop_status,
+    summarize,
+)
 from pipeline.dev.embedded import EmbeddedServers
 from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
 from pipeline.examples.demo import DigitsOrCapitalsAgent, demo_tasks
@@ -38,14 +47,6 @@ from pipeline.log.db import make_logins, migrate
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
 from pipeline.settings import SERVERS_FILE
 from schemas import SamplingParams
-
-TRY_QUERIES: Final = (
-    "SELECT policy_version, episodes, round(mean_reward::numeric, 3) AS mean_reward "
-    "FROM reward_by_policy_version WHERE policy = 'demo' ORDER BY policy_version",
-    "SELECT b.batch_id, t.policy_version AS trained_into, b.samples, b.groups, b.min_policy_version "
-    "FROM trained_batches t JOIN batches b USING (batch_id) ORDER BY t.trained_at DESC LIMIT 5",
-    "SELECT * FROM turn_latency_by_consumer",
-)
 
 
 @dataclass(frozen=True)
@@ -147,10 +148,8 @@ def run_demo(config: DemoConfig, console: Console) -> Summary:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
         env.update(TURNSTILE_DATABASE_URL=logins.services, TURNSTILE_NATS_URL=nats_url, HF_HUB_OFFLINE="1")
         services = ServiceProcesses(env, config.data_dir / "logs")
-        since = int(query(database_url, "SELECT coalesce(max(position), 0) FROM events")[0][0])
-        trained_before = int(
-            query(database_url, "SELECT count(*) FROM trained_batches WHERE outcome = 'trained'")[0][0]
-        )
+        since = log_head(database_url)
+        trained_before = batches_trained(database_url)
         started_wall = time.time()
         try:
             services.start("inference", "serve", "inference", "--policy", POLICY, "--model", str(model),

@@ -8,12 +8,8 @@ import asyncio
 import logging
 import time
 
-import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine
-
 from consumers.runtime import Runtime, running
-from pipeline.log.db import create_engine
-from pipeline.materialize import Materializer, MaterializerConfig, drop_rebuild
+from pipeline.materialize import Materializer, MaterializerConfig, MaterializerMetrics, drop_rebuild
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +25,14 @@ async def serve_materializer(
     async with running(f"materializer {config.name}", stop=stop, metrics_port=metrics_port) as runtime:
         materializer = Materializer(database_url, config)
         await materializer.open()
-        engine = create_engine(database_url, pool_size=1)
-        instrument(runtime, materializer, engine)
+        metrics = MaterializerMetrics(database_url)
+        instrument(runtime, materializer, metrics)
         log.info("materializer %s starts after position %d", config.name, materializer.position)
         try:
             await materializer.run(runtime.stop)
         finally:
             await materializer.close()
-            await engine.dispose()
+            await metrics.close()
             if materializer.skipped:
                 log.warning(
                     "materializer %s skipped %d events it could not fold: SELECT * FROM skipped_events",
@@ -65,15 +61,11 @@ async def rematerialize(
     return materializer
 
 
-def instrument(runtime: Runtime, materializer: Materializer, engine: AsyncEngine) -> None:
+def instrument(runtime: Runtime, materializer: Materializer, metrics: MaterializerMetrics) -> None:
     """Position, events quarantined, lag behind the log's head, open episodes and batches made."""
 
-    async def scalar(query: str) -> float:
-        async with engine.connect() as connection:
-            return float(await connection.scalar(sa.text(query)) or 0)
-
     async def lag() -> float:
-        return await scalar("SELECT coalesce(max(position), 0) FROM events") - materializer.position
+        return await metrics.lag(materializer.position)
 
     runtime.gauge(
         "turnstile_materializer_position",
@@ -92,11 +84,11 @@ def instrument(runtime: Runtime, materializer: Materializer, engine: AsyncEngine
         "turnstile_materializer_open_episodes",
         "episodes started and not finished",
         5.0,
-        lambda: scalar("SELECT count(*) FROM episodes WHERE status = 'running'"),
+        metrics.open_episodes,
     )
     runtime.poll(
         "turnstile_materializer_batches",
         "batches made so far",
         5.0,
-        lambda: scalar("SELECT count(*) FROM batches"),
+        metrics.batches,
     )

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
-import sqlalchemy as sa
 from rich.console import Console
 
 from consumers.runtime import connect_nats, running
@@ -50,9 +49,7 @@ async def serve_relay(
             )
 
             async def depth() -> float:
-                async with engine.connect() as db:
-                    query = f"SELECT count(*) FROM {config.schema}.batch_outbox WHERE published_at IS NULL"
-                    return float(await db.scalar(sa.text(query)) or 0)
+                return float(await relay.outbox_depth())
 
             runtime.poll(
                 "turnstile_relay_outbox_depth", "batches committed and not yet published", 5.0, depth

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
 from pipeline.errors import DuplicateEventConflict, InvalidEvent, WrongExpectedVersion
-from pipeline.log import RecordedEvent, Store
-from schemas import ChatMessage, TurnCompleted, TurnRequest
+from pipeline.log import AbandonedEpisode, EpisodeFilter, RecordedEvent, Store
+from schemas import ChatMessage, EpisodeFinished, Event, PolicyVersionPublished, TurnCompleted, TurnRequest
 from tests.factories import finished, new_stream, reward, started, turn
 
 
@@ -253,3 +254,91 @@ class StoreContract:
         for stream in streams[:5]:
             assert [r.version for r in seen if r.stream == stream] == [1, 2, 3]
         await tailer.stop()
+
+    # -- the episode index: finding episodes by id or prefix, and listing them ----------------------------
+
+    async def test_episode_ids_are_found_exactly_or_by_prefix_oldest_first(self, store: Store) -> None:
+        for episode_id in ("abc1", "abc2", "abc", "a_c9", "xyz"):
+            await store.append(f"episode-{episode_id}", [started(episode_id)], expected_version=0)
+        await store.append("policy-abc", [PolicyVersionPublished(policy="abc", version=1, checkpoint="c")])
+        assert await store.find_episode_ids("abc1", 11) == ["abc1"]
+        assert await store.find_episode_ids("abc", 11) == ["abc"]  # an exact id wins over longer ones
+        assert await store.find_episode_ids("ab", 11) == ["abc1", "abc2", "abc"]
+        assert await store.find_episode_ids("ab", 2) == ["abc1", "abc2"]
+        assert await store.find_episode_ids("a_", 11) == ["a_c9"]  # _ is text, not LIKE's wildcard
+        assert await store.find_episode_ids("a%", 11) == []
+        assert await store.find_episode_ids("nope", 11) == []
+
+    async def test_episodes_are_listed_newest_first_with_turns_reward_and_filters(self, store: Store) -> None:
+        await store.append(
+            "episode-e1",
+            [started("e1"), turn(seed=1), turn(seed=2), reward(0.5), reward(0.25), finished()],
+            expected_version=0,
+        )
+        await store.append("episode-e2", [started("e2", policy="other", agent="x:Other")], expected_version=0)
+        await store.append(
+            "episode-e3", [started("e3"), EpisodeFinished(termination="max_turns")], expected_version=0
+        )
+
+        async def ids(**filters: Any) -> list[str]:
+            return [row.episode_id for row in await store.list_episodes(EpisodeFilter(**filters))]
+
+        rows = await store.list_episodes(EpisodeFilter())
+        assert [row.episode_id for row in rows] == ["e3", "e2", "e1"]
+        e1 = rows[2]
+        assert (e1.policy, e1.agent, e1.task_id, e1.turns, e1.reward, e1.termination) == (
+            "main", "tests:Agent", "t1", 2, 0.75, "done",
+        )  # fmt: skip
+        assert e1.finished_at is not None
+        assert e1.finished_at >= e1.started_at
+        e2 = rows[1]
+        assert (e2.turns, e2.reward, e2.termination, e2.finished_at) == (0, None, None, None)
+        assert e2.status == "running"
+        assert await ids(status="running") == ["e2"]
+        assert await ids(status="finished") == ["e3", "e1"]
+        assert await ids(termination="max_turns") == ["e3"]
+        assert await ids(policy="other") == ["e2"]
+        assert await ids(agent="tests:Agent") == ["e3", "e1"]
+        assert await ids(min_reward=0.5) == ["e1"]
+        assert await ids(max_reward=0.1) == []  # an episode without rewards has no reward to compare
+        assert await ids(limit=1) == ["e3", "e2"]  # one more than the limit: more matched
+        assert await ids(since=e1.started_at) == ["e3", "e2", "e1"]
+        assert await ids(since=datetime.now(UTC) + timedelta(hours=1)) == []
+
+    # -- runner leases and the episodes they leave open ----------------------------------------------------
+
+    async def test_open_episodes_of_runners_without_a_live_lease_are_abandoned(self, store: Store) -> None:
+        await store.start_lease("live", host="h", pid=1)
+        await store.start_lease("gone", host="h", pid=2)
+        await store.end_lease("gone")
+
+        async def open_episode(episode_id: str, runner: str | None, *more: Event) -> None:
+            metadata = None if runner is None else {"runner": runner}
+            await store.append(f"episode-{episode_id}", [started(episode_id), *more], 0, metadata=metadata)
+
+        await open_episode("of-live", "live")
+        await open_episode("of-gone", "gone", turn())
+        await open_episode("of-unknown", "unknown")
+        await open_episode("no-runner", None)
+        await open_episode("finished", "gone", finished())
+
+        async def abandoned(lease_timeout: float = 30, orphan_after: float = 3600) -> list[AbandonedEpisode]:
+            return await store.abandoned_episodes(
+                runner_key="runner", lease_timeout=lease_timeout, orphan_after=orphan_after
+            )
+
+        assert await abandoned() == [
+            AbandonedEpisode("episode-of-gone", "gone", 2),
+            AbandonedEpisode("episode-of-unknown", "unknown", 1),
+        ]
+        assert [a.stream for a in await abandoned(orphan_after=0)] == [
+            "episode-of-gone", "episode-of-unknown", "episode-no-runner",
+        ]  # fmt: skip
+        assert (await abandoned(orphan_after=0))[-1].runner_id is None
+        await store.renew_lease("live")
+        # a lease lapses when its last heartbeat is older than lease_timeout: with 0, every lease has
+        assert [a.stream for a in await abandoned(lease_timeout=0)] == [
+            "episode-of-live", "episode-of-gone", "episode-of-unknown",
+        ]  # fmt: skip
+        await store.end_lease("live")
+        assert "episode-of-live" in [a.stream for a in await abandoned()]

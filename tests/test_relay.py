@@ -166,8 +166,10 @@ async def test_inline_batches_are_published_in_order_once_each_and_marked(
     for batch in batches:
         await insert(database_url, batch)
     relay = OutboxRelay(engine, nc)
+    assert await relay.outbox_depth() == 3
 
     assert await relay.publish_pending() == 3
+    assert await relay.outbox_depth() == 0
     assert await relay.publish_pending() == 0  # nothing left: a second pass publishes nothing again
 
     messages = await stream_messages(nc, batch_subject(policy))

@@ -270,24 +270,20 @@ def replay(
 
     if not all_episodes:
         raise SystemExit(asyncio.run(one()))
-    from pipeline.sql import SqlError, run_readonly
+    from pipeline.sql import SqlError, episode_ids_where
 
     try:
         # As the user that reruns (and appends) anyway: --where cannot do more than that user can.
-        rows = run_readonly(
-            database_url,
-            f"SELECT episode_id FROM episodes WHERE ({where or 'true'}) ORDER BY started_at",
-            allow_superuser=True,
-        ).rows
+        ids = episode_ids_where(database_url, where, allow_superuser=True)
     except SqlError as error:
         raise TurnstileError(f"--where: {escape(str(error))}") from None
-    if not rows:
+    if not ids:
         console.print(
             "no episode matched (--all --where reads the episodes read model, which "
             "`turnstile serve materializer` fills)"
         )
         return
-    summary = asyncio.run(many([str(row[0]) for row in rows]))
+    summary = asyncio.run(many(ids))
     if as_json:
         results = [result.to_json() for result in summary.results]
         errors = [{"episode_id": episode, "error": error} for episode, error in summary.errors]

@@ -194,6 +194,13 @@ class OutboxRelay:
             limit = min(limit, self._stream_max_msg_size)
         return limit - HEADER_HEADROOM
 
+    async def outbox_depth(self) -> int:
+        """Batches committed to the outbox and not yet published (the relay service's depth gauge)."""
+        outbox = self._outbox
+        query = sa.select(sa.func.count()).select_from(outbox).where(outbox.c.published_at.is_(None))
+        async with self.engine.connect() as db:
+            return int(await db.scalar(query) or 0)
+
     async def publish_pending(self) -> int:
         """Publish every unpublished batch, in ``created_at, batch_id`` order; the number published.
 

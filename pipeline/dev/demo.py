@@ -76,9 +76,29 @@ class ServiceProcesses:
                 process.wait()
 
 
+TRY_QUERIES: Final = (
+    "SELECT policy_version, episodes, round(mean_reward::numeric, 3) AS mean_reward "
+    "FROM reward_by_policy_version WHERE policy = 'demo' ORDER BY policy_version",
+    "SELECT b.batch_id, t.policy_version AS trained_into, b.samples, b.groups, b.min_policy_version "
+    "FROM trained_batches t JOIN batches b USING (batch_id) ORDER BY t.trained_at DESC LIMIT 5",
+    "SELECT * FROM turn_latency_by_consumer",
+)
+"""Queries the demo suggests for ``turnstile sql`` once it has run."""
+
+
 def query(database_url: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
     with psycopg.connect(libpq_url(database_url)) as connection:
         return connection.execute(sql, params).fetchall()
+
+
+def log_head(database_url: str) -> int:
+    """The position of the newest event in the log (0 when it is empty)."""
+    return int(query(database_url, "SELECT coalesce(max(position), 0) FROM events")[0][0])
+
+
+def batches_trained(database_url: str) -> int:
+    """Batches the trainers have trained on, over every run so far."""
+    return int(query(database_url, "SELECT count(*) FROM trained_batches WHERE outcome = 'trained'")[0][0])
 
 
 def rewards_since(database_url: str, since_position: int) -> list[float]:
@@ -96,7 +116,7 @@ def rewards_since(database_url: str, since_position: int) -> list[float]:
 
 def loop_status(database_url: str, since_position: int, started: float) -> dict[str, Any]:
     rewards = rewards_since(database_url, since_position)
-    trained = query(database_url, "SELECT count(*) FROM trained_batches WHERE outcome = 'trained'")[0][0]
+    trained = batches_trained(database_url)
     version = query(
         database_url,
         "SELECT coalesce(max((data->>'version')::int), 0) FROM events WHERE stream = %s",

@@ -1,9 +1,9 @@
 """Runner leases, and closing the episodes a dead runner left open.
 
-A runner inserts a lease row before it starts any episode, renews it every ``interval`` seconds, and
-records its id in each EpisodeStarted's metadata. After a crash, any runner (at start, and then
-periodically) finds the episodes that were started and never finished whose runner's lease has lapsed,
-and closes each with EpisodeFinished ``aborted``, so read models never show dangling episodes.
+A runner records a lease (``Store.start_lease``) before it starts any episode, renews it every
+``interval`` seconds, and records its id in each EpisodeStarted's metadata. After a crash, any runner (at
+start, and then periodically) finds the episodes that were started and never finished whose runner's lease
+has lapsed, and closes each with EpisodeFinished ``aborted``, so read models never show dangling episodes.
 """
 
 from __future__ import annotations
@@ -14,15 +14,11 @@ import logging
 import os
 import socket
 import uuid
-from dataclasses import dataclass
 from types import TracebackType
-
-import sqlalchemy as sa
 
 from pipeline.episodes.session import RUNNER_METADATA
 from pipeline.errors import WrongExpectedVersion
-from pipeline.log import EventStore
-from pipeline.log.tables import runners
+from pipeline.log import AbandonedEpisode, Store
 from schemas import EpisodeFinished
 
 log = logging.getLogger(__name__)
@@ -35,19 +31,14 @@ def new_runner_id() -> str:
 class RunnerLease:
     """``async with RunnerLease(store) as lease:`` holds ``lease.runner_id`` while the block runs."""
 
-    def __init__(self, store: EventStore, *, runner_id: str | None = None, interval: float = 5.0) -> None:
+    def __init__(self, store: Store, *, runner_id: str | None = None, interval: float = 5.0) -> None:
         self.store = store
         self.runner_id = runner_id or new_runner_id()
         self.interval = interval
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> RunnerLease:
-        async with self.store.engine.begin() as connection:
-            await connection.execute(
-                sa.insert(runners).values(
-                    runner_id=self.runner_id, host=socket.gethostname(), pid=os.getpid()
-                )
-            )
+        await self.store.start_lease(self.runner_id, host=socket.gethostname(), pid=os.getpid())
         self._task = asyncio.create_task(self._renew(), name=f"lease-{self.runner_id}")
         return self
 
@@ -59,68 +50,29 @@ class RunnerLease:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         with contextlib.suppress(Exception):  # a lease that is not ended lapses by itself
-            async with self.store.engine.begin() as connection:
-                await connection.execute(
-                    sa.update(runners)
-                    .where(runners.c.runner_id == self.runner_id)
-                    .values(stopped_at=sa.func.now())
-                )
+            await self.store.end_lease(self.runner_id)
 
     async def _renew(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
             try:
-                async with self.store.engine.begin() as connection:
-                    await connection.execute(
-                        sa.update(runners)
-                        .where(runners.c.runner_id == self.runner_id)
-                        .values(heartbeat_at=sa.func.now())
-                    )
+                await self.store.renew_lease(self.runner_id)
             except Exception as error:  # PostgreSQL away for a moment: the next renewal tries again
                 log.warning("runner lease %s: renewal failed (%s)", self.runner_id, error)
 
 
-@dataclass(frozen=True, slots=True)
-class AbandonedEpisode:
-    stream: str
-    runner_id: str | None
-    version: int
-
-
-_ABANDONED = sa.text(
-    """
-    SELECT s.stream, s.metadata ->> :runner_key AS runner_id,
-           (SELECT max(e.version) FROM events e WHERE e.stream = s.stream) AS version
-    FROM events s
-    WHERE s.type = 'EpisodeStarted'
-      AND NOT EXISTS (SELECT 1 FROM events f WHERE f.type = 'EpisodeFinished' AND f.stream = s.stream)
-      AND CASE
-            WHEN s.metadata ? :runner_key THEN NOT EXISTS (
-                SELECT 1 FROM runners r
-                WHERE r.runner_id = s.metadata ->> :runner_key
-                  AND r.stopped_at IS NULL
-                  AND r.heartbeat_at > now() - make_interval(secs => :lease_timeout))
-            ELSE (SELECT max(e.recorded_at) FROM events e WHERE e.stream = s.stream)
-                 < now() - make_interval(secs => :orphan_after)
-          END
-    ORDER BY s.position
-    """
-)
-
-
 async def find_abandoned_episodes(
-    store: EventStore, *, lease_timeout: float = 30.0, orphan_after: float = 3600.0
+    store: Store, *, lease_timeout: float = 30.0, orphan_after: float = 3600.0
 ) -> list[AbandonedEpisode]:
     """Open episodes whose runner's lease lapsed ``lease_timeout`` seconds ago (or ended), and open
     episodes recorded without a runner whose last event is older than ``orphan_after`` seconds."""
-    params = {"runner_key": RUNNER_METADATA, "lease_timeout": lease_timeout, "orphan_after": orphan_after}
-    async with store.engine.connect() as connection:
-        rows = (await connection.execute(_ABANDONED, params)).all()
-    return [AbandonedEpisode(row.stream, row.runner_id, int(row.version)) for row in rows]
+    return await store.abandoned_episodes(
+        runner_key=RUNNER_METADATA, lease_timeout=lease_timeout, orphan_after=orphan_after
+    )
 
 
 async def close_abandoned_episodes(
-    store: EventStore, *, lease_timeout: float = 30.0, orphan_after: float = 3600.0
+    store: Store, *, lease_timeout: float = 30.0, orphan_after: float = 3600.0
 ) -> list[str]:
     """Close every abandoned episode as ``aborted``; the streams closed."""
     closed = []
@@ -145,7 +97,7 @@ async def close_abandoned_episodes(
 
 
 async def recover_abandoned_episodes(
-    store: EventStore, *, every: float, lease_timeout: float = 30.0, orphan_after: float = 3600.0
+    store: Store, *, every: float, lease_timeout: float = 30.0, orphan_after: float = 3600.0
 ) -> None:
     """Close abandoned episodes every ``every`` seconds, until cancelled; a failed pass is logged and the
     next one tries again (a holder of a lease runs this beside its work)."""

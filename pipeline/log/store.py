@@ -46,9 +46,10 @@ from pipeline.errors import (
     StoreUnavailable,
     TurnstileError,
 )
+from pipeline.log import episode_queries
 from pipeline.log.appends import PendingAppend, RecordedId, plan_appends, prepare_append, recorded_event
 from pipeline.log.db import create_engine
-from pipeline.log.port import AppendResult, RecordedEvent
+from pipeline.log.port import AbandonedEpisode, AppendResult, EpisodeFilter, EpisodeRow, RecordedEvent
 from pipeline.log.tables import events as events_table
 from pipeline.settings import libpq_url
 from schemas import Event
@@ -222,6 +223,30 @@ class EventStore:
         query = sa.select(sa.func.coalesce(sa.func.max(events_table.c.position), 0))
         async with self.engine.connect() as connection:
             return int(await connection.scalar(query) or 0)
+
+    # -- runner leases and the episode index (pipeline.log.port; the SQL is in episode_queries) --
+
+    async def start_lease(self, runner_id: str, *, host: str, pid: int) -> None:
+        await episode_queries.start_lease(self.engine, runner_id, host=host, pid=pid)
+
+    async def renew_lease(self, runner_id: str) -> None:
+        await episode_queries.renew_lease(self.engine, runner_id)
+
+    async def end_lease(self, runner_id: str) -> None:
+        await episode_queries.end_lease(self.engine, runner_id)
+
+    async def abandoned_episodes(
+        self, *, runner_key: str, lease_timeout: float, orphan_after: float
+    ) -> list[AbandonedEpisode]:
+        return await episode_queries.abandoned_episodes(
+            self.engine, runner_key=runner_key, lease_timeout=lease_timeout, orphan_after=orphan_after
+        )
+
+    async def find_episode_ids(self, text: str, limit: int) -> list[str]:
+        return await episode_queries.find_episode_ids(self.engine, text, limit)
+
+    async def list_episodes(self, filters: EpisodeFilter) -> list[EpisodeRow]:
+        return await episode_queries.list_episodes(self.engine, filters)
 
     async def tail(
         self, after: int = 0, *, batch_size: int = 500, poll_interval: float = 5.0

@@ -11,6 +11,7 @@ from pipeline.materialize.materializer import (
     drop_rebuild,
     rebuild_schema,
 )
+from pipeline.materialize.metrics import MaterializerMetrics
 from pipeline.materialize.trajectory import (
     Sample,
     Turn,
@@ -30,6 +31,7 @@ __all__ = [
     "Fold",
     "Materializer",
     "MaterializerConfig",
+    "MaterializerMetrics",
     "Sample",
     "Turn",
     "apply_staleness",

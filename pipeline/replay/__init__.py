@@ -1,9 +1,8 @@
 """Replay: episodes read back from the log (never the read models, so it works whether or not a materializer
 ran) as transcripts, listed, folded as of a turn, and re-run against their recording."""
 
+from pipeline.log import EpisodeFilter, EpisodeRow
 from pipeline.replay.listing import (
-    EpisodeFilter,
-    EpisodeRow,
     episode_row_json,
     episodes_table,
     list_episodes,

@@ -10,13 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
-import sqlalchemy as sa
 from rich.markup import escape
 
 from pipeline.episodes import Episode, episode_stream, fold_episode
 from pipeline.errors import ConfigError, TurnstileError
-from pipeline.log import EventStore, RecordedEvent
-from pipeline.log.tables import events as events_table
+from pipeline.log import RecordedEvent, Store
 from pipeline.materialize.trajectory import Turn, discounted_rewards, parents
 from schemas import (
     EpisodeFinished,
@@ -52,31 +50,14 @@ class AmbiguousEpisodeId(TurnstileError):
 # -- finding and folding episodes -----------------------------------------------------------------------
 
 
-def _like_prefix(text: str) -> str:
-    return re.sub(r"([\\%_])", r"\\\1", text) + "%"
-
-
-async def resolve_episode_id(store: EventStore, text: str) -> str:
+async def resolve_episode_id(store: Store, text: str) -> str:
     """The id of the one episode whose id is ``text`` or begins with it (EpisodeStarted rows of the log)."""
     if not EPISODE_ID_PATTERN.match(text):
         raise ConfigError(
             f"{escape(repr(text))} is not an episode id: ids are letters, digits and . _ : - "
             "(list episodes with `turnstile episodes`)"
         )
-    e = events_table
-    exact = sa.select(e.c.stream).where(e.c.type == "EpisodeStarted", e.c.stream == episode_stream(text))
-    # EpisodeStarted rows have a partial index (events_episode_started); the LIKE filters those rows only.
-    by_prefix = (
-        sa.select(e.c.stream)
-        .where(e.c.type == "EpisodeStarted", e.c.stream.like(episode_stream(_like_prefix(text)), escape="\\"))
-        .order_by(e.c.position)
-        .limit(MAX_CANDIDATES + 1)
-    )
-    async with store.engine.connect() as connection:
-        if await connection.scalar(exact) is not None:
-            return text
-        streams = list((await connection.scalars(by_prefix)).all())
-    ids = [str(stream).removeprefix("episode-") for stream in streams]
+    ids = await store.find_episode_ids(text, MAX_CANDIDATES + 1)
     if not ids:
         raise EpisodeNotFound(
             f"no episode {text!r} in the log (no episode id is or begins with it); "
@@ -115,7 +96,7 @@ class ReplayedEpisode:
         return None
 
 
-async def load_episode(store: EventStore, episode_id: str, *, until: int | None = None) -> ReplayedEpisode:
+async def load_episode(store: Store, episode_id: str, *, until: int | None = None) -> ReplayedEpisode:
     """The fold of the episode's events, or of those up to and including its turn ``until`` (1-based)."""
     everything = await store.read_stream(episode_stream(episode_id))
     unreadable = [r.problem for r in everything if r.problem is not None]

@@ -1,6 +1,7 @@
 """Read-only SQL over the log and read models (``turnstile sql``): one statement, as the reader role, in a
 read-only transaction that is always rolled back; results as a table, CSV or JSON."""
 
+from pipeline.sql.episodes import episode_ids_where
 from pipeline.sql.readonly import (
     READ_MODELS,
     READER_ROLE,
@@ -19,6 +20,7 @@ __all__ = [
     "QueryResult",
     "ReadOnlyViolation",
     "SqlError",
+    "episode_ids_where",
     "run_readonly",
     "to_csv",
     "to_json",

@@ -17,6 +17,10 @@ the commit, or a duplicate from the relay) is acked and skipped. While a batch w
 subscription tells JetStream it is still being worked on. A message that is not a readable training batch
 of this policy is quarantined: logged with its stream sequence, counted (``quarantined``) and terminated,
 so JetStream never delivers it again (and publishes a MSG_TERMINATED advisory); the trainer goes on.
+
+``trained_batches`` is queried here, through the store's engine and the trainer's login, not through the store
+port: it is the trainer's own record of what it trained (its checkpoint in the offline stack), not the event
+log, and nothing in the online stack that the port serves reads it.
 """
 
 from __future__ import annotations
