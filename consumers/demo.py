@@ -27,7 +27,7 @@ from rich.live import Live
 from rich.table import Table
 
 from consumers.runtime import stop_on_signals
-from pipeline.dev.charts import CHART_NAMES, curve_chart, draw, read_charts
+from pipeline.dev.charts import CHART_NAMES, NO_MATPLOTLIB, curve_chart, draw, have_matplotlib, read_charts
 from pipeline.dev.demo import (
     POLICY,
     TRY_QUERIES,
@@ -177,9 +177,10 @@ def run_demo(config: DemoConfig, console: Console) -> Summary:
         # the standard plots of every run on this data (the reward curve above is this run's), read as
         # `turnstile plot` reads them: through the reader login
         plots = config.data_dir / "plots"
-        for chart in read_charts(logins.reader, POLICY, [n for n in CHART_NAMES if n != "reward_curve"]):
-            draw(chart, plots / f"{chart.name}.png")
-        summary.plots = str(plots)
+        if have_matplotlib():  # else report() says how to get it
+            for chart in read_charts(logins.reader, POLICY, [n for n in CHART_NAMES if n != "reward_curve"]):
+                draw(chart, plots / f"{chart.name}.png")
+            summary.plots = str(plots)
     return summary
 
 
@@ -249,7 +250,9 @@ def report(summary: Summary, config: DemoConfig, console: Console) -> None:
     for name, value in rows.items():
         table.add_row(name, value)
     console.print(table)
-    if summary.curve:
+    if not have_matplotlib():
+        console.print(f"[yellow]{NO_MATPLOTLIB}[/yellow]")
+    elif summary.curve:
         png = draw(curve_chart(summary.curve, policy=POLICY), config.data_dir / "reward_curve.png")
         console.print(f"reward curve (mean reward per turn by episodes finished): {png}")
     if summary.plots:

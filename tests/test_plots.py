@@ -1,6 +1,6 @@
-"""Plots: charts built from rows with hand-computed numbers, drawn by matplotlib (title, axis names, legend)
-or by the plain writer when matplotlib is absent, and ``turnstile plot`` on a real PostgreSQL through the
-reader login."""
+"""Plots: charts built from rows with hand-computed numbers, drawn by matplotlib (title, axis names, legend;
+without matplotlib a one-line message says how to get it), and ``turnstile plot`` on a real PostgreSQL
+through the reader login."""
 
 from __future__ import annotations
 
@@ -99,21 +99,35 @@ def test_an_empty_chart_says_so_instead_of_failing(tmp_path: Path) -> None:
     texts = [text.get_text() for text in figure(chart).axes[0].texts]
     assert texts == ["no data yet"]
     assert png_size(draw(chart, tmp_path / "e.png")) == (960, 540)
-    assert png_size(draw(chart, tmp_path / "p.png", backend="plain")) == (640, 360)
 
 
-def test_without_matplotlib_the_plain_writer_draws_the_first_series(tmp_path: Path) -> None:
-    out = tmp_path / "plain.png"
+def test_without_matplotlib_plot_and_draw_say_in_one_line_how_to_get_it(tmp_path: Path) -> None:
+    out = tmp_path / "none.png"
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"  # import matplotlib now raises ImportError
         "from pathlib import Path\n"
-        "from pipeline.dev.charts import draw, have_matplotlib, reward_curve\n"
+        "from pipeline.dev.charts import PlotsUnavailable, draw, have_matplotlib, reward_curve\n"
         "assert not have_matplotlib()\n"
-        f"draw(reward_curve([0.0, 0.5, 1.0] * 20), Path({str(out)!r}))\n"
+        "try:\n"
+        f"    draw(reward_curve([0.0, 0.5, 1.0] * 20), Path({str(out)!r}))\n"
+        "except PlotsUnavailable as error:\n"
+        "    print(error)\n"
+        "from consumers.cli import main\n"
+        "sys.argv = ['turnstile', 'plot', '--out', sys.argv[1]]\n"
+        "main()\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert png_size(out) == (640, 360)  # the plain writer's size, not matplotlib's
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "plots")],
+        capture_output=True, text=True, timeout=120, env=clean_env(),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr  # the CLI's exit code for a TurnstileError
+    said = (done.stdout + done.stderr).strip().splitlines()
+    assert said[0].startswith("matplotlib is not installed, so no plots were drawn")
+    assert "pip install" in said[0]
+    assert any("pip install" in line for line in said[1:])  # the CLI says it too, with no traceback
+    assert "Traceback" not in done.stderr
+    assert not out.exists()
+    assert not (tmp_path / "plots").exists()
 
 
 def test_charts_from_the_read_models_match_the_hand_computed_figures(
@@ -154,12 +168,12 @@ def test_turnstile_plot_draws_every_chart_and_refuses_an_unknown_one(
         assert png_size(tmp_path / f"{name}.png") == (960, 540)
         assert str(tmp_path / f"{name}.png") in done.stderr.replace("\n", "")
     empty = subprocess.run(
-        [*TURNSTILE, "plot", "staleness", "--policy", "nobody", "--out", str(tmp_path / "none"), "--plain"],
+        [*TURNSTILE, "plot", "staleness", "--policy", "nobody", "--out", str(tmp_path / "none")],
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert empty.returncode == 0, empty.stderr
     assert "(no data yet)" in empty.stderr
-    assert png_size(tmp_path / "none" / "staleness.png") == (640, 360)
+    assert png_size(tmp_path / "none" / "staleness.png") == (960, 540)  # "no data yet", drawn by matplotlib
     unknown = subprocess.run(
         [*TURNSTILE, "plot", "loss"], capture_output=True, text=True, timeout=120, env=env
     )  # fmt: skip

@@ -72,6 +72,7 @@ async def test_a_reply_subject_naming_a_stream_cannot_make_inference_publish_the
     )
     async with serving(config, RuleBackend(echo_rule)) as service:
         versions = await admin.nc.subscribe(versions_subject(policy))
+        await admin.nc.flush()  # subscribed before the requests: else "nothing arrived" would prove nothing
         for _, subject in targets:
             # garbage (answered with an LLMError) and a valid request (answered with a reply)
             await runner.nc.publish(f"llm.{policy}.requests", b"garbage", reply=subject)
@@ -138,6 +139,9 @@ async def test_no_role_reads_what_it_does_not_own(connect: Connect, role: str, s
         ("relay", "$JS.API.CONSUMER.DELETE.BATCHES.trainer"),
         ("relay", "$JS.API.STREAM.DELETE.BATCHES"),
         ("inference", "$JS.API.INFO"),
+        ("inference", "$JS.API.STREAM.PURGE.POLICY_VERSIONS"),  # it reads the newest version, nothing more
+        ("inference", "$JS.API.STREAM.MSG.GET.BATCHES"),
+        ("trainer", "$JS.API.STREAM.DELETE.POLICY_VERSIONS"),
         ("runner", "$O.BATCH_PAYLOADS.C.forged"),
         ("gateway", "$KV.anything.key"),
         ("runner", "$JS.API.STREAM.CREATE.KV_mine"),

@@ -20,7 +20,7 @@ import sqlalchemy.exc
 from consumers.gateway import mount_browser
 from pipeline.gateway import create_gateway
 from pipeline.log import EventStore
-from pipeline.ui import charts, create_app, parse_query, reader_engine
+from pipeline.ui import create_app, parse_query, reader_engine, svg
 from pipeline.ui.filters import BadRequest
 from schemas import ChatMessage, EpisodeStarted
 from tests.conftest import login_url
@@ -255,24 +255,21 @@ async def test_mounted_in_the_gateway_it_asks_for_the_admin_key_and_links_under_
 
 
 def test_charts_place_points_bands_and_bars_by_hand() -> None:
-    svg = charts.line_chart(
+    drawn = svg.line_chart(
         [0.0, 1.0, 2.0], [0.0, 0.5, 1.0], low=[-1.0, 0.0, 0.5], high=[1.0, 1.0, 2.0],
         xlabel="version", ylabel="reward", title="t <b>",
     )  # fmt: skip
     # y spans -1..2 over pixels 166..12: 0.5 sits at 166 - 1.5/3 * 154 = 89; x 1 at (58 + 622) / 2 = 340
-    assert '<circle class="dot" cx="340.0" cy="89.0"' in svg
-    assert svg.count("<polygon") == 1
-    assert "t &lt;b&gt;" in svg
-    assert "<b>" not in svg
-    bars = charts.bar_chart(
-        [(0, 2.0), (3, 4.0)], slots=4, x_low=0, x_high=40, xlabel="s", ylabel="n", title="b"
-    )
+    assert '<circle class="dot" cx="340.0" cy="89.0"' in drawn
+    assert drawn.count("<polygon") == 1
+    assert "t &lt;b&gt;" in drawn
+    assert "<b>" not in drawn
+    bars = svg.bar_chart([(0, 2.0), (3, 4.0)], slots=4, x_low=0, x_high=40, xlabel="s", ylabel="n", title="b")
     assert bars.count('<rect class="bar"') == 2
     # slot 3 of 4 over 640 - 52 - 12 - 4 = 572 pixels from 54: x = 54 + 3 * 143 + 0.5; 4 of 4 reaches the top
     assert '<rect class="bar" x="483.5" y="12.0"' in bars
     assert (
-        charts.line_chart([], [], xlabel="", ylabel="", title="")
-        == '<p class="empty">nothing to plot yet</p>'
+        svg.line_chart([], [], xlabel="", ylabel="", title="") == '<p class="empty">nothing to plot yet</p>'
     )
 
 

@@ -365,21 +365,28 @@ def plot(
         show_default=False,
     ),
     schema: str | None = typer.Option(None, help="read the tables of the rebuild NAME (schema rm_NAME)"),
-    plain: bool = typer.Option(False, help="the plain PNG writer even when matplotlib is installed"),
     allow_superuser: bool = typer.Option(
         False, help="run even when the login is a superuser (see turnstile sql)"
     ),
 ) -> None:
     """Draw the standard plots of a policy from the read models, at any time (read-only, as role
     turnstile_reader, like turnstile sql): reward while training and per policy version with 95% bands,
-    staleness of batches, throughput. matplotlib draws them (pip install 'turnstile-rl\\[plots]'); without it
-    a plain writer draws the first line of each, with tick numbers only."""
+    staleness of batches, throughput, drawn by matplotlib."""
     from rich.markup import escape
 
-    from pipeline.dev.charts import CHART_NAMES, draw, have_matplotlib, read_charts
+    from pipeline.dev.charts import (
+        CHART_NAMES,
+        NO_MATPLOTLIB,
+        PlotsUnavailable,
+        draw,
+        have_matplotlib,
+        read_charts,
+    )
     from pipeline.materialize import rebuild_schema
     from pipeline.sql import SqlError
 
+    if not have_matplotlib():
+        raise PlotsUnavailable(NO_MATPLOTLIB)  # before reading anything: one line, no traceback
     names = charts or list(CHART_NAMES)
     unknown = sorted(set(names) - set(CHART_NAMES))
     if unknown:
@@ -395,14 +402,9 @@ def plot(
         )
     except SqlError as error:
         raise TurnstileError(escape(str(error))) from None
-    if not plain and not have_matplotlib():
-        console.print(
-            "[yellow]matplotlib is not installed: plain plots (no title, axis names or legend); "
-            "pip install 'turnstile-rl\\[plots]'[/yellow]"
-        )
     directory = out or Settings().data_dir / "plots"
     for chart in drawn:
-        path = draw(chart, directory / f"{chart.name}.png", backend="plain" if plain else "auto")
+        path = draw(chart, directory / f"{chart.name}.png")
         console.print(f"{chart.title}: {path}" + (" (no data yet)" if chart.empty else ""))
 
 

@@ -26,6 +26,17 @@ def up(
         help="NATS servers joined in a cluster (3: TASKS and BATCHES replicated x3, a node may go down); "
         "TURNSTILE_NATS_URL then names every node",
     ),
+    reset: bool = typer.Option(
+        False,
+        "--reset",
+        help="first remove this data directory's database, streams and checkpoints: start fresh",
+    ),
+    list_clusters: bool = typer.Option(
+        False, "--list-clusters", help="list the clusters kept outside data directories (as root) and exit"
+    ),
+    prune: bool = typer.Option(
+        False, "--prune", help="remove those outside clusters whose data directory is gone, and exit"
+    ),
 ) -> None:
     """Start embedded PostgreSQL and NATS (JetStream) on free ports, migrate, run until Ctrl-C or SIGTERM."""
     import asyncio
@@ -33,7 +44,13 @@ def up(
     from pipeline.dev.embedded import EmbeddedNatsCluster, EmbeddedServers
     from pipeline.log.db import make_logins, migrate
 
+    if list_clusters or prune:
+        _clusters(prune)
+        return
     directory = data_dir or Settings().data_dir
+    if reset:
+        EmbeddedServers(directory, nats_nodes=nats_cluster).reset()
+        console.print(f"removed the database, streams and checkpoints of {directory.absolute()}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -62,6 +79,21 @@ def up(
             servers_file.unlink(missing_ok=True)
         console.print("stopping ...")
     console.print("stopped.")
+
+
+def _clusters(prune: bool) -> None:
+    """As root, a data directory ``nobody`` cannot reach keeps its PostgreSQL cluster under SYSTEM_DIR."""
+    from pipeline.dev.embedded import SYSTEM_DIR, outside_clusters, prune_outside_clusters
+
+    for cluster in prune_outside_clusters() if prune else []:
+        console.print(f"removed {cluster.path} ({cluster.size / 1e6:,.0f} MB), left by {cluster.owner}")
+    clusters = outside_clusters()
+    for cluster in clusters:
+        state = "running" if cluster.running else "orphaned" if cluster.orphaned else "in use"
+        owner = cluster.owner or "unknown (made before owner markers; remove it by hand if unused)"
+        console.print(f"{cluster.path}  {cluster.size / 1e6:,.0f} MB  {state}  data directory: {owner}")
+    if not clusters:
+        console.print(f"no clusters kept in {SYSTEM_DIR}")
 
 
 def migrate() -> None:

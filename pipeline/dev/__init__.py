@@ -1,5 +1,5 @@
 """Development tooling: embedded PostgreSQL and nats-server from PyPI packages (``embedded``), the demo's
-process supervisor and statistics (``demo``), plots (``charts``: matplotlib, else the PNG writer ``plot``)."""
+process supervisor and statistics (``demo``), plots (``charts``: matplotlib)."""
 
 from pipeline.dev.charts import Chart, Series, draw, mean_ci, read_charts
 from pipeline.dev.demo import ServiceProcesses, Summary, summarize
@@ -10,7 +10,6 @@ from pipeline.dev.embedded import (
     EmbeddedServers,
     free_port,
 )
-from pipeline.dev.plot import line_chart
 
 __all__ = [
     "Chart",
@@ -23,7 +22,6 @@ __all__ = [
     "Summary",
     "draw",
     "free_port",
-    "line_chart",
     "mean_ci",
     "read_charts",
     "summarize",

@@ -1,10 +1,10 @@
 """Plots people can read: the demo's reward curve and the standard plots of a run, as PNG.
 
 A chart is data (``Chart``: title, axis names with units, labelled series, optional 95% bands) built by pure
-functions from rows of the read models; ``draw`` renders it with matplotlib (the ``plots`` extra) and falls
-back to the pure-Python writer of ``plot.py`` (first series and its band, no text but tick numbers) when
-matplotlib is not installed. ``read_charts`` builds the standard plots from a database through the reader
-role (``turnstile plot``), so they can be drawn at any time, during a run or long after it.
+functions from rows of the read models; ``draw`` renders it with matplotlib (in the base install; without
+it ``draw`` raises ``PlotsUnavailable``, one line saying how to get it). ``read_charts`` builds the standard
+plots from a database through the reader role (``turnstile plot``), so they can be drawn at any time, during
+a run or long after it.
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
-from pipeline.dev.plot import line_chart
+from pipeline.errors import ConfigError
 from pipeline.sql import run_readonly
 
-Backend = Literal["auto", "matplotlib", "plain"]
 Z95: Final = 1.96  # normal approximation of the 95% interval of a mean
 
 
@@ -46,6 +45,16 @@ class Chart:
     @property
     def empty(self) -> bool:
         return not any(len(series.x) for series in self.series)
+
+
+class PlotsUnavailable(ConfigError):
+    """matplotlib is not importable here, so no plot can be drawn."""
+
+
+NO_MATPLOTLIB: Final = (
+    "matplotlib is not installed, so no plots were drawn: it comes with turnstile-rl (pip install -e . "
+    "again, or pip install 'matplotlib>=3.8')"
+)
 
 
 def have_matplotlib() -> bool:
@@ -192,17 +201,13 @@ def _of(policy: str) -> str:
 # -- drawing -------------------------------------------------------------------------------------------
 
 
-def draw(chart: Chart, path: Path, *, backend: Backend = "auto", dpi: int = 120) -> Path:
-    """Render ``chart`` to the PNG ``path``: matplotlib when installed (or asked for), else plain."""
-    use_matplotlib = backend == "matplotlib" or (backend == "auto" and have_matplotlib())
+def draw(chart: Chart, path: Path, *, dpi: int = 120) -> Path:
+    """Render ``chart`` to the PNG ``path`` with matplotlib (``PlotsUnavailable`` if it is not installed)."""
+    if not have_matplotlib():
+        raise PlotsUnavailable(NO_MATPLOTLIB)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if use_matplotlib:
-        figure(chart).savefig(path, dpi=dpi, metadata={"Software": None})
-        return path
-    series = next((s for s in chart.series if len(s.x)), None)
-    if series is None:
-        return line_chart(path, [], [])
-    return line_chart(path, series.x, series.y, low=series.low, high=series.high)
+    figure(chart).savefig(path, dpi=dpi, metadata={"Software": None})
+    return path
 
 
 def figure(chart: Chart) -> Any:

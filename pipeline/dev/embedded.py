@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -24,6 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -121,14 +123,15 @@ class EmbeddedPostgres(_ServerProcess):
 
         Not root: ``<data dir>/pgdata``, pgserver's binaries, this user. As root: the server runs as the
         owner of an existing cluster, or as ``nobody``; a cluster or binaries that user cannot reach are
-        placed under ``SYSTEM_DIR`` instead (the data directory keeps a pointer, ``pgdata.location``).
+        placed under ``SYSTEM_DIR`` instead, in a directory of a random name that belongs to this data
+        directory only (its pointer, ``pgdata.location``, and that directory's ``owner`` name each other).
         """
         pgdata, bin_dir = self.data_dir / "pgdata", self.bin_dir()
         if os.geteuid() != 0:
             return pgdata, bin_dir, {}
-        pointer = self.data_dir / "pgdata.location"
-        if pointer.exists():
-            pgdata = Path(pointer.read_text().strip())
+        outside = _outside_cluster(self.data_dir)
+        if outside is not None:
+            pgdata = outside
         if (pgdata / "PG_VERSION").exists() and pgdata.stat().st_uid != 0:
             uid, gid = pgdata.stat().st_uid, pgdata.stat().st_gid
         else:
@@ -140,18 +143,44 @@ class EmbeddedPostgres(_ServerProcess):
                     "it as: run turnstile as another user, or point TURNSTILE_DATABASE_URL at a server"
                 ) from None
             uid, gid = entry.pw_uid, entry.pw_gid
-        if not (pgdata / "PG_VERSION").exists() and not _reachable(self.data_dir, uid, gid):
-            pgdata = _system_dir(f"pg-{_digest(str(self.data_dir))}", uid, gid) / "pgdata"
-            pointer.write_text(f"{pgdata}\n")
+        if (
+            outside is None
+            and not (pgdata / "PG_VERSION").exists()
+            and not _reachable(self.data_dir, uid, gid)
+        ):
+            # A new name every time, never one derived from the data directory's path: a data directory made
+            # again at the same path (a fresh clone) must not adopt the cluster of the one removed before it.
+            home = _system_dir(f"pg-{secrets.token_hex(8)}", uid, gid)
+            (home / OWNER_FILE).write_text(f"{self.data_dir}\n")
+            pgdata = home / "pgdata"
+            (self.data_dir / POINTER_FILE).write_text(f"{pgdata}\n")
             log.warning(
                 "running as root: PostgreSQL runs as uid %d with its cluster in %s (that user cannot reach "
-                "%s; a --data-dir it can reach keeps everything together)", uid, pgdata.parent, self.data_dir,
+                "%s; a --data-dir it can reach keeps everything together; `turnstile up --reset` removes it)",
+                uid, pgdata.parent, self.data_dir,
             )  # fmt: skip
         if not _reachable(bin_dir, uid, gid):
             bin_dir = _copied_binaries(bin_dir.parent) / "bin"
         pgdata.mkdir(mode=0o700, exist_ok=True)
         os.chown(pgdata, uid, gid)
         return pgdata, bin_dir, {"user": uid, "group": gid}
+
+    def remove(self) -> None:
+        """Stop the server if this object started it, and remove the cluster and its log: the one in the
+        data directory and the one outside that belongs to it. The next ``start()`` makes a new cluster."""
+        self.stop()
+        outside = _outside_cluster(self.data_dir)
+        if outside is not None:
+            if _running(outside):
+                raise EmbeddedServerError(f"a PostgreSQL server still runs on {outside}: stop it first")
+            shutil.rmtree(outside.parent, ignore_errors=True)
+        if _running(self.data_dir / "pgdata"):
+            raise EmbeddedServerError(
+                f"a PostgreSQL server still runs on {self.data_dir / 'pgdata'}: stop it first"
+            )
+        shutil.rmtree(self.data_dir / "pgdata", ignore_errors=True)
+        for name in (POINTER_FILE, "postgres.log"):
+            (self.data_dir / name).unlink(missing_ok=True)
 
     def _initialize(self, pgdata: Path, bin_dir: Path, run_as: dict[str, int]) -> None:
         """A new cluster in the empty ``pgdata``."""
@@ -293,6 +322,95 @@ def _reachable(path: Path, uid: int, gid: int) -> bool:
         if not status.st_mode & bit:
             return False
     return True
+
+
+POINTER_FILE = "pgdata.location"
+"""In a data directory whose cluster is under ``SYSTEM_DIR``: that cluster's path."""
+
+OWNER_FILE = "owner"
+"""In a cluster's directory under ``SYSTEM_DIR``: the data directory it belongs to."""
+
+
+def _outside_cluster(data_dir: Path) -> Path | None:
+    """The cluster under ``SYSTEM_DIR`` that belongs to ``data_dir``, if its pointer names one: a cluster is
+    adopted only when its owner marker names this data directory back (a data directory moved since then
+    takes its cluster along; a copy of one that still exists is refused, two servers on one cluster)."""
+    pointer = data_dir / POINTER_FILE
+    if not pointer.exists():
+        return None
+    pgdata = Path(pointer.read_text().strip())
+    if not pgdata.parent.is_dir():
+        return None  # removed (pruned, reset): a new one is made
+    owner_file = pgdata.parent / OWNER_FILE
+    owner = Path(owner_file.read_text().strip()) if owner_file.exists() else None
+    if owner is not None and owner != data_dir and _points_at(owner, pgdata):
+        raise EmbeddedServerError(
+            f"{data_dir} is a copy of {owner}, whose PostgreSQL cluster {pgdata.parent} it names: remove "
+            f"{pointer} to give the copy a cluster of its own"
+        )
+    if owner != data_dir:
+        owner_file.write_text(f"{data_dir}\n")  # made before owner markers, or the data directory moved
+    return pgdata
+
+
+def _points_at(data_dir: Path, pgdata: Path) -> bool:
+    pointer = data_dir / POINTER_FILE
+    try:
+        return Path(pointer.read_text().strip()) == pgdata
+    except OSError:
+        return False
+
+
+def _running(pgdata: Path) -> bool:
+    """Whether a server runs on ``pgdata`` (its ``postmaster.pid`` names a live process)."""
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # alive, another user's
+    except OSError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class OutsideCluster:
+    """A cluster under ``SYSTEM_DIR``: the data directory it belongs to (``None``: unknown, made before owner
+    markers), whether that directory no longer names it (``orphaned``), whether a server runs on it, size."""
+
+    path: Path
+    owner: Path | None
+    orphaned: bool
+    running: bool
+    size: int
+
+
+def outside_clusters(system_dir: Path | None = None) -> list[OutsideCluster]:
+    """The clusters under ``SYSTEM_DIR`` (made as root for data directories ``nobody`` cannot reach)."""
+    system_dir = system_dir or SYSTEM_DIR
+    found = []
+    for home in sorted(system_dir.glob("pg-*")) if system_dir.is_dir() else []:
+        owner_file = home / OWNER_FILE
+        owner = Path(owner_file.read_text().strip()) if owner_file.exists() else None
+        size = sum(f.stat().st_size for f in home.rglob("*") if f.is_file() and not f.is_symlink())
+        orphaned = owner is not None and not _points_at(owner, home / "pgdata")
+        found.append(OutsideCluster(home, owner, orphaned, _running(home / "pgdata"), size))
+    return found
+
+
+def prune_outside_clusters(system_dir: Path | None = None) -> list[OutsideCluster]:
+    """Remove the clusters under ``SYSTEM_DIR`` whose data directory is gone (or names another cluster) and
+    on which no server runs; returns those removed. A cluster made before owner markers is kept: its data
+    directory cannot be told (it gets its marker the next time that directory starts it)."""
+    removed = []
+    for cluster in outside_clusters(system_dir):
+        if cluster.orphaned and not cluster.running:
+            shutil.rmtree(cluster.path, ignore_errors=True)
+            removed.append(cluster)
+    return removed
 
 
 def _digest(text: str) -> str:
@@ -485,6 +603,22 @@ class EmbeddedServers:
         with contextlib.suppress(Exception):
             self.nats.stop()
         self.postgres.stop()
+
+    STATE = ("nats", "nats-cluster", "checkpoints", "servers.env")
+    """What else of a data directory belongs to its database: the streams and the checkpoints its recorded
+    policy versions name (models, logs and plots stay)."""
+
+    def reset(self) -> None:
+        """Remove this data directory's PostgreSQL cluster (also one outside it, as root) and the state that
+        goes with it (``STATE``), so the next start is fresh; refused while a server runs on the cluster."""
+        self.postgres.remove()
+        shutil.rmtree(self.postgres.data_dir, ignore_errors=True)
+        for name in self.STATE:
+            path = self.data_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
 
     def watch(self, stop: threading.Event, *, every: float = 0.5) -> None:
         """Block until ``stop`` is set; ``EmbeddedServerError`` (naming the log) as soon as a server exits."""

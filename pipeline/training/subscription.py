@@ -52,6 +52,7 @@ from pipeline.batches.relay import (
 )
 from pipeline.errors import DuplicateEventConflict, TurnstileError
 from pipeline.inference.client import versions_subject
+from pipeline.inference.versions import ensure_versions_stream
 from pipeline.log import EventStore, Store
 from pipeline.log.tables import trained_batches
 from schemas import PolicyVersionPublished
@@ -356,8 +357,9 @@ async def publish_policy_version(
     batches_consumed: Sequence[str] = (),
 ) -> PolicyVersionPublished:
     """Append PolicyVersionPublished to ``policy-<policy>`` and broadcast it on ``policy.<policy>.versions``,
-    where inference consumers load it. Safe to call again for the same version (idempotent), also when the
-    checkpoint directory is spelled another way (a symlink, a relative path): the recorded event stands."""
+    where inference consumers load it (stream ``POLICY_VERSIONS`` keeps it for those that start later). Safe
+    to call again for the same version (idempotent), also when the checkpoint directory is spelled another
+    way (a symlink, a relative path): the recorded event stands."""
     event = PolicyVersionPublished(
         event_id=version_event_id(policy, version),
         policy=policy,
@@ -369,6 +371,9 @@ async def publish_policy_version(
         await store.append(f"policy-{policy}", [event])
     except DuplicateEventConflict:
         event = await _recorded_version(store, event, checkpoint)
+    # The stream keeps the newest version for consumers that subscribe after this publish (made here, before
+    # the publish it has to capture; kept as it is when it exists).
+    await ensure_versions_stream(connection)
     await connection.publish(versions_subject(policy), event.model_dump_json().encode())
     await connection.flush()
     return event

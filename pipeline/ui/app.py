@@ -48,7 +48,7 @@ from pipeline.replay import (
     resolve_episode_id,
 )
 from pipeline.replay.lookup import UnreadableEpisode
-from pipeline.ui import charts
+from pipeline.ui import svg
 from pipeline.ui.db import DatabaseUnavailable, check_login, reader_engine
 from pipeline.ui.episode import episode_view, shade
 from pipeline.ui.filters import (
@@ -570,7 +570,7 @@ async def _run_figures(connection: Any, policy: str) -> dict[str, Any]:
         means.append(mean)
         lows.append(mean - half)
         highs.append(mean + half)
-    reward_chart = charts.line_chart(
+    reward_chart = svg.line_chart(
         xs,
         means,
         low=lows,
@@ -586,7 +586,7 @@ async def _run_figures(connection: Any, policy: str) -> dict[str, Any]:
         )
     )[0]
     throughput_chart, bucket_s = (
-        charts.bar_chart([], slots=1, x_low=0, x_high=1, xlabel="", ylabel="", title=""),
+        svg.bar_chart([], slots=1, x_low=0, x_high=1, xlabel="", ylabel="", title=""),
         0.0,
     )
     if span["first"] is not None:
@@ -598,7 +598,7 @@ async def _run_figures(connection: Any, policy: str) -> dict[str, Any]:
             first=span["first"],
             width=bucket_s,
         )
-        throughput_chart = charts.bar_chart(
+        throughput_chart = svg.bar_chart(
             [(int(row["bucket"]), float(row["turns"]) / bucket_s) for row in buckets],
             slots=int(buckets[-1]["bucket"]) + 1 if buckets else 1,
             x_low=0.0,
@@ -611,7 +611,7 @@ async def _run_figures(connection: Any, policy: str) -> dict[str, Any]:
         "SELECT * FROM (SELECT * FROM batch_staleness WHERE policy = :policy ORDER BY created_at DESC "
         "LIMIT 500) recent ORDER BY created_at"
     )
-    staleness_chart = charts.line_chart(
+    staleness_chart = svg.line_chart(
         [float(index) for index in range(len(staleness))],
         [float(row["mean_staleness"] or 0.0) for row in staleness],
         low=[float(row["min_staleness"]) for row in staleness],
@@ -636,7 +636,7 @@ async def _run_figures(connection: Any, policy: str) -> dict[str, Any]:
         "GROUP BY bucket ORDER BY bucket",
         top=float(spread["max_stddev"] or 0.0) + 1e-9,
     )
-    spread_chart = charts.bar_chart(
+    spread_chart = svg.bar_chart(
         [(min(int(row["bucket"]), 10) - 1, float(row["groups"])) for row in histogram],
         slots=10,
         x_low=0.0,
