@@ -222,7 +222,6 @@ async def ask_when_ready(nats_url: str, policy: str) -> LLMResponse:
         (["up"], "[default: $TURNSTILE_DATA_DIR or .turnstile]"),
         (["demo"], "[default: $TURNSTILE_DATA_DIR or .turnstile]"),
         (["plot"], "[default: $TURNSTILE_DATA_DIR/plots or .turnstile/plots]"),
-        (["plot"], "pip install 'turnstile-rl[plots]'"),
         (["run"], "LLM turns an episode may take [default: no limit]"),
         (["serve", "inference"], "[default: host-pid-random]"),
         (["serve", "trainer"], "skip batches more than N versions behind [default: never]"),
