@@ -2,8 +2,8 @@
 consumer processes, each the real service (`turnstile serve runner`, `turnstile serve inference --backend
 scripted`), on one PostgreSQL and one NATS (or a 3-node cluster with ``--nats-cluster 3``).
 
-For each combination, ``--tasks`` tasks of ``tests.agents.ThreeTurnAgent`` (three turns each) are put on
-the work queue and the runners take them; the figure is turns recorded per second from the first
+For each combination, ``--tasks`` tasks of ``tests.support.agents.ThreeTurnAgent`` (three turns each) are put
+on the work queue and the runners take them; the figure is turns recorded per second from the first
 ``EpisodeStarted`` to the last ``EpisodeFinished`` (log time), after the processes are up. "x base" divides
 by the 1 runner / 1 consumer row measured in the same run. The scripted backend answers instantly, so
 what scales is the price of running and recording episodes. On a 2-core machine every process competes for
@@ -66,7 +66,7 @@ def one(url: str, nats_url: str, runners: int, consumers: int, args: argparse.Na
                 "serve",
                 "runner",
                 "--agent",
-                "tests.agents:ThreeTurnAgent",
+                "tests.support.agents:ThreeTurnAgent",
                 "--policy",
                 policy,
                 "--concurrency",

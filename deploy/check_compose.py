@@ -10,8 +10,8 @@
   the password variables those files read are given to their containers.
 
 Variables are interpolated as compose does (``${VAR:-default}``), from this process's environment. Exit 0
-and a summary when all is well; exit 1 with one line per problem. ``tests/test_deploy.py`` runs it too, and
-runs the compose services as local processes.
+and a summary when all is well; exit 1 with one line per problem. ``tests/e2e/test_deploy.py`` runs it too,
+and runs the compose services as local processes.
 """
 
 from __future__ import annotations

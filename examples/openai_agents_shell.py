@@ -1,7 +1,7 @@
 """An OpenAI Agents SDK agent with a shell tool, as anyone would write it: nothing in it names Turnstile. The
 SDK's default model speaks the Responses API to ``OPENAI_BASE_URL`` with ``OPENAI_API_KEY``, so pointed at a
 gateway session every call it makes is a recorded turn of that session's episode (README: "Clients, exactly
-as configured"; ``tests/test_agent_openai_sdk.py`` runs it).
+as configured"; ``tests/e2e/test_agent_openai_sdk.py`` runs it).
 
     OPENAI_BASE_URL=http://localhost:8000/v1 OPENAI_API_KEY=ts-... OPENAI_AGENTS_DISABLE_TRACING=1 \\
         python examples/openai_agents_shell.py "Write hello to hello.txt"

@@ -24,8 +24,8 @@ from pipeline.dev.embedded import EmbeddedServers, scratch_dir
 from pipeline.log import EventStore
 from pipeline.log.db import migrate, with_user
 from pipeline.settings import libpq_url
-from tests.models import built_model
-from tests.roles import connect, role_nats  # noqa: F401 (fixtures for every test module)
+from tests.support.models import built_model
+from tests.support.roles import connect, role_nats  # noqa: F401 (fixtures for every test module)
 
 
 @dataclass(frozen=True)

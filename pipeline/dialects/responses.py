@@ -35,7 +35,6 @@ How the two shapes meet:
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import time
 import uuid
@@ -309,7 +308,7 @@ def _reasoning_text(item: Mapping[str, Any], path: str) -> str | None:
     if isinstance(encrypted, str) and encrypted:
         try:
             return base64.b64decode(encrypted, validate=True).decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError):
+        except ValueError:  # binascii.Error, UnicodeDecodeError, or text that is not ASCII at all
             return None  # another server's opaque reasoning: nothing here can read it
     return None
 

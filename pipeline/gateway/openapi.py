@@ -2,7 +2,7 @@
 
 The routes read raw JSON and validate it themselves (each API answers in its own error shape, naming the
 refused field), so FastAPI cannot derive these: they are written here. They describe what the gateway
-accepts, for clients, for documentation and for fuzzing (``tests/test_gateway_fuzz.py`` runs schemathesis
+accepts, for clients, for documentation and for fuzzing (``tests/unit/test_gateway_fuzz.py`` runs schemathesis
 on them, with inputs that follow them and inputs that break them). The session bodies come from the pydantic
 models that parse them.
 """

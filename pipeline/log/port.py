@@ -1,7 +1,8 @@
 """The store port: what Turnstile needs from an event log, and the values a store returns.
 
 Two adapters implement it: ``EventStore`` (PostgreSQL, the record) and ``InMemoryStore`` (a process's
-memory: reruns and unit tests of logic). ``tests/store_contract.py`` holds the assertions both must pass.
+memory: reruns and unit tests of logic). ``tests/support/store_contract.py`` holds the assertions both must
+pass.
 
 Besides the log itself the port holds two small sub-ports that the online stack needs and that only a store
 can answer: ``RunnerLeases`` (a runner's lease, and the open episodes whose runner's lease lapsed) and

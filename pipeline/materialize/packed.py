@@ -5,7 +5,7 @@
 runs it over millions of turns, where turning every array into a tuple of Python ints (and back into bytes
 for the samples) and hashing ``UUID`` objects cost most of its time. Here a turn's prompt is its bytes, a
 prefix is a byte comparison, and a sample's arrays are byte slices joined: the same results, byte for byte
-(``tests/test_packed.py`` checks each function against its ``trajectory`` twin).
+(``tests/unit/test_packed.py`` checks each function against its ``trajectory`` twin).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Claude Code, unmodified, through ``turnstile serve gateway``: every call it makes is a recorded turn.
 
-``claude -p`` (the pinned ``@anthropic-ai/claude-code`` in tests/agent_clis, installed by
-``npm ci --prefix tests/agent_clis``) runs headless in a fresh HOME against a real gateway process, real
+``claude -p`` (the pinned ``@anthropic-ai/claude-code`` in tests/e2e/agent_clis, installed by
+``npm ci --prefix tests/e2e/agent_clis``) runs headless in a fresh HOME against a real gateway process, real
 PostgreSQL and NATS, and the long-context tiny model answering with the scripted policy
-(tests/agent_clis/claude-code.script.json): run a shell command that writes a file; then delegate a check
+(tests/e2e/agent_clis/claude-code.script.json): run a shell command that writes a file; then delegate a check
 to a subagent (Claude Code's Agent tool, with a haiku model name: a conversation of its own); then a final
 answer. Marker ``agent_cli``: left out of the main run, run by its own step in .ci/run.
 """
@@ -21,7 +21,8 @@ import pytest
 from pipeline.inference.script import Script
 from pipeline.log import EventStore
 from schemas import EpisodeFinished, RewardAssigned, TurnCompleted
-from tests.agent_gateway import (
+from tests.conftest import Servers
+from tests.support.agent_gateway import (
     CLIS,
     agent_gateway,
     assert_scripted_engine_turns,
@@ -30,8 +31,7 @@ from tests.agent_gateway import (
     episode_events,
     lineages,
 )
-from tests.conftest import Servers
-from tests.reference import recomputed_logprobs
+from tests.support.reference import recomputed_logprobs
 
 pytestmark = pytest.mark.agent_cli
 

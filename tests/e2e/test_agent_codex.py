@@ -1,6 +1,6 @@
-"""Codex CLI (``@openai/codex``, pinned in ``tests/agent_clis``), unmodified, headless through
+"""Codex CLI (``@openai/codex``, pinned in ``tests/e2e/agent_clis``), unmodified, headless through
 ``turnstile serve gateway`` on the long-context tiny model answering with
-``tests/agent_clis/codex.script.json``.
+``tests/e2e/agent_clis/codex.script.json``.
 
 ``codex exec`` reads its provider from ``$CODEX_HOME/config.toml`` (never ``OPENAI_BASE_URL``) and speaks only
 the Responses API, streamed: ``developer`` messages, function tools plus a ``namespace`` tool and
@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from pipeline.log import EventStore
-from tests.agent_gateway import (
+from tests.conftest import Servers
+from tests.support.agent_gateway import (
     CLIS,
     FOLLOW_UP,
     PROMPT,
@@ -36,7 +37,6 @@ from tests.agent_gateway import (
     run_cli,
     token_counts,
 )
-from tests.conftest import Servers
 
 pytestmark = pytest.mark.agent_cli
 

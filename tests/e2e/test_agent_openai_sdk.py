@@ -1,7 +1,7 @@
 """The OpenAI Agents SDK (``openai-agents``), unmodified, through ``turnstile serve gateway``:
 ``examples/openai_agents_shell.py`` run as its user would run it, with the SDK's default model (Responses
 API) at ``OPENAI_BASE_URL``, on the long-context tiny model answering with
-``tests/agent_clis/openai-agents.script.json``. In the main suite: it needs no npm and takes seconds."""
+``tests/e2e/agent_clis/openai-agents.script.json``. In the main suite: it needs no npm and takes seconds."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from pipeline.log import EventStore
-from tests.agent_gateway import (
+from tests.conftest import Servers
+from tests.support.agent_gateway import (
     CLIS,
     FINAL_ANSWER,
     PROMPT,
@@ -29,9 +30,8 @@ from tests.agent_gateway import (
     run_cli,
     token_counts,
 )
-from tests.conftest import Servers
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "openai_agents_shell.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_agents_shell.py"
 SCRIPT = CLIS / "openai-agents.script.json"
 
 

@@ -1,6 +1,6 @@
-"""opencode (``opencode-ai``, pinned in ``tests/agent_clis``), unmodified, headless through
+"""opencode (``opencode-ai``, pinned in ``tests/e2e/agent_clis``), unmodified, headless through
 ``turnstile serve gateway`` on the long-context tiny model answering with
-``tests/agent_clis/opencode.script.json``.
+``tests/e2e/agent_clis/opencode.script.json``.
 
 ``opencode run`` reaches the gateway through an ``@ai-sdk/openai-compatible`` provider in its config
 (chat completions, streamed, ``max_tokens: 32000``). Besides the agent's own calls it makes a side call in
@@ -20,7 +20,8 @@ import pytest
 
 from pipeline.log import EventStore
 from schemas import TurnCompleted
-from tests.agent_gateway import (
+from tests.conftest import Servers
+from tests.support.agent_gateway import (
     CLIS,
     FOLLOW_UP,
     PROMPT,
@@ -38,7 +39,6 @@ from tests.agent_gateway import (
     recorded_turns,
     run_cli,
 )
-from tests.conftest import Servers
 
 pytestmark = pytest.mark.agent_cli
 

@@ -19,11 +19,11 @@ import pytest
 
 from pipeline.dev.embedded import EmbeddedNatsCluster
 from pipeline.settings import libpq_url, nats_servers
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 TASKS = 24
-TURNS = 3  # tests.agents.ThreeTurnAgent
+TURNS = 3  # tests.support.agents.ThreeTurnAgent
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ async def test_a_run_survives_a_node_of_a_three_node_nats_cluster_going_down_and
         "--checkpoints", str(server_dir / "checkpoints"),
     )  # fmt: skip
     services.start(
-        "runner", n1, "serve", "runner", "--agent", "tests.agents:ThreeTurnAgent", "--policy", policy,
+        "runner", n1, "serve", "runner", "--agent", "tests.support.agents:ThreeTurnAgent", "--policy", policy,
         "--concurrency", "4", "--retries", "3", "--timeout", "60",
     )  # fmt: skip
     submitted = await asyncio.to_thread(

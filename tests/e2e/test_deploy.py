@@ -47,14 +47,14 @@ from pipeline.log.store import APPEND_LOCK
 from pipeline.runners.taskqueue import ensure_tasks_stream
 from pipeline.settings import libpq_url
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
-from tests.backends import RuleBackend, echo_rule
 from tests.conftest import login_url
-from tests.roles import Connected, RoleNats, start_deploy_nats
-from tests.serving import serving
-from tests.test_relay import insert_batch
-from tests.waiting import wait_until
+from tests.integration.test_relay import insert_batch
+from tests.support.backends import RuleBackend, echo_rule
+from tests.support.roles import Connected, RoleNats, start_deploy_nats
+from tests.support.serving import serving
+from tests.support.waiting import wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 
 

@@ -2,7 +2,7 @@
 
 Marked ``gpu`` (left out of the default run); on a machine with a CUDA device:
 
-    python -m pytest -q -m gpu --noconftest tests/test_gpu.py
+    python -m pytest -q -m gpu --noconftest tests/e2e/test_gpu.py
 
 ``--noconftest`` because these tests need only torch, transformers and the project (no servers): a GPU
 machine need not have PostgreSQL's or NATS's packages. ``TURNSTILE_GPU_TEST_DEVICE`` names another device
@@ -25,7 +25,7 @@ from pipeline.inference.backends import Generation
 from pipeline.inference.backends.torch_backend import TorchBackend
 from pipeline.inference.tinymodel import build_tiny_model
 from schemas import ChatMessage, LLMRequest, SamplingParams, TokenPrefix
-from tests.models import built_model
+from tests.support.models import built_model
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("TURNSTILE_GPU_TEST_DEVICE", "cuda")

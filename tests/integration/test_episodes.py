@@ -23,10 +23,10 @@ from pipeline.log import EventStore
 from pipeline.runners import load_agent, load_reward_function
 from pipeline.runners.runner import Runner, RunnerConfig, TaskLineError, TaskSpec, read_tasks, run_tasks
 from schemas import EpisodeFinished, EpisodeStarted, Event, RewardAssigned, TurnCompleted
-from tests.agents import FailingAgent, ThreeTurnAgent, length_reward
-from tests.backends import RuleBackend, calculator_rule, echo_rule
 from tests.conftest import Servers
-from tests.serving import serving
+from tests.support.agents import FailingAgent, ThreeTurnAgent, length_reward
+from tests.support.backends import RuleBackend, calculator_rule, echo_rule
+from tests.support.serving import serving
 
 
 def new_policy() -> str:
@@ -184,7 +184,9 @@ async def test_rewards_per_turn_from_a_reward_function_and_a_wrong_return_type(
     assert [(r.turn_id, r.value) for r in rewards] == [(turn_ids[0], 0.25), (turn_ids[1], 0.75)]
 
     scored = session(store, llm, echo_policy)
-    outcome = await run_episode(load_agent("tests.agents:function_agent"), scored, reward_fn=length_reward)
+    outcome = await run_episode(
+        load_agent("tests.support.agents:function_agent"), scored, reward_fn=length_reward
+    )
     assert outcome.reward == 1.0  # length_reward: one turn
     reward = next(e for e in await events_of(store, scored.episode_id) if isinstance(e, RewardAssigned))
     assert reward.source == "reward_fn"
@@ -239,7 +241,9 @@ async def test_runner_goes_on_past_failing_agents_and_bad_task_lines(
 ) -> None:
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"id": "a"}\n{"id": "b", "fail": true}\nnot json at all\n\n[1, 2]\n{"id": "c"}\n')
-    config = RunnerConfig(policy=echo_policy, agent_name="tests.agents:FailingAgent", retries=1, group_size=2)
+    config = RunnerConfig(
+        policy=echo_policy, agent_name="tests.support.agents:FailingAgent", retries=1, group_size=2
+    )
     runner = Runner(FailingAgent(), store=store, llm=llm, config=config)
     errors: list[TaskLineError] = []
     outcomes = await run_tasks(runner, read_tasks(tasks), on_task_error=errors.append)
@@ -270,7 +274,7 @@ def test_example_task_file_parses_and_agents_load() -> None:
     assert len(specs) == 16
     assert all(isinstance(s, TaskSpec) and "answer" in s.task for s in specs)
     assert isinstance(load_agent("pipeline.examples.single_turn:SingleTurnAgent"), SingleTurnAgent)
-    assert load_reward_function("tests.agents:length_reward") is length_reward
+    assert load_reward_function("tests.support.agents:length_reward") is length_reward
 
 
 @pytest.mark.parametrize(
@@ -278,8 +282,8 @@ def test_example_task_file_parses_and_agents_load() -> None:
     [
         ("nope", "write it as package.module:Name"),
         ("tests.no_such_module:Agent", "cannot import module 'tests.no_such_module'"),
-        ("tests.agents:Missing", "has no 'Missing'"),
-        ("tests.agents:NOT_AN_AGENT", "expected an object with `async def run"),
+        ("tests.support.agents:Missing", "has no 'Missing'"),
+        ("tests.support.agents:NOT_AN_AGENT", "expected an object with `async def run"),
     ],
 )
 def test_unknown_agent_paths_say_what_is_wrong(spec: str, message: str) -> None:
@@ -299,7 +303,7 @@ async def test_a_nul_character_from_the_model_is_recorded_as_the_replacement_cha
     config = InferenceConfig(servers.nats_url, policy, backend="scripted", heartbeat_interval=0.5)
     async with serving(config, RuleBackend(lambda request: "a\x00b")):
         episode = session(store, llm, policy)
-        outcome = await run_episode(load_agent("tests.agents:function_agent"), episode)
+        outcome = await run_episode(load_agent("tests.support.agents:function_agent"), episode)
     assert outcome.termination == "done"
     turn = (await events_of(store, episode.episode_id))[1]
     assert isinstance(turn, TurnCompleted)
@@ -319,7 +323,7 @@ async def test_cancelled_while_recording_rewards_the_episode_still_ends_cancelle
 
     episode = session(store, llm, echo_policy)
     running = asyncio.create_task(
-        run_episode(load_agent("tests.agents:function_agent"), episode, reward_fn=slow_reward)
+        run_episode(load_agent("tests.support.agents:function_agent"), episode, reward_fn=slow_reward)
     )
     await asyncio.wait_for(scoring.wait(), 10)
     running.cancel()

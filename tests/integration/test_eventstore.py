@@ -1,5 +1,6 @@
 """PostgreSQL-only behaviour of the event store: binary token arrays, group commit, refusals by PostgreSQL,
-tolerant reading of stored rows, explicit transactions. What every store does: tests/store_contract.py."""
+tolerant reading of stored rows, explicit transactions. What every store does:
+tests/support/store_contract.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pipeline.log import AppendResult, EventStore
 from pipeline.log.store import APPEND_LOCK
 from pipeline.settings import libpq_url
 from schemas import Event
-from tests.factories import finished, new_stream, reward, started, turn
+from tests.support.factories import finished, new_stream, reward, started, turn
 
 
 async def count_events(store: EventStore) -> int:

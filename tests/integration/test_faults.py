@@ -19,10 +19,10 @@ from pipeline.log import EventStore
 from pipeline.log.db import migrate
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
 from schemas import EpisodeFinished, TurnCompleted
-from tests.agents import SlowAgent
-from tests.backends import RuleBackend, echo_rule
 from tests.conftest import Servers
-from tests.serving import serving
+from tests.support.agents import SlowAgent
+from tests.support.backends import RuleBackend, echo_rule
+from tests.support.serving import serving
 
 EPISODES = 40
 

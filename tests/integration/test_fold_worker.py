@@ -12,8 +12,8 @@ import pytest
 
 from pipeline.log import EventStore
 from pipeline.materialize.materializer import Fold, LogRow, Materializer, MaterializerConfig
-from tests.test_poison import poisoned_log
-from tests.test_rebuild_equivalence import CONFIGS, FIXTURE, digests, varied_log, write_log
+from tests.integration.test_poison import poisoned_log
+from tests.integration.test_rebuild_equivalence import CONFIGS, FIXTURE, digests, varied_log, write_log
 
 
 async def rebuild(

@@ -49,10 +49,10 @@ from schemas import (
     ToolChoice,
     TurnCompleted,
 )
-from tests.backends import RuleBackend, calculator_rule
 from tests.conftest import Servers
-from tests.serving import serving
-from tests.waiting import wait_until
+from tests.support.backends import RuleBackend, calculator_rule
+from tests.support.serving import serving
+from tests.support.waiting import wait_until
 
 ADMIN = "admin-" + uuid.uuid4().hex
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
@@ -132,7 +132,7 @@ async def turns_of(store: EventStore, episode_id: str) -> list[TurnCompleted]:
 
 def assert_token_exact_child(parent: TurnCompleted, child: TurnCompleted) -> None:
     """The child was prompted with the parent's exact tokens first. On the test backends this proves the
-    gateway sent the right prefix (they copy it: tests/backends.py); engines are checked elsewhere."""
+    gateway sent the right prefix (they copy it: tests/support/backends.py); engines are checked elsewhere."""
     assert child.parent_turn_id == parent.turn_id
     prefix = [*parent.prompt_token_ids, *parent.completion_token_ids]
     assert child.prompt_token_ids[: len(prefix)] == prefix
@@ -861,7 +861,10 @@ async def talkative_proxy_agent(task: dict[str, Any], base_url: str, api_key: st
 async def test_proxy_agents_run_under_a_runner_with_groups(
     store: EventStore, llm: NatsLLMClient, calculator_policy: str
 ) -> None:
-    for spec in ("tests.test_gateway:OpenAIProxyAgent", "tests.test_gateway:AnthropicProxyAgent"):
+    for spec in (
+        "tests.integration.test_gateway:OpenAIProxyAgent",
+        "tests.integration.test_gateway:AnthropicProxyAgent",
+    ):
         agent = load_agent(spec)
         assert isinstance(agent, ProxyAgentAdapter)
         config = RunnerConfig(policy=calculator_policy, agent_name=spec, group_size=2)
@@ -881,7 +884,7 @@ async def test_proxy_agents_run_under_a_runner_with_groups(
 async def test_proxy_agent_over_max_turns_ends_max_turns_and_its_key_dies_with_the_episode(
     store: EventStore, llm: NatsLLMClient, calculator_policy: str
 ) -> None:
-    agent = load_agent("tests.test_gateway:talkative_proxy_agent")
+    agent = load_agent("tests.integration.test_gateway:talkative_proxy_agent")
     config = RunnerConfig(policy=calculator_policy, agent_name="talkative", max_turns=3, retries=0)
     [outcome] = await Runner(agent, store=store, llm=llm, config=config).run_group(
         TaskSpec(task={}, task_id="t")
@@ -911,8 +914,9 @@ async def test_turnstile_run_drives_a_proxy_agent_through_the_gateway(
     env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
     env |= {"TURNSTILE_DATABASE_URL": database_url, "TURNSTILE_NATS_URL": servers.nats_url}
     process = await asyncio.create_subprocess_exec(
-        *TURNSTILE, "run", "--agent", "tests.test_gateway:OpenAIProxyAgent", "--tasks", str(ARITHMETIC_TASKS),
-        "--policy", calculator_policy, "--group-size", "2", "--max-tokens", "64",
+        *TURNSTILE, "run", "--agent", "tests.integration.test_gateway:OpenAIProxyAgent",
+        "--tasks", str(ARITHMETIC_TASKS), "--policy", calculator_policy, "--group-size", "2",
+        "--max-tokens", "64",
         env=env, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     _, stderr = await asyncio.wait_for(process.communicate(), 180)

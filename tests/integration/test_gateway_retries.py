@@ -17,11 +17,11 @@ from pipeline.episodes import EpisodeSession
 from pipeline.log import EventStore, InMemoryStore
 from pipeline.log.appends import encode_event
 from pipeline.materialize.materializer import SAMPLE_COLUMNS, Fold, LogRow, MaterializerConfig
-from tests.backends import PrefixEcho, RuleBackend, calculator_rule
 from tests.conftest import Servers
-from tests.serving import serving
-from tests.test_gateway import Gateway, gateway_for, llm, new_policy, turns_of  # noqa: F401 (fixtures)
-from tests.waiting import wait_until
+from tests.integration.test_gateway import Gateway, gateway_for, llm, new_policy, turns_of  # noqa: F401 (fixtures)
+from tests.support.backends import PrefixEcho, RuleBackend, calculator_rule
+from tests.support.serving import serving
+from tests.support.waiting import wait_until
 
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
 

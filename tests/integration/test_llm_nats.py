@@ -29,8 +29,8 @@ from pipeline.inference.client import (
 from pipeline.inference.service import InferenceService
 from schemas import ChatMessage, LLMError, LLMRequest, LLMResponse, ToolChoice, parse_wire
 from tests.conftest import Servers
-from tests.serving import serving
-from tests.waiting import wait_until
+from tests.support.serving import serving
+from tests.support.waiting import wait_until
 
 
 def new_policy() -> str:
@@ -97,7 +97,7 @@ async def test_a_consumer_killed_mid_request_is_replaced_by_a_retry(
 ) -> None:
     policy = new_policy()
     doomed = subprocess.Popen(  # noqa: ASYNC220  (starting a process does not block for long)
-        [sys.executable, "-m", "tests.consumer_process", servers.nats_url, policy, "doomed", "60"],
+        [sys.executable, "-m", "tests.support.consumer_process", servers.nats_url, policy, "doomed", "60"],
         stdout=subprocess.PIPE,
         text=True,
     )

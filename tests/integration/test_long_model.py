@@ -27,8 +27,8 @@ from pipeline.inference.tinymodel import LONG_MAX_POSITIONS, LONG_WINDOW  # noqa
 from pipeline.log import EventStore  # noqa: E402
 from schemas import ChatMessage, LLMError, LLMRequest, SamplingParams, TurnCompleted  # noqa: E402
 from tests.conftest import Servers  # noqa: E402
-from tests.reference import recomputed_logprobs  # noqa: E402
-from tests.serving import serving  # noqa: E402
+from tests.support.reference import recomputed_logprobs  # noqa: E402
+from tests.support.serving import serving  # noqa: E402
 
 REACH = 2 * (LONG_WINDOW - 1)
 COMMAND = "echo turnstile > written.txt"

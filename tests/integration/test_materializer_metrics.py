@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeline.log import EventStore
 from pipeline.materialize import Materializer, MaterializerConfig, MaterializerMetrics
-from tests.factories import finished, reward, started, turn
+from tests.support.factories import finished, reward, started, turn
 
 
 async def test_lag_open_episodes_and_batches_follow_the_log_and_the_read_models(

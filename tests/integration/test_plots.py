@@ -24,7 +24,7 @@ from pipeline.dev.charts import (
     throughput,
 )
 from tests.conftest import login_url
-from tests.test_sql import TURNSTILE, clean_env, seed
+from tests.integration.test_sql import TURNSTILE, clean_env, seed
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -28,8 +28,8 @@ from pipeline.replay import load_episode
 from pipeline.replay.lookup import UnreadableEpisode
 from pipeline.settings import libpq_url
 from schemas import EpisodeFinished, Event, RewardAssigned
-from tests.test_materializer import materialize, rows, started, turn
-from tests.test_rebuild_equivalence import digests
+from tests.integration.test_materializer import materialize, rows, started, turn
+from tests.integration.test_rebuild_equivalence import digests
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 

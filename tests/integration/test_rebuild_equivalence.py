@@ -1,7 +1,7 @@
 """Rebuilds of a varied log give, byte for byte, what the materializer gave before its fold was rewritten.
 
-``tests/fixtures/rebuild_digests.json`` holds, per configuration, a sha256 of every read-model table and of
-the batch payloads as the code at ``f37f26a`` (turns as tuples of ints, ids as ``uuid.UUID``) made them
+``tests/support/fixtures/rebuild_digests.json`` holds, per configuration, a sha256 of every read-model table
+and of the batch payloads as the code at ``f37f26a`` (turns as tuples of ints, ids as ``uuid.UUID``) made them
 from the log ``varied_log`` writes. The log is a pure function of its seed: episodes interleaved as a busy
 runner records them, chains recorded whole or as deltas (whole and partial prefixes), branches, side calls,
 turns marked not for training and never delivered, rewards for turns and for episodes, every termination,
@@ -10,7 +10,7 @@ reader can fold (skipped with their reason). ``recorded_at`` is a clock of the l
 timestamp is fixed too.
 
 Regenerate the fixture only for a change that is meant to change what a log folds to:
-``python -m tests.test_rebuild_equivalence DATABASE_URL`` prints it.
+``python -m tests.integration.test_rebuild_equivalence DATABASE_URL`` prints it.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from schemas import (
     TurnRequest,
 )
 
-FIXTURE = Path(__file__).parent / "fixtures" / "rebuild_digests.json"
+FIXTURE = Path(__file__).parents[1] / "support" / "fixtures" / "rebuild_digests.json"
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 CONFIGS: dict[str, dict[str, Any]] = {
     "individual": {"batch_samples": 8},

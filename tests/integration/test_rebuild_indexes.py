@@ -6,7 +6,7 @@ from __future__ import annotations
 import psycopg
 
 from pipeline.materialize.materializer import READ_MODEL_TABLES, Materializer, MaterializerConfig
-from tests.test_rebuild_equivalence import varied_log, write_log
+from tests.integration.test_rebuild_equivalence import varied_log, write_log
 
 
 def indexes(database_url: str, schema: str) -> set[tuple[str, str]]:

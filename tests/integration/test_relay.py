@@ -41,7 +41,7 @@ from pipeline.dev.embedded import EmbeddedNats
 from pipeline.log.db import create_engine
 from pipeline.settings import libpq_url
 from tests.conftest import Servers
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 

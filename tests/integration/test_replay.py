@@ -51,15 +51,15 @@ from schemas import (
     TurnReply,
     TurnRequest,
 )
-from tests.backends import RuleBackend, calculator_rule, echo_rule
 from tests.conftest import Servers
-from tests.replay_agents import CountingAgent, LongAgent, RewordedCountingAgent
-from tests.serving import serving
+from tests.support.backends import RuleBackend, calculator_rule, echo_rule
+from tests.support.replay_agents import CountingAgent, LongAgent, RewordedCountingAgent
+from tests.support.serving import serving
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 CALCULATOR = "pipeline.examples.calculator:CalculatorAgent"
-COUNTING = "tests.replay_agents:CountingAgent"
-LONG = "tests.replay_agents:LongAgent"
+COUNTING = "tests.support.replay_agents:CountingAgent"
+LONG = "tests.support.replay_agents:LongAgent"
 OPENAI_AGENT = "pipeline.examples.openai_agent:OpenAIAgent"
 
 
@@ -289,7 +289,12 @@ async def test_rerun_of_an_agent_with_a_changed_prompt_diverges_at_turn_2_with_a
     episode_id = await record(store, llm, policy, CountingAgent(), agent_name=COUNTING, task={"id": "c"})
 
     rerun = turnstile(
-        database_url, "replay", episode_id, "--rerun", "--agent", "tests.replay_agents:RewordedCountingAgent"
+        database_url,
+        "replay",
+        episode_id,
+        "--rerun",
+        "--agent",
+        "tests.support.replay_agents:RewordedCountingAgent",
     )
 
     assert rerun.returncode == 1, rerun.stderr
@@ -308,8 +313,8 @@ async def test_rerun_reports_too_few_and_too_many_turns(
     episode_id = await record(store, llm, policy, CountingAgent(), agent_name=COUNTING, task={"id": "c"})
 
     same = await rerun_by_id(store, episode_id)
-    short = await rerun_by_id(store, episode_id, agent="tests.replay_agents:ShortCountingAgent")
-    long = await rerun_by_id(store, episode_id, agent="tests.replay_agents:LongCountingAgent")
+    short = await rerun_by_id(store, episode_id, agent="tests.support.replay_agents:ShortCountingAgent")
+    long = await rerun_by_id(store, episode_id, agent="tests.support.replay_agents:LongCountingAgent")
     # as of turn 2 the recording is a prefix: the agent is stopped there, and that is no divergence
     until = await rerun_by_id(store, episode_id, until=2)
 
@@ -331,7 +336,7 @@ async def test_rerun_of_the_openai_sdk_agent_is_identical_and_a_sampling_change_
     episode_id = await record(store, llm, policy, OpenAIAgent(), agent_name=OPENAI_AGENT, task=task)
 
     same = await rerun_by_id(store, episode_id)
-    terse = await rerun_by_id(store, episode_id, agent="tests.replay_agents:TerseOpenAIAgent")
+    terse = await rerun_by_id(store, episode_id, agent="tests.support.replay_agents:TerseOpenAIAgent")
 
     assert (same.identical, same.replayed_turns, same.recorded_turns) == (True, 2, 2)
     assert terse.divergence is not None

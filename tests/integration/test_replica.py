@@ -17,9 +17,9 @@ from pipeline.episodes import EpisodeSession, run_episode
 from pipeline.log import EventStore
 from pipeline.log.db import make_logins, migrate, with_user
 from pipeline.materialize.materializer import Materializer, MaterializerConfig
-from tests.agents import ThreeTurnAgent
-from tests.backends import PrefixEcho
-from tests.waiting import wait_until
+from tests.support.agents import ThreeTurnAgent
+from tests.support.backends import PrefixEcho
+from tests.support.waiting import wait_until
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 UNREACHABLE = "postgresql://nobody@127.0.0.1:9/none"  # the discard port: nothing answers there

@@ -24,10 +24,8 @@ from pipeline.dialects.responses import (
 )
 from pipeline.log import EventStore
 from schemas import ChatMessage, FunctionCall, LLMRequest, ToolCall, TurnCompleted
-from tests.backends import RuleBackend, calculator_rule
 from tests.conftest import Servers
-from tests.serving import serving
-from tests.test_gateway import (  # noqa: F401 (fixtures)
+from tests.integration.test_gateway import (  # noqa: F401 (fixtures)
     CALCULATOR_TOOL,
     Gateway,
     assert_token_exact_child,
@@ -38,6 +36,8 @@ from tests.test_gateway import (  # noqa: F401 (fixtures)
     new_policy,
     turns_of,
 )
+from tests.support.backends import RuleBackend, calculator_rule
+from tests.support.serving import serving
 
 RESPONSES_CALCULATOR: Any = {"type": "function", **CALCULATOR_TOOL["function"]}
 
@@ -134,6 +134,7 @@ def test_encrypted_reasoning_restores_the_text_this_gateway_gave() -> None:
                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "c", "output": "r"},
                 {"type": "reasoning", "summary": [], "encrypted_content": "gAAAA-not-ours"},
+                {"type": "reasoning", "summary": [], "encrypted_content": "\u00e9t\u00e9 not even ASCII"},
                 {"role": "assistant", "content": "done"},
             ]
         }

@@ -33,11 +33,11 @@ from pipeline.runners.runner import Runner, RunnerConfig, RunStats, TaskSpec, ru
 from pipeline.runners.taskqueue import TASKS_STREAM, runner_durable
 from pipeline.settings import libpq_url
 from schemas import LLMRequest, SamplingParams, TurnCompleted
-from tests.agents import ThreeTurnAgent
-from tests.backends import Rule, RuleBackend, calculator_rule, echo_rule
 from tests.conftest import Servers
-from tests.serving import serving
-from tests.waiting import wait_until
+from tests.support.agents import ThreeTurnAgent
+from tests.support.backends import Rule, RuleBackend, calculator_rule, echo_rule
+from tests.support.serving import serving
+from tests.support.waiting import wait_until
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 
@@ -101,7 +101,7 @@ async def test_200_concurrent_episodes_of_3_turns_on_the_tiny_model(
     async with serving(config):
         runner_config = RunnerConfig(
             policy=policy,
-            agent_name="tests.agents:ThreeTurnAgent",
+            agent_name="tests.support.agents:ThreeTurnAgent",
             concurrency=200,
             sampling=SamplingParams(max_tokens=4),
         )
@@ -202,7 +202,7 @@ async def test_turnstile_run_with_no_inference_consumer_says_why_and_exits_non_z
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"id": 1}\n{"id": 2}\n')
     process = await asyncio.create_subprocess_exec(
-        *TURNSTILE, "run", "--agent", "tests.agents:ThreeTurnAgent", "--tasks", str(tasks),
+        *TURNSTILE, "run", "--agent", "tests.support.agents:ThreeTurnAgent", "--tasks", str(tasks),
         "--policy", new_policy(), "--retries", "0",
         env=env_for(servers, database_url), stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -245,7 +245,8 @@ async def test_turnstile_run_ctrl_c_cancels_open_episodes_cleanly(
     config = InferenceConfig(servers.nats_url, policy, backend="scripted", heartbeat_interval=0.5)
     async with serving(config, RuleBackend(echo_rule)):
         process = await asyncio.create_subprocess_exec(
-            *TURNSTILE, "run", "--agent", "tests.agents:SlowAgent", "--tasks", str(tasks), "--policy", policy,
+            *TURNSTILE, "run", "--agent", "tests.support.agents:SlowAgent", "--tasks", str(tasks),
+            "--policy", policy,
             env=env_for(servers, database_url, TURNSTILE_TEST_AGENT_SLEEP="30"),
             stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
@@ -273,7 +274,7 @@ async def test_runner_killed_mid_run_its_tasks_are_redelivered_none_lost_none_co
     tasks.write_text("".join(json.dumps({"id": n}) + "\n" for n in range(12)))
     env = env_for(servers, database_url, TURNSTILE_TEST_AGENT_SLEEP="0.4")
     serve = [
-        *TURNSTILE, "serve", "runner", "--agent", "tests.agents:SlowAgent", "--policy", policy,
+        *TURNSTILE, "serve", "runner", "--agent", "tests.support.agents:SlowAgent", "--policy", policy,
         "--concurrency", "8", "--ack-wait", "2", "--lease-timeout", "3",
     ]  # fmt: skip
     config = InferenceConfig(servers.nats_url, policy, backend="scripted", heartbeat_interval=0.5)

@@ -33,13 +33,13 @@ from pipeline.settings import libpq_url
 from pipeline.sql import SqlError, run_readonly
 from pipeline.training import BatchSubscription
 from schemas import ChatMessage, LLMRequest
-from tests.backends import RuleBackend, echo_rule
 from tests.conftest import login_url
-from tests.factories import finished, new_stream, reward, started
-from tests.roles import Connected, RoleNats
-from tests.serving import serving
-from tests.test_deploy import new_policy
-from tests.waiting import wait_until
+from tests.e2e.test_deploy import new_policy
+from tests.support.backends import RuleBackend, echo_rule
+from tests.support.factories import finished, new_stream, reward, started
+from tests.support.roles import Connected, RoleNats
+from tests.support.serving import serving
+from tests.support.waiting import wait_until
 
 Connect = Callable[[str], Awaitable[Connected]]
 

@@ -36,7 +36,7 @@ from pipeline.sql.readonly import (
 from tests.conftest import login_url
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
-QUERIES = Path(__file__).resolve().parent.parent / "docs" / "queries.sql"
+QUERIES = Path(__file__).resolve().parents[2] / "docs" / "queries.sql"
 BASE = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 READ_ONLY = "turnstile sql is read-only"
 

@@ -1,4 +1,4 @@
-"""The store contract (``tests/store_contract.py``) against both adapters of the store port."""
+"""The store contract (``tests/support/store_contract.py``) against both adapters of the store port."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from pipeline.log import EventStore, InMemoryStore
-from tests.store_contract import StoreContract
+from tests.support.store_contract import StoreContract
 
 
 class TestEventStore(StoreContract):

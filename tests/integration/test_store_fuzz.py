@@ -17,7 +17,7 @@ from pipeline.errors import TurnstileError
 from pipeline.log import EventStore
 from pipeline.materialize.materializer import Fold, LogRow, MaterializerConfig
 from pipeline.replay import load_episode
-from tests.factories import finished, reward, started, turn
+from tests.support.factories import finished, reward, started, turn
 
 TEMPLATES: dict[str, dict[str, Any]] = {
     "started": started().model_dump(mode="json"),

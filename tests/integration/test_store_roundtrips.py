@@ -17,7 +17,7 @@ from pipeline.log import AppendResult, EventStore
 from pipeline.log.appends import prepare_append
 from pipeline.log.store import APPEND_LOCK, ONE_ROUND_TRIP_MAX_EVENTS, write_appends
 from schemas import Event, FunctionSpec, ToolSpec, TurnRequest
-from tests.factories import finished, new_stream, reward, started, turn
+from tests.support.factories import finished, new_stream, reward, started, turn
 
 STORED = (
     "SELECT stream, version, event_id, type, data::text, tokens, metadata::text, content_hash FROM events"

@@ -11,8 +11,8 @@ import pytest
 from pipeline.dev.embedded import EmbeddedPostgres
 from pipeline.log import EventStore
 from pipeline.log.db import migrate
-from tests.factories import new_stream, reward, started, turn
-from tests.store_contract import Tailer
+from tests.support.factories import new_stream, reward, started, turn
+from tests.support.store_contract import Tailer
 
 
 class Abandon(Exception):

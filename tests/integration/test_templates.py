@@ -33,8 +33,8 @@ from schemas import (
     TurnCompleted,
 )
 from tests.conftest import Servers
-from tests.real_templates import PAIRS, build_model, tokenizer_with_template
-from tests.serving import serving
+from tests.support.real_templates import PAIRS, build_model, tokenizer_with_template
+from tests.support.serving import serving
 
 
 def deepseek(name: str) -> str:

@@ -27,9 +27,9 @@ from schemas import (
     parse_wire,
 )
 from tests.conftest import Servers
-from tests.reference import recomputed_logprobs, recomputed_top
-from tests.serving import serving
-from tests.waiting import wait_until
+from tests.support.reference import recomputed_logprobs, recomputed_top
+from tests.support.serving import serving
+from tests.support.waiting import wait_until
 
 
 def ask(content: str, *, policy: str = "p", episode: str | None = None, **sampling: Any) -> LLMRequest:

@@ -31,12 +31,12 @@ from pipeline.training import BatchSubscription, checkpoint_dir
 from pipeline.training.subscription import publish_policy_version, published_version, to_tensors
 from schemas import PolicyVersionPublished
 from tests.conftest import Servers
-from tests.serving import serving
-from tests.test_materializer import random_log
-from tests.waiting import wait_until
+from tests.integration.test_materializer import random_log
+from tests.support.serving import serving
+from tests.support.waiting import wait_until
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_with_pytorch.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_with_pytorch.py"
 
 
 def rows(database_url: str, query: str, *params: Any) -> list[tuple[Any, ...]]:

@@ -1,7 +1,8 @@
 """Turns record what they add (TurnCompleted version 2), the wire stops echoing history, and a log written
 by the version-1 code (every turn whole) still reads, folds and materializes exactly as before.
 
-The version-1 fixture (``tests/legacy/``) was written by the old code; ``tests/legacy/scenario.py`` says how.
+The version-1 fixture (``tests/support/legacy/``) was written by the old code;
+``tests/support/legacy/scenario.py`` says how.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from pipeline.log.turns import UnfoldableTurn, expand_turn
 from pipeline.materialize.materializer import Materializer, MaterializerConfig
 from pipeline.settings import libpq_url
 from schemas import LLMError, LLMRequest, LLMResponse, TurnCompleted, parse_wire
-from tests.backends import RuleBackend
-from tests.legacy.scenario import DISCOUNT, expected, record
+from tests.support.backends import RuleBackend
+from tests.support.legacy.scenario import DISCOUNT, expected, record
 
-LEGACY = Path(__file__).parent / "legacy"
+LEGACY = Path(__file__).parents[1] / "support" / "legacy"
 
 
 class Published:

@@ -1,6 +1,6 @@
 """The episode browser's pages over real PostgreSQL (the app in process over httpx; the browser tests drive
-``turnstile ui`` in Chromium: tests/test_ui_browser.py): lists with filters, sorts and pages, an episode with
-its tree and shaded tokens, a run, a batch, deep links, and a clear error page for every bad input."""
+``turnstile ui`` in Chromium: tests/e2e/test_ui_browser.py): lists with filters, sorts and pages, an episode
+with its tree and shaded tokens, a run, a batch, deep links, and a clear error page for every bad input."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pipeline.ui import create_app, parse_query, reader_engine, svg
 from pipeline.ui.filters import BadRequest
 from schemas import ChatMessage, EpisodeStarted
 from tests.conftest import login_url
-from tests.ui_episodes import Recorded, make_turn, record_counting_episode, record_episodes
+from tests.support.ui_episodes import Recorded, make_turn, record_counting_episode, record_episodes
 
 
 @dataclass
@@ -308,7 +308,9 @@ async def test_a_rerun_shows_the_divergence_beside_the_recorded_turn(
     apps = {
         "off": create_app(reader),
         "same": create_app(reader, reruns=True),
-        "changed": create_app(reader, reruns=True, rerun_agent="tests.replay_agents:RewordedCountingAgent"),
+        "changed": create_app(
+            reader, reruns=True, rerun_agent="tests.support.replay_agents:RewordedCountingAgent"
+        ),
     }
     pages = {}
     for name, app in apps.items():

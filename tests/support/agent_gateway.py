@@ -27,17 +27,17 @@ from pipeline.inference.script import Script
 from pipeline.log import EventStore
 from pipeline.log.turns import whole_events
 from schemas import EpisodeFinished, Event, RewardAssigned, TurnCompleted
-from tests.serving import serving
+from tests.support.serving import serving
 
-CLIS = Path(__file__).resolve().parent / "agent_clis"
+CLIS = Path(__file__).resolve().parents[1] / "e2e" / "agent_clis"
 
 
 def cli_binary(name: str) -> Path:
-    """``tests/agent_clis/node_modules/.bin/<name>``; missing: a skip, or under CI (which installs it) a
+    """``tests/e2e/agent_clis/node_modules/.bin/<name>``; missing: a skip, or under CI (which installs it) a
     failure, so that the step cannot pass empty."""
     binary = CLIS / "node_modules" / ".bin" / name
     if not binary.exists():
-        missing = f"{binary} is missing: run `npm ci --prefix tests/agent_clis` (Node 20+)"
+        missing = f"{binary} is missing: run `npm ci --prefix tests/e2e/agent_clis` (Node 20+)"
         if os.environ.get("CI"):
             pytest.fail(missing)
         pytest.skip(missing)

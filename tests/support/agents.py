@@ -1,4 +1,4 @@
-"""Agents for the tests (importable by runner processes as ``tests.agents:Name``)."""
+"""Agents for the tests (importable by runner processes as ``tests.support.agents:Name``)."""
 
 from __future__ import annotations
 

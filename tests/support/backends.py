@@ -3,8 +3,8 @@
 What a test on these backends can prove about tokens: ``prompt_ids`` copies the request's prefix ids and
 adds made-up ids for the new messages, so a session or gateway test that finds turn k's prompt + completion
 at the start of turn k+1's prompt proves that the right prefix was *sent*, not that an engine continues it
-exactly. That second half is proved on real engines and real templates: ``tests/test_chat.py`` (the
-renderer), ``tests/test_torch_backend.py`` and ``tests/test_vllm_backend.py`` (the engines).
+exactly. That second half is proved on real engines and real templates: ``tests/unit/test_chat.py`` (the
+renderer), ``tests/integration/test_torch_backend.py`` and ``tests/e2e/test_vllm_backend.py`` (the engines).
 """
 
 from __future__ import annotations

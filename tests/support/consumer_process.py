@@ -1,6 +1,6 @@
 """An inference consumer in a process of its own (scripted backend), for tests that kill it.
 
-python -m tests.consumer_process NATS_URL POLICY CONSUMER_ID DELAY_SECONDS
+python -m tests.support.consumer_process NATS_URL POLICY CONSUMER_ID DELAY_SECONDS
 """
 
 from __future__ import annotations

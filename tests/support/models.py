@@ -1,6 +1,6 @@
 """Local models for the tests, built in a temporary directory of their own (outside pytest's basetemp, for
 the reason given in ``tests/conftest.py``'s ``servers``) and removed after. No hub: ``HF_HUB_OFFLINE``.
-Imports nothing but the model builders, so ``tests/test_gpu.py`` can use it without the conftest."""
+Imports nothing but the model builders, so ``tests/e2e/test_gpu.py`` can use it without the conftest."""
 
 from __future__ import annotations
 

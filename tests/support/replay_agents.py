@@ -1,4 +1,5 @@
-"""Agents for the replay tests (importable by `turnstile replay --rerun` as ``tests.replay_agents:Name``).
+"""Agents for the replay tests (importable by `turnstile replay --rerun` as
+``tests.support.replay_agents:Name``).
 
 ``CountingAgent`` is the agent as recorded; the others are the same agent after a change: a reworded
 follow-up prompt (diverges at turn 2), one turn fewer, one turn more. ``TerseOpenAIAgent`` is the

@@ -1,5 +1,5 @@
 """NATS with deploy/nats.conf's users and permissions, and connections as each role (fixtures shared by
-tests/test_deploy.py and tests/test_security.py through conftest.py)."""
+tests/e2e/test_deploy.py and tests/integration/test_security.py through conftest.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from nats.aio.client import Client as NatsConnection
 from pipeline.dev.embedded import EmbeddedNats, free_port
 from pipeline.settings import nats_inbox_prefix
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 ROLES = ("runner", "gateway", "inference", "relay", "trainer", "admin")
 
 

@@ -1,9 +1,9 @@
 """The store contract: the assertions every adapter of ``pipeline.log.Store`` must pass.
 
 Subclass ``StoreContract`` once per adapter and give it two fixtures: ``store`` (a new, empty store) and
-``small_store`` (one whose events may be at most 64 KiB). ``tests/test_store_contract.py`` runs it against
-PostgreSQL (``EventStore``) and memory (``InMemoryStore``), the way pyeventsourcing runs its recorder tests
-against every recorder.
+``small_store`` (one whose events may be at most 64 KiB). ``tests/integration/test_store_contract.py`` runs
+it against PostgreSQL (``EventStore``) and memory (``InMemoryStore``), the way pyeventsourcing runs its
+recorder tests against every recorder.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from pipeline.errors import DuplicateEventConflict, InvalidEvent, WrongExpectedVersion
 from pipeline.log import AbandonedEpisode, EpisodeFilter, RecordedEvent, Store
 from schemas import ChatMessage, EpisodeFinished, Event, PolicyVersionPublished, TurnCompleted, TurnRequest
-from tests.factories import finished, new_stream, reward, started, turn
+from tests.support.factories import finished, new_stream, reward, started, turn
 
 
 async def count_events(store: Store) -> int:

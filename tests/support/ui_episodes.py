@@ -217,13 +217,13 @@ def _counting_turn(messages: list[ChatMessage], text: str) -> TurnCompleted:
 
 
 async def record_counting_episode(store: EventStore, episode_id: str = "counting-1") -> list[TurnCompleted]:
-    """``tests.replay_agents:CountingAgent``'s three turns as it asks for them (not materialized): a rerun of
-    it is identical, and ``RewordedCountingAgent`` diverges at turn 2."""
+    """``tests.support.replay_agents:CountingAgent``'s three turns as it asks for them (not materialized): a
+    rerun of it is identical, and ``RewordedCountingAgent`` diverges at turn 2."""
     started = EpisodeStarted(
         episode_id=episode_id,
         task={"id": 7},
         task_id="7",
-        agent="tests.replay_agents:CountingAgent",
+        agent="tests.support.replay_agents:CountingAgent",
         policy="p",
     )
     turns = [_counting_turn([ChatMessage(role="user", content="task 7: count to three")], "one")]

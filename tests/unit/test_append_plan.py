@@ -22,7 +22,7 @@ from pipeline.log.appends import (
 )
 from pipeline.log.tokens import pack_tokens, unpack_tokens
 from schemas import RewardAssigned, SamplingParams, ToolSpec, TurnRequest
-from tests.factories import reward, started, turn
+from tests.support.factories import reward, started, turn
 
 LIMIT = 1 << 20
 
@@ -136,7 +136,7 @@ def test_the_stored_form_of_an_event_is_a_format() -> None:
 
 def test_a_turn_whose_tool_has_no_parameters_is_stored_and_read_back() -> None:
     """A tool without ``parameters`` (the default, {}) leaves the key out of the stored JSON; found by
-    tests/test_gateway_fuzz.py, where it stopped the append with a KeyError."""
+    tests/unit/test_gateway_fuzz.py, where it stopped the append with a KeyError."""
     bare = ToolSpec.model_validate({"type": "function", "function": {"name": "ping"}})
     with_schema = ToolSpec.model_validate(
         {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}

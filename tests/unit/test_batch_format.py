@@ -61,9 +61,9 @@ def test_a_payload_reads_back_as_the_batch_and_as_its_version_1_encoding_does() 
 
 
 def test_a_payload_written_by_the_version_1_code_reads_as_the_same_batch() -> None:
-    # tests/fixtures/batch_v1.tsb: BATCH encoded by pipeline/batches/format.py as it was before version 2
-    # (commit bd0af96), kept as written: old payloads on the stream or in an outbox stay readable.
-    written = (Path(__file__).parent / "fixtures" / "batch_v1.tsb").read_bytes()
+    # tests/support/fixtures/batch_v1.tsb: BATCH encoded by pipeline/batches/format.py as it was before
+    # version 2 (commit bd0af96), kept as written: old payloads on the stream or in an outbox stay readable.
+    written = (Path(__file__).parents[1] / "support" / "fixtures" / "batch_v1.tsb").read_bytes()
     assert written[:4] == b"TSB1"
     assert decode_batch(written) == BATCH
     assert encode_v1(BATCH) == written  # the version 1 encoder kept for tests and bench/ is the old one
@@ -71,7 +71,7 @@ def test_a_payload_written_by_the_version_1_code_reads_as_the_same_batch() -> No
 
 def test_the_bytes_are_the_same_in_every_process() -> None:
     code = (
-        "import sys; from tests.test_batch_format import BATCH; "
+        "import sys; from tests.unit.test_batch_format import BATCH; "
         "from pipeline.batches.format import encode_batch; sys.stdout.write(encode_batch(BATCH).hex())"
     )
     outputs = set()

@@ -23,7 +23,7 @@ import typer.main
 from consumers.cli import app
 from pipeline.inference.script import Script
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 

@@ -17,7 +17,7 @@ from pipeline.gateway import create_gateway
 from pipeline.log import InMemoryStore
 from pipeline.log.appends import encode_event
 from pipeline.materialize.materializer import Fold, LogRow, MaterializerConfig
-from tests.backends import PrefixEcho
+from tests.support.backends import PrefixEcho
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 STORE = InMemoryStore()

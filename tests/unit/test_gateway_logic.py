@@ -15,8 +15,8 @@ from pipeline.gateway import create_gateway, gateway_of
 from pipeline.inference.client import QueueLLMClient
 from pipeline.log import InMemoryStore
 from schemas import ToolChoice, TurnCompleted
-from tests.backends import PrefixEcho
-from tests.waiting import wait_until
+from tests.support.backends import PrefixEcho
+from tests.support.waiting import wait_until
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 

@@ -23,7 +23,7 @@ from schemas import (
     parse_event,
     parse_wire,
 )
-from tests.factories import finished, reward, started, turn
+from tests.support.factories import finished, reward, started, turn
 
 
 @pytest.mark.parametrize(

@@ -47,9 +47,9 @@ from schemas import (
     TurnReply,
     TurnRequest,
 )
-from tests.agents import FailingAgent, ThreeTurnAgent
-from tests.backends import PrefixEcho
-from tests.factories import turn as factory_turn
+from tests.support.agents import FailingAgent, ThreeTurnAgent
+from tests.support.backends import PrefixEcho
+from tests.support.factories import turn as factory_turn
 
 
 async def recorded(store: InMemoryStore, session: EpisodeSession) -> list[Event]:
@@ -164,7 +164,9 @@ async def test_an_episodes_outcome_from_its_recorded_events_equals_the_folds(rew
 
 async def test_a_runner_group_retries_a_failing_slot_and_a_resumed_group_counts_each_slot_once() -> None:
     store, llm = InMemoryStore(), PrefixEcho()
-    config = RunnerConfig(policy="main", agent_name="tests.agents:FailingAgent", group_size=3, retries=1)
+    config = RunnerConfig(
+        policy="main", agent_name="tests.support.agents:FailingAgent", group_size=3, retries=1
+    )
     runner = Runner(FailingAgent(), store=store, llm=llm, config=config)
     outcomes = await runner.run_group(TaskSpec(task={"id": 7, "fail": True}, task_id="t7"), "g1")
 

@@ -1,14 +1,14 @@
 """The episodes of the version-1 fixture log, recorded through the public session API only.
 
-``tests/legacy/v1_log.jsonl`` was written by this scenario on the code of commit bd0af96 (every turn stored
-whole, ``TurnCompleted`` schema version 1), with ``tests/legacy/v1_expected.json`` (what that code folded
-and sampled from it):
+``tests/support/legacy/v1_log.jsonl`` was written by this scenario on the code of commit bd0af96 (every turn
+stored whole, ``TurnCompleted`` schema version 1), with ``tests/support/legacy/v1_expected.json`` (what that
+code folded and sampled from it):
 
-    git worktree add --detach /tmp/v1 bd0af96 && mkdir -p /tmp/v1/tests/legacy
-    cp tests/legacy/scenario.py tests/legacy/__init__.py /tmp/v1/tests/legacy/
+    git worktree add --detach /tmp/v1 bd0af96 && mkdir -p /tmp/v1/tests/support/legacy
+    cp tests/support/legacy/scenario.py tests/support/legacy/__init__.py /tmp/v1/tests/support/legacy/
     cd /tmp/v1 && python -S -c "import sys; sys.path[:0] = ['/tmp/v1', '<venv>/lib/python3.11/site-packages']
-    import asyncio, pathlib; from tests.legacy.scenario import write
-    asyncio.run(write(pathlib.Path('<repo>/tests/legacy')))"
+    import asyncio, pathlib; from tests.support.legacy.scenario import write
+    asyncio.run(write(pathlib.Path('<repo>/tests/support/legacy')))"
 
 (``-S``: the virtualenv's editable install of today's code would otherwise shadow the old tree.)
 
