@@ -27,11 +27,11 @@ from nats.aio.subscription import Subscription
 from consumers.runtime import LATENCY_BUCKETS, Runtime, serve_metrics, tune_gc
 from pipeline.errors import ConfigError
 from pipeline.inference.backends import Backend
-from pipeline.inference.client import QUEUE_GROUP, request_subject, versions_subject
+from pipeline.inference.client import QUEUE_GROUP, request_subject
 from pipeline.inference.held import DEFAULT_BUDGET_TOKENS
 from pipeline.inference.service import InferenceService
-from pipeline.inference.versions import latest_version
 from pipeline.settings import nats_inbox_prefix
+from pipeline.versions import latest_version, versions_subject
 from schemas import LLMResponse
 
 BackendName = Literal["torch", "vllm", "scripted"]

@@ -20,7 +20,6 @@ from pipeline.inference.client import (
     RequestRejected,
     raise_for_error,
     request_subject,
-    versions_subject,
 )
 from pipeline.inference.service import InferenceService
 
@@ -46,5 +45,4 @@ __all__ = [
     "raise_for_error",
     "request_subject",
     "split_tool_calls",
-    "versions_subject",
 ]

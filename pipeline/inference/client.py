@@ -44,10 +44,6 @@ def request_subject(policy: str, consumer_id: str | None = None) -> str:
     return f"{subject}.{consumer_id}" if consumer_id else subject
 
 
-def versions_subject(policy: str) -> str:
-    return f"policy.{policy}.versions"
-
-
 class LLMClient(Protocol):
     async def __call__(self, request: LLMRequest) -> LLMResponse: ...
 

@@ -51,10 +51,9 @@ from pipeline.batches.relay import (
     fetch_batch_payload,
 )
 from pipeline.errors import DuplicateEventConflict, TurnstileError
-from pipeline.inference.client import versions_subject
-from pipeline.inference.versions import ensure_versions_stream
 from pipeline.log import EventStore, Store
 from pipeline.log.tables import trained_batches
+from pipeline.versions import ensure_versions_stream, versions_subject
 from schemas import PolicyVersionPublished
 
 if TYPE_CHECKING:

@@ -41,11 +41,11 @@ from pipeline.batches.relay import (
 )
 from pipeline.dev.embedded import EmbeddedPostgres, free_port
 from pipeline.inference.client import NatsLLMClient
-from pipeline.inference.versions import ensure_versions_stream
 from pipeline.log.db import create_engine
 from pipeline.log.store import APPEND_LOCK
 from pipeline.runners.taskqueue import ensure_tasks_stream
 from pipeline.settings import libpq_url
+from pipeline.versions import ensure_versions_stream
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
 from tests.conftest import login_url
 from tests.integration.test_relay import insert_batch

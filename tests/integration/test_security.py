@@ -25,13 +25,14 @@ from consumers.inference import InferenceConfig
 from pipeline.batches.format import BatchSample, TrainingBatch, encode_batch
 from pipeline.batches.relay import BATCHES_STREAM, batch_subject, ensure_batches_stream
 from pipeline.errors import StoreUnavailable
-from pipeline.inference.client import NatsLLMClient, versions_subject
+from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.store import APPEND_LOCK
 from pipeline.runners.taskqueue import TASKS_STREAM, ensure_tasks_stream, task_subject
 from pipeline.settings import libpq_url
 from pipeline.sql import SqlError, run_readonly
 from pipeline.training import BatchSubscription
+from pipeline.versions import versions_subject
 from schemas import ChatMessage, LLMRequest
 from tests.conftest import login_url
 from tests.e2e.test_deploy import new_policy

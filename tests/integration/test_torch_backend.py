@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from consumers.inference import InferenceConfig
 from pipeline.inference.backends.torch_backend import TorchBackend
-from pipeline.inference.client import NatsLLMClient, versions_subject
+from pipeline.inference.client import NatsLLMClient
 from pipeline.inference.service import InferenceService
+from pipeline.versions import versions_subject
 from schemas import (
     ChatMessage,
     LLMRequest,

@@ -1,4 +1,5 @@
-"""The newest policy version of each policy, kept by NATS for consumers that were not listening.
+"""Policy versions on NATS, where the two stacks meet: the subject trainers publish on, and the stream that
+keeps the newest version of each policy for consumers that were not listening.
 
 Trainers publish ``PolicyVersionPublished`` on core NATS (``policy.<policy>.versions``); an inference consumer
 that subscribes after a publish would never hear of it. The JetStream stream ``POLICY_VERSIONS`` captures
@@ -16,12 +17,15 @@ from nats.errors import Error as NatsError
 from nats.js.api import RetentionPolicy, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
-from pipeline.inference.client import versions_subject
-
 VERSIONS_STREAM: Final = "POLICY_VERSIONS"
 LOOKUP_TIMEOUT: Final = 5.0
 
 log = logging.getLogger(__name__)
+
+
+def versions_subject(policy: str) -> str:
+    """``policy.<policy>.versions``: trainers publish ``PolicyVersionPublished`` there."""
+    return f"policy.{policy}.versions"
 
 
 async def ensure_versions_stream(connection: NatsConnection, *, replicas: int = 1) -> bool:
