@@ -2,14 +2,13 @@
 
 Embedded PostgreSQL and NATS, the tiny model, an inference consumer, the materializer, the batch relay and
 the trainer as processes of their own (the same ``turnstile serve ...`` commands a deployment runs), and a
-runner in this process feeding the demo task (``pipeline.examples.demo``) to the policy ``demo``. A live
-table shows the loop; at the end a summary compares the reward of the first and the last episodes, a
-reward curve and the standard plots (``turnstile plot``) are saved as PNG, and ``summary.json`` holds the
-figures. The data stays in the data directory: ``turnstile up`` brings the servers back for
+runner in this process feeding the demo task (``pipeline.examples.digits_or_capitals``) to the policy
+``demo``. A live table shows the loop; at the end a summary compares the reward of the first and the last
+episodes, a reward curve and the standard plots (``turnstile plot``) are saved as PNG, and ``summary.json``
+holds the figures. The data stays in the data directory: ``turnstile up`` brings the servers back for
 ``turnstile sql``, and running the demo again resumes where it stopped (the trainer from its last
 version, the materializer from its checkpoint).
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +27,8 @@ from rich.table import Table
 
 from consumers.runtime import stop_on_signals
 from pipeline.dev.charts import CHART_NAMES, NO_MATPLOTLIB, curve_chart, draw, have_matplotlib, read_charts
-from pipeline.dev.demo import (
+from pipeline.dev.embedded import EmbeddedServers
+from pipeline.dev.supervisor import (
     POLICY,
     TRY_QUERIES,
     ServiceProcesses,
@@ -38,9 +38,8 @@ from pipeline.dev.demo import (
     loop_status,
     summarize,
 )
-from pipeline.dev.embedded import EmbeddedServers
 from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
-from pipeline.examples.demo import DigitsOrCapitalsAgent, demo_tasks
+from pipeline.examples.digits_or_capitals import DigitsOrCapitalsAgent, demo_tasks
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.db import make_logins, migrate
@@ -105,7 +104,7 @@ async def _run_loop(config: DemoConfig, database_url: str, nats_url: str, stop: 
                 llm=llm,
                 config=RunnerConfig(
                     policy=POLICY,
-                    agent_name="pipeline.examples.demo:DigitsOrCapitalsAgent",
+                    agent_name="pipeline.examples.digits_or_capitals:DigitsOrCapitalsAgent",
                     group_size=config.group_size,
                     concurrency=config.concurrency,
                     sampling=SamplingParams(temperature=1.0, max_tokens=config.max_tokens),

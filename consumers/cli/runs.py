@@ -126,7 +126,7 @@ def demo(
 ) -> None:
     """The closed loop on this machine: embedded servers, tiny model, inference, materializer, relay,
     trainer and a runner on a task the model learns; live progress, then a summary and a reward curve."""
-    from consumers.demo import DemoConfig, report, run_demo
+    from consumers.closed_loop import DemoConfig, report, run_demo
 
     if minutes <= 0:
         raise ConfigError(f"--minutes must be positive, got {minutes}")

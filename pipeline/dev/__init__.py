@@ -2,7 +2,6 @@
 process supervisor and statistics (``demo``), plots (``charts``: matplotlib)."""
 
 from pipeline.dev.charts import Chart, Series, draw, mean_ci, read_charts
-from pipeline.dev.demo import ServiceProcesses, Summary, summarize
 from pipeline.dev.embedded import (
     EmbeddedNats,
     EmbeddedPostgres,
@@ -10,6 +9,7 @@ from pipeline.dev.embedded import (
     EmbeddedServers,
     free_port,
 )
+from pipeline.dev.supervisor import ServiceProcesses, Summary, summarize
 
 __all__ = [
     "Chart",

@@ -3,7 +3,6 @@ agent contract and run loop, the environment interface and runner leases."""
 
 from pipeline.episodes.agent import Agent, AgentResult, FunctionAgent, RewardFunction, run_episode
 from pipeline.episodes.environment import AgentEnvironment, TimeStep
-from pipeline.episodes.errors import InvalidLLMCall, MaxTurnsExceeded
 from pipeline.episodes.fold import (
     Episode,
     EpisodeOutcome,
@@ -22,6 +21,7 @@ from pipeline.episodes.leases import (
     recover_abandoned_episodes,
 )
 from pipeline.episodes.openai_client import chat_result, episode_openai_client
+from pipeline.episodes.refusals import InvalidLLMCall, MaxTurnsExceeded
 from pipeline.episodes.reply import ChatReply
 from pipeline.episodes.session import (
     RUNNER_METADATA,

@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from pipeline.episodes.errors import MaxTurnsExceeded
 from pipeline.episodes.fold import Episode, EpisodeOutcome
+from pipeline.episodes.refusals import MaxTurnsExceeded
 from pipeline.episodes.session import EpisodeLLM, EpisodeSession
 from schemas import RewardAssigned
 from schemas.episode import Termination

@@ -9,7 +9,7 @@ from typing import Any
 from openai import AsyncOpenAI
 
 from pipeline.dialects import ChatCall, ChatResult, ChoiceData, OpenAIRequestError, openai_client
-from pipeline.episodes.errors import InvalidLLMCall
+from pipeline.episodes.refusals import InvalidLLMCall
 from pipeline.episodes.reply import ChatReply
 from pipeline.inference import RequestRejected
 from schemas import ChatMessage, SamplingParams, ToolChoice, ToolSpec

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, Final, TypeGuard, TypeVar
 import jsonschema
 from pydantic import ValidationError
 
-from pipeline.episodes.errors import InvalidLLMCall, MaxTurnsExceeded
 from pipeline.episodes.fold import Episode, fold_episode
 from pipeline.episodes.openai_client import episode_openai_client
+from pipeline.episodes.refusals import InvalidLLMCall, MaxTurnsExceeded
 from pipeline.episodes.reply import ChatReply
 from pipeline.errors import TurnstileError, describe_validation_error
 from pipeline.inference.client import InferenceError, LLMClient, PrefixUnknown

@@ -2,7 +2,7 @@
 ``pipeline.dialects``) over episode sessions, session keys and admission, and the HTTP server it runs on."""
 
 from pipeline.gateway.app import create_gateway, gateway_of
-from pipeline.gateway.errors import GatewayError
+from pipeline.gateway.http_error import GatewayError
 from pipeline.gateway.server import HttpServer, serving_http
 from pipeline.gateway.service import EndSpec, Gateway, RewardSpec, SessionSpec
 from pipeline.gateway.sessions import SessionEntry, SessionRegistry, key_digest

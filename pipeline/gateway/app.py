@@ -55,7 +55,7 @@ from pipeline.dialects import (
 )
 from pipeline.dialects.anthropic import count_tokens_estimate
 from pipeline.errors import TurnstileError, describe_validation_error
-from pipeline.gateway.errors import GatewayError
+from pipeline.gateway.http_error import GatewayError
 from pipeline.gateway.openapi import (
     ANTHROPIC_COUNT_TOKENS,
     ANTHROPIC_MESSAGES,

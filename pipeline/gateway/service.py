@@ -27,7 +27,7 @@ from pipeline.dialects import ChatCall, ChatResult
 from pipeline.episodes import ChatReply, EpisodeSession, InvalidLLMCall, MaxTurnsExceeded, chat_result
 from pipeline.episodes.openai_client import wanted_detail
 from pipeline.errors import InvalidEvent, StoreUnavailable, WrongExpectedVersion
-from pipeline.gateway.errors import GatewayError
+from pipeline.gateway.http_error import GatewayError
 from pipeline.gateway.sessions import Answer, Listener, RetryKeys, SessionEntry, SessionRegistry, key_digest
 from pipeline.inference import (
     InferenceError,

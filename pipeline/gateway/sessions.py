@@ -18,7 +18,7 @@ from typing import Any, Final, TypeVar
 from pipeline.dialects.base import ParseMemo
 from pipeline.episodes import EpisodeSession
 from pipeline.errors import TurnstileError
-from pipeline.gateway.errors import GatewayError
+from pipeline.gateway.http_error import GatewayError
 
 _T = TypeVar("_T")
 

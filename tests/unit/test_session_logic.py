@@ -23,8 +23,8 @@ from pipeline.episodes import (
     fold_episode,
     run_episode,
 )
-from pipeline.episodes.errors import InvalidLLMCall
 from pipeline.episodes.fold import EpisodeOutcome, whole_events
+from pipeline.episodes.refusals import InvalidLLMCall
 from pipeline.episodes.session import turn_event
 from pipeline.errors import TurnstileError, WrongExpectedVersion
 from pipeline.inference.client import InferenceError
