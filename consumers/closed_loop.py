@@ -9,6 +9,7 @@ holds the figures. The data stays in the data directory: ``turnstile up`` brings
 ``turnstile sql``, and running the demo again resumes where it stopped (the trainer from its last
 version, the materializer from its checkpoint).
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -53,8 +53,10 @@ from pipeline.dialects.base import (
     WireReply,
     dotted_path,
     invalid,
+    parse_sampling,
     same_json,
     shown,
+    string_field,
     validated,
 )
 from schemas import ChatMessage, FunctionCall, SamplingParams, ToolCall, ToolChoice, ToolSpec
@@ -73,7 +75,6 @@ ERROR_TYPES: Final[Mapping[int, str]] = {
     504: "timeout_error",
     529: "overloaded_error",
 }
-_TOP_K_OFF: Final = (-1, 0)
 THINKING_TYPES: Final = ("enabled", "adaptive", "disabled")
 SIGNATURE_PREFIX: Final = "turnstile:"
 
@@ -93,6 +94,11 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 
 _invalid = partial(invalid, error=AnthropicRequestError)
+_string = partial(string_field, error=AnthropicRequestError)
+_sampling = partial(
+    parse_sampling, max_tokens_key="max_tokens", stop_key="stop_sequences", error=AnthropicRequestError,
+    param_path=dotted_path,
+)  # fmt: skip
 _validated = partial(validated, error=AnthropicRequestError, param_path=dotted_path)
 
 
@@ -132,7 +138,7 @@ def parse_messages_request(
     return ChatCall(
         messages=messages,
         tools=tools,
-        sampling=_parse_sampling(given, defaults or SamplingParams()),
+        sampling=_sampling(given, defaults or SamplingParams()),
         n=1,
         logprobs=False,
         top_logprobs=0,
@@ -397,25 +403,6 @@ def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> ToolChoice | None:
     raise _invalid(
         "tool_choice", "must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}", raw
     )
-
-
-def _parse_sampling(given: Mapping[str, Any], defaults: SamplingParams) -> SamplingParams:
-    fields = defaults.model_dump()
-    for key in ("temperature", "top_p", "max_tokens", "seed"):
-        if key in given:
-            fields[key] = given[key]
-    if "top_k" in given:
-        fields["top_k"] = None if given["top_k"] in _TOP_K_OFF else given["top_k"]
-    if "stop_sequences" in given:
-        fields["stop"] = given["stop_sequences"]
-    return _validated(SamplingParams, fields, "", renames={"stop": "stop_sequences"})
-
-
-def _string(block: Mapping[str, Any], key: str, path: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str):
-        raise _invalid(f"{path}.{key}", "must be a string", value)
-    return value
 
 
 # ---- responses ---------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 from uuid import UUID
 
 from pydantic import BaseModel, ValidationError
@@ -226,6 +226,46 @@ def validated(
 def invalid(param: str, problem: str, got: object, *, error: type[RequestError]) -> RequestError:
     """``error`` saying ``invalid <param>: <problem>, got <what was sent>``."""
     return error(f"invalid {param}: {problem}, got {shown(got)}", param=param)
+
+
+TOP_K_OFF: Final = (-1, 0)  # what clients send for "no top-k"
+
+
+def string_field(item: Mapping[str, Any], key: str, path: str, *, error: type[RequestError]) -> str:
+    """``item[key]`` if it is a string, else ``error`` naming ``path.key``."""
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise invalid(f"{path}.{key}", "must be a string", value, error=error)
+    return value
+
+
+def parse_sampling(
+    given: Mapping[str, Any],
+    defaults: SamplingParams,
+    *,
+    max_tokens_key: str,
+    stop_key: str | None,
+    error: type[RequestError],
+    param_path: ParamPath,
+) -> SamplingParams:
+    """The request's sampling over ``defaults``: temperature, top_p, seed and top_k under their own names
+    (top_k -1 or 0 is none), the token limit under ``max_tokens_key``, the stop sequences under ``stop_key``
+    (where the API has them); each error names the API's own key. A lone string under ``stop`` is one stop
+    sequence (OpenAI's wire form)."""
+    fields = defaults.model_dump()
+    for key in ("temperature", "top_p", "seed"):
+        if key in given:
+            fields[key] = given[key]
+    if "top_k" in given:
+        fields["top_k"] = None if given["top_k"] in TOP_K_OFF else given["top_k"]
+    if max_tokens_key in given:
+        fields["max_tokens"] = given[max_tokens_key]
+    renames = {"max_tokens": max_tokens_key}
+    if stop_key is not None and stop_key in given:
+        stop = given[stop_key]
+        fields["stop"] = [stop] if stop_key == "stop" and isinstance(stop, str) else stop
+        renames["stop"] = stop_key
+    return validated(SamplingParams, fields, "", error=error, param_path=param_path, renames=renames)
 
 
 # ---- tool-call arguments sent back re-serialized ------------------------------------------------------

@@ -39,8 +39,10 @@ from pipeline.dialects.base import (
     WireReply,
     bracket_path,
     invalid,
+    parse_sampling,
     restore_arguments,
     shown,
+    string_field,
     validated,
 )
 from schemas import ChatMessage, FinishReason, SamplingParams, TokenLogprob, ToolChoice, ToolSpec
@@ -59,7 +61,6 @@ _ROLES: Final[Mapping[str, str]] = {
     "assistant": "assistant",
     "tool": "tool",
 }
-_TOP_K_OFF: Final = (-1, 0)
 ERROR_TYPES: Final[Mapping[int, str]] = {401: "invalid_request_error", 429: "rate_limit_error"}
 ERROR_CODES: Final[Mapping[int, str]] = {401: "invalid_api_key", 404: "not_found", 429: "rate_limit_exceeded"}
 
@@ -80,6 +81,17 @@ def error_body(error: RequestError) -> dict[str, Any]:
 
 
 _invalid = partial(invalid, error=OpenAIRequestError)
+_string = partial(string_field, error=OpenAIRequestError)
+
+
+def _sampling(given: Mapping[str, Any], defaults: SamplingParams) -> SamplingParams:
+    max_tokens_key = "max_completion_tokens" if "max_completion_tokens" in given else "max_tokens"
+    return parse_sampling(
+        given, defaults, max_tokens_key=max_tokens_key, stop_key="stop", error=OpenAIRequestError,
+        param_path=bracket_path,
+    )  # fmt: skip
+
+
 _validated = partial(validated, error=OpenAIRequestError, param_path=bracket_path)
 
 
@@ -119,7 +131,7 @@ def parse_chat_request(
     return ChatCall(
         messages=_parse_messages(given.get("messages"), memo.part("messages") if memo is not None else None),
         tools=tools,
-        sampling=_parse_sampling(given, defaults or SamplingParams()),
+        sampling=_sampling(given, defaults or SamplingParams()),
         n=options.n,
         logprobs=options.logprobs,
         top_logprobs=options.top_logprobs,
@@ -213,21 +225,6 @@ def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> ToolChoice | None:
     if name not in names:
         raise _invalid("tool_choice.function.name", f"must name one of the tools {names}", name)
     return ToolChoice(mode="function", name=name)
-
-
-def _parse_sampling(given: Mapping[str, Any], defaults: SamplingParams) -> SamplingParams:
-    fields = defaults.model_dump()
-    for key in ("temperature", "top_p", "seed"):
-        if key in given:
-            fields[key] = given[key]
-    if "top_k" in given:
-        fields["top_k"] = None if given["top_k"] in _TOP_K_OFF else given["top_k"]
-    max_tokens_param = "max_completion_tokens" if "max_completion_tokens" in given else "max_tokens"
-    if max_tokens_param in given:
-        fields["max_tokens"] = given[max_tokens_param]
-    if "stop" in given:
-        fields["stop"] = [given["stop"]] if isinstance(given["stop"], str) else given["stop"]
-    return _validated(SamplingParams, fields, "", renames={"max_tokens": max_tokens_param})
 
 
 # ---- responses ---------------------------------------------------------------------------------------

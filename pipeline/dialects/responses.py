@@ -52,8 +52,10 @@ from pipeline.dialects.base import (
     WireReply,
     bracket_path,
     invalid,
+    parse_sampling,
     restore_arguments,
     shown,
+    string_field,
     validated,
 )
 from schemas import ChatMessage, FunctionCall, SamplingParams, ToolCall, ToolChoice, ToolSpec
@@ -80,6 +82,11 @@ class ResponsesRequestError(RequestError):
 
 
 _invalid = partial(invalid, error=ResponsesRequestError)
+_string = partial(string_field, error=ResponsesRequestError)
+_sampling = partial(
+    parse_sampling, max_tokens_key="max_output_tokens", stop_key=None, error=ResponsesRequestError,
+    param_path=bracket_path,
+)  # fmt: skip
 _validated = partial(validated, error=ResponsesRequestError, param_path=bracket_path)
 
 
@@ -137,7 +144,7 @@ def parse_responses_request(body: object, *, defaults: SamplingParams | None = N
     parallel = given.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise _invalid("parallel_tool_calls", "must be true or false", parallel)
-    sampling = _parse_sampling(given, defaults or SamplingParams())
+    sampling = _sampling(given, defaults or SamplingParams())
     echo = {
         "instructions": instructions,
         "tools": echoed_tools,
@@ -358,25 +365,6 @@ def _parse_tool_choice(raw: object, tools: list[ToolSpec]) -> ToolChoice | None:
         "served)",
         raw,
     )
-
-
-def _parse_sampling(given: Mapping[str, Any], defaults: SamplingParams) -> SamplingParams:
-    fields = defaults.model_dump()
-    for key in ("temperature", "top_p", "seed"):
-        if key in given:
-            fields[key] = given[key]
-    if "top_k" in given:
-        fields["top_k"] = None if given["top_k"] in (-1, 0) else given["top_k"]
-    if "max_output_tokens" in given:
-        fields["max_tokens"] = given["max_output_tokens"]
-    return _validated(SamplingParams, fields, "", renames={"max_tokens": "max_output_tokens"})
-
-
-def _string(item: Mapping[str, Any], key: str, path: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise _invalid(f"{path}.{key}", "must be a string", value)
-    return value
 
 
 # ---- responses ---------------------------------------------------------------------------------------
