@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from rich.console import Console
 
-from consumers.runtime import Connections, episode_services, running
+from consumers.runtime import Connections, episode_services, running, serve_until_stopped
 from pipeline.errors import ConfigError
 from pipeline.gateway import HttpServer, create_gateway, gateway_of
 from pipeline.ui import KeyGuard, create_app
@@ -113,15 +113,9 @@ async def serve_gateway(
         )
         if ready is not None:
             ready(url)
-        stopping = asyncio.create_task(runtime.stop.wait())
-        serving = asyncio.create_task(server.wait())
         try:
-            await asyncio.wait({stopping, serving}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiting in (stopping, serving):
-                waiting.cancel()
-            await asyncio.gather(stopping, serving, return_exceptions=True)
             # the app's shutdown ends the open sessions as cancelled; raises if the server crashed
-            await server.stop()
+            await serve_until_stopped(server, runtime.stop)
+        finally:
             if browser is not None:
                 await browser.state.browser.close()

@@ -32,7 +32,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import nats
 import stamina
@@ -222,6 +222,27 @@ def serve_metrics(runtime: Runtime, host: str, port: int) -> Iterator[None]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+class Served(Protocol):
+    """An HTTP server that runs in the background (``pipeline.gateway.HttpServer``)."""
+
+    async def wait(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+async def serve_until_stopped(server: Served, stop: asyncio.Event) -> None:
+    """Wait until ``stop`` is set or ``server`` ends by itself, then stop it (which raises if it crashed)."""
+    stopping = asyncio.create_task(stop.wait())
+    serving = asyncio.create_task(server.wait())
+    try:
+        await asyncio.wait({stopping, serving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in (stopping, serving):
+            waiting.cancel()
+        await asyncio.gather(stopping, serving, return_exceptions=True)
+        await server.stop()
 
 
 @contextlib.asynccontextmanager

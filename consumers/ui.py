@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from consumers.runtime import running
+from consumers.runtime import running, serve_until_stopped
 from pipeline.errors import ConfigError
 from pipeline.gateway import HttpServer
 from pipeline.ui import create_app, reader_engine
@@ -65,12 +65,4 @@ async def serve_ui(
         console.print(f"episode browser on {url}/episodes (read-only; Ctrl-C stops it)")
         if ready is not None:
             ready(url)
-        stopping = asyncio.create_task(runtime.stop.wait())
-        serving = asyncio.create_task(server.wait())
-        try:
-            await asyncio.wait({stopping, serving}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiting in (stopping, serving):
-                waiting.cancel()
-            await asyncio.gather(stopping, serving, return_exceptions=True)
-            await server.stop()
+        await serve_until_stopped(server, runtime.stop)

@@ -4,7 +4,10 @@ validates them and ``--help`` lists them), and the small parsers of option value
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 import typer.core
@@ -14,7 +17,11 @@ from rich.console import Console
 from pipeline.errors import ConfigError, describe_validation_error
 from schemas import SamplingParams
 
+if TYPE_CHECKING:
+    from pipeline.materialize import MaterializerConfig
+
 console = Console(stderr=True)
+_R = TypeVar("_R")
 
 
 def _no_type(ctx: Any) -> None:
@@ -160,6 +167,83 @@ GroupTimeout = Annotated[
     float, typer.Option(help="log seconds a group waits for missing members before it goes out")
 ]
 StepEvents = Annotated[int, typer.Option(help="events folded per transaction")]
+
+
+def _keyword(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+MATERIALIZER_OPTIONS = [
+    _keyword("discount", Discount, 1.0),
+    _keyword("style", StyleOption, Style.individual),
+    _keyword("advantage", AdvantageOption, Advantage.grpo),
+    _keyword("advantage_peers", PeersOption, Peers.depth),
+    _keyword("batch_samples", BatchSamples, 64),
+    _keyword("batch_tokens", BatchTokens, None),
+    _keyword("max_staleness", SampleStaleness, None),
+    _keyword("stale", StaleOption, Stale.drop),
+    _keyword("group_timeout", GroupTimeout, 600.0),
+    _keyword("step_events", StepEvents, 10_000),
+]
+
+
+def materializer_config(
+    name: str,
+    *,
+    discount: float,
+    style: Style,
+    advantage: Advantage,
+    advantage_peers: Peers,
+    batch_samples: int,
+    batch_tokens: int | None,
+    max_staleness: int | None,
+    stale: Stale,
+    group_timeout: float,
+    step_events: int,
+) -> MaterializerConfig:
+    """The materializer options of a command as the materializer's configuration."""
+    from pipeline.materialize import MaterializerConfig
+
+    return MaterializerConfig(
+        name=name,
+        discount=discount,
+        style=style.value,
+        advantage=advantage.value,
+        advantage_peers=advantage_peers.value,
+        batch_samples=batch_samples,
+        batch_tokens=batch_tokens,
+        max_staleness=max_staleness,
+        stale=stale.value,
+        group_timeout_s=group_timeout,
+        step_events=step_events,
+    )
+
+
+def _evaluated(annotation: Any, command: Callable[..., Any]) -> Any:
+    # what typing.get_type_hints does for one annotation, in the command's module
+    return eval(annotation, command.__globals__) if isinstance(annotation, str) else annotation
+
+
+def with_materializer_options(command: Callable[..., _R]) -> Callable[..., _R]:
+    """``command`` with the materializer's options after its ``name`` option (declared once, here, for
+    ``serve materializer`` and ``rematerialize``); it receives them as one ``config: MaterializerConfig``."""
+    own = inspect.signature(command)  # annotations as written: `config`'s names a type imported for mypy only
+    kept = [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=_evaluated(p.annotation, command))
+        for p in own.parameters.values()
+        if p.name != "config"
+    ]
+    parameters = [kept[0], *MATERIALIZER_OPTIONS, *kept[1:]]  # name, the materializer's, the command's own
+
+    @functools.wraps(command)
+    def wrapper(**given: Any) -> _R:
+        options = {option.name: given.pop(option.name) for option in MATERIALIZER_OPTIONS}
+        return command(config=materializer_config(given["name"], **options), **given)
+
+    # typer reads a command's options from its signature and type hints
+    setattr(wrapper, "__signature__", own.replace(parameters=parameters))  # noqa: B010
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+    return wrapper
 
 
 def sampling(temperature: float, max_tokens: int, seed: int | None) -> SamplingParams:

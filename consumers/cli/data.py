@@ -11,23 +11,10 @@ import typer
 from rich.console import Console
 
 from consumers.cli.common import (
-    Advantage,
-    AdvantageOption,
-    BatchSamples,
-    BatchTokens,
-    Discount,
-    GroupTimeout,
-    Peers,
-    PeersOption,
-    SampleStaleness,
-    Stale,
-    StaleOption,
     Status,
-    StepEvents,
-    Style,
-    StyleOption,
     Termination,
     console,
+    with_materializer_options,
 )
 from pipeline.errors import ConfigError, TurnstileError
 from pipeline.settings import Settings
@@ -36,50 +23,11 @@ if TYPE_CHECKING:
     from pipeline.materialize import MaterializerConfig
 
 
-def materializer_config(
-    name: str,
-    discount: float,
-    style: Style,
-    advantage: Advantage,
-    peers: Peers,
-    batch_samples: int,
-    batch_tokens: int | None,
-    max_staleness: int | None,
-    stale: Stale,
-    group_timeout: float,
-    step_events: int,
-) -> MaterializerConfig:
-    """The options of ``serve materializer`` and ``rematerialize`` as the materializer's configuration."""
-    from pipeline.materialize import MaterializerConfig
-
-    return MaterializerConfig(
-        name=name,
-        discount=discount,
-        style=style.value,
-        advantage=advantage.value,
-        advantage_peers=peers.value,
-        batch_samples=batch_samples,
-        batch_tokens=batch_tokens,
-        max_staleness=max_staleness,
-        stale=stale.value,
-        group_timeout_s=group_timeout,
-        step_events=step_events,
-    )
-
-
+@with_materializer_options
 def rematerialize(
     name: str = typer.Option(..., help="the rebuild's name: its tables go to schema rm_<name>"),
-    discount: Discount = 1.0,
-    style: StyleOption = Style.individual,
-    advantage: AdvantageOption = Advantage.grpo,
-    advantage_peers: PeersOption = Peers.depth,
-    batch_samples: BatchSamples = 64,
-    batch_tokens: BatchTokens = None,
-    max_staleness: SampleStaleness = None,
-    stale: StaleOption = Stale.drop,
-    group_timeout: GroupTimeout = 600.0,
-    step_events: StepEvents = 10_000,
     replace: bool = typer.Option(False, help="drop an earlier rebuild of that name first"),
+    config: MaterializerConfig | None = None,
 ) -> None:
     """Rebuild read models and batches from position 0 into schema rm_NAME; the log and the live
     materializer are untouched. The same options give byte-identical batches."""
@@ -91,10 +39,7 @@ def rematerialize(
     setup_logging()
     if name == "main":
         raise ConfigError("'main' is the live materializer; give the rebuild another --name")
-    config = materializer_config(
-        name, discount, style, advantage, advantage_peers, batch_samples, batch_tokens, max_staleness, stale,
-        group_timeout, step_events,
-    )  # fmt: skip
+    assert config is not None  # with_materializer_options gives it
     done = asyncio.run(rebuild(Settings().require_database_url(), config, replace=replace))
     console.print(
         f"rebuilt [bold]{name}[/bold] up to position {done.position} in schema {config.schema}; "

@@ -3,42 +3,32 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from consumers.cli.common import (
-    Advantage,
-    AdvantageOption,
     Agent,
     Backend,
-    BatchSamples,
-    BatchTokens,
     Concurrency,
-    Discount,
     EpisodeTimeout,
-    GroupTimeout,
     HeartbeatTimeout,
     MaxTokens,
     MaxTurns,
     MetricsPort,
-    Peers,
-    PeersOption,
     Retries,
     Reward,
-    SampleStaleness,
-    Stale,
-    StaleOption,
-    StepEvents,
-    Style,
-    StyleOption,
     Temperature,
     console,
     sampling,
+    with_materializer_options,
 )
-from consumers.cli.data import materializer_config
 from pipeline.errors import ConfigError
 from pipeline.inference.held import DEFAULT_BUDGET_TOKENS
 from pipeline.settings import Settings
+
+if TYPE_CHECKING:
+    from pipeline.materialize import MaterializerConfig
 
 
 def inference(
@@ -147,19 +137,11 @@ def runner(
     console.print("runner stopped")
 
 
+@with_materializer_options
 def materializer(
     name: str = typer.Option("main", help="the read models' name (main: the public tables)"),
-    discount: Discount = 1.0,
-    style: StyleOption = Style.individual,
-    advantage: AdvantageOption = Advantage.grpo,
-    advantage_peers: PeersOption = Peers.depth,
-    batch_samples: BatchSamples = 64,
-    batch_tokens: BatchTokens = None,
-    max_staleness: SampleStaleness = None,
-    stale: StaleOption = Stale.drop,
-    group_timeout: GroupTimeout = 600.0,
-    step_events: StepEvents = 10_000,
     metrics_port: MetricsPort = None,
+    config: MaterializerConfig | None = None,
 ) -> None:
     """Fold the log into read models and training batches as events arrive (exactly once)."""
 
@@ -167,10 +149,7 @@ def materializer(
     from consumers.runtime import run, setup_logging
 
     setup_logging()
-    config = materializer_config(
-        name, discount, style, advantage, advantage_peers, batch_samples, batch_tokens, max_staleness, stale,
-        group_timeout, step_events,
-    )  # fmt: skip
+    assert config is not None  # with_materializer_options gives it
     console.print(f"materializer {name!r} running ({config.semantics()})")
     done = run(serve_materializer(Settings().require_database_url(), config, metrics_port=metrics_port))
     console.print(f"materializer stopped at position {done.position}")
