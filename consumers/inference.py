@@ -85,8 +85,8 @@ def create_backend(config: InferenceConfig) -> Backend:
 class RequestSubscriptions:
     """The request subjects, subscribed on the broker's nats-py connection directly.
 
-    Measured on the instant backend, a FastStream subscriber added ~0.8 ms per request (1.67 ms vs 0.85 ms
-    p50 round trip on loopback), which is the whole overhead budget of a turn; so the hot path is a plain
+    A FastStream subscriber costs about as much per request as a whole turn's overhead budget (measured
+    in docs/benchmarks.md, "NATS overhead"); so the hot path is a plain
     nats-py callback that starts one task per request (many in flight), while FastStream still owns the
     connection, the lifecycle and the cold subscriptions.
     """

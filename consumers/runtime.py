@@ -276,8 +276,7 @@ def run(main: Coroutine[Any, Any, _Result]) -> _Result:
     asyncio's own loop.
 
     Why uvloop: a turn is a handful of socket reads and writes and task switches in each process, and
-    uvloop does those in C. bench/overhead.py, same run, load ~5 on 2 cores: NATS turns/s at 256 episodes
-    4,057 and 5,373 -> 8,316 and 6,762; p50 at 1 episode 0.80 and 0.67 -> 0.59 and 0.60 ms."""
+    uvloop does those in C (docs/benchmarks.md, "NATS overhead", has the measured difference)."""
     try:
         import uvloop
     except ImportError:  # Windows

@@ -453,8 +453,8 @@ def turn_event(
     ids are its tokens).
 
     Put together from parts validated already (the request when the call was made, the reply when it came
-    off the wire), not validated again: a second validation of the token arrays alone cost ~50 us a turn
-    of 1,000 prompt ids. What ``TurnCompleted``'s own checks would add is checked here; the rest holds by
+    off the wire), not validated again: a second validation of the token arrays would cost more than the
+    rest of the turn's bookkeeping. What ``TurnCompleted``'s own checks would add is checked here; the rest holds by
     construction (tests/unit/test_session_logic.py compares this with the validated event field by field)."""
     if len(response.completion_logprobs) != len(response.completion_token_ids):
         raise InferenceError(

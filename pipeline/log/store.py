@@ -73,7 +73,7 @@ COPY_TYPES: Final = ["int8", "text", "int4", "uuid", "text", "jsonb", "bytea", "
 ONE_ROUND_TRIP_MAX_EVENTS: Final = 32
 """The largest batch written in one round trip (``write_in_one_round_trip``) by default; a larger one is
 COPYed. An INSERT from arrays costs PostgreSQL more per row than COPY, the round trips it saves are per
-transaction: bench/ingest.py --copy-path measured them even at 32 events a batch, COPY ahead from 64."""
+transaction: ``bench/ingest.py --copy-path`` finds where the two cross."""
 APPEND_TYPES: Final = ("text", "int4", "uuid", "text", "text", "bytea", "text", "bytea")
 """The element types of ``append_events``'s array parameters: ``COPY_COLUMNS`` but the position (the rows'
 order gives it), jsonb sent as text."""
@@ -349,8 +349,8 @@ class _Writer:
     async def commit_retrying(self, batch: list[PendingAppend]) -> list[AppendResult | TurnstileError]:
         # A lost connection leaves a commit ambiguous; retrying is safe because a batch that did commit
         # is found again by its event ids and reported as recorded (idempotent by event id). The first
-        # attempt goes without the retry machinery (stamina's context costs ~50 µs a commit, a tenth of a
-        # lone append's CPU); only a connection error enters it.
+        # attempt goes without the retry machinery (stamina's context is a tenth of a lone append's CPU);
+        # only a connection error enters it.
         try:
             return await self.commit(batch)
         except Exception as error:
@@ -606,9 +606,8 @@ def binary_arrays(rows: Sequence[Sequence[Any]]) -> list[BinaryArray]:
     arrays for ``APPEND_EVENTS``: each element its length and its type's binary form (``array_recv``); only
     ``tokens`` may be null.
 
-    Written here rather than by psycopg's list dumper, which inspects every list to choose an element type
-    and cost about 110 µs of Python for the one-element arrays of a lone append, a third of what the whole
-    append cost; these take about 10."""
+    Written here rather than by psycopg's list dumper, which inspects every list to choose an element type:
+    for the one-element arrays of a lone append that was a third of what the whole append cost."""
     columns: list[list[bytes]] = [[] for _ in _APPEND_OIDS]
     streams, versions, ids, types, data, tokens, metadata, hashes = columns
     for _, stream, version, event_id, type_, text, packed, meta, content_hash in rows:
