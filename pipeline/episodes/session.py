@@ -454,8 +454,9 @@ def turn_event(
 
     Put together from parts validated already (the request when the call was made, the reply when it came
     off the wire), not validated again: a second validation of the token arrays would cost more than the
-    rest of the turn's bookkeeping. What ``TurnCompleted``'s own checks would add is checked here; the rest holds by
-    construction (tests/unit/test_session_logic.py compares this with the validated event field by field)."""
+    rest of the turn's bookkeeping. What ``TurnCompleted``'s own checks would add is checked here; the rest
+    holds by construction (tests/unit/test_session_logic.py compares this with the validated event field by
+    field)."""
     if len(response.completion_logprobs) != len(response.completion_token_ids):
         raise InferenceError(
             f"inference consumer {response.consumer_id} answered {len(response.completion_logprobs)} "
