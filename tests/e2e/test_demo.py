@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import psycopg
@@ -15,6 +19,7 @@ import pytest
 from pipeline.dev.embedded import EmbeddedServers
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def run_demo(data_dir: Path, batches: int) -> dict[str, object]:
@@ -35,7 +40,7 @@ def run_demo(data_dir: Path, batches: int) -> dict[str, object]:
 
 @pytest.mark.slow
 def test_the_demo_learns_and_every_trained_batch_traces_back_to_its_turns(server_dir: Path) -> None:
-    data_dir = server_dir / "demo"
+    data_dir = server_dir / ".turnstile"  # where the README's commands after the demo look
     first = run_demo(data_dir, 40)
     (mean_first, ci_first, n_first) = first["first_window"]  # type: ignore[misc]
     (mean_last, ci_last, n_last) = first["last_window"]  # type: ignore[misc]
@@ -75,3 +80,65 @@ def test_the_demo_learns_and_every_trained_batch_traces_back_to_its_turns(server
             "(SELECT 1 FROM events f WHERE f.stream = s.stream AND f.type = 'EpisodeFinished')"
         ).fetchone()
         assert open_episodes == (0,)  # stopping closed every open episode (cancelled)
+
+    readme_commands_after_the_demo(server_dir)
+
+
+def readme_commands_after_the_demo(directory: Path) -> None:
+    """The README's commands after the demo, as written, run in the directory the demo ran in: ``turnstile
+    up &`` in the background, each query answered, the plots drawn, the browser serving episodes."""
+    text = README.read_text()
+    block = re.search(r"Afterwards, from the same directory:\n\n```bash\n(.*?)```", text, re.S)
+    assert block is not None, "README: the block of commands after the demo moved; update this test"
+    lines = [line.split("  #")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+    assert lines[0] == "turnstile up &", lines
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    up = subprocess.Popen(
+        shlex.split(lines[0].rstrip("& ")), cwd=directory, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        assert up.stdout is not None
+        for output in up.stdout:  # bounded by the servers' own start-up timeouts
+            if "ready" in output:
+                break
+        else:
+            raise AssertionError(f"turnstile up ended: {up.wait()}")
+        for line in lines[1:]:
+            command = shlex.split(line)
+            if command[:2] == ["turnstile", "ui"]:
+                browse(command, directory, env)
+                continue
+            done = subprocess.run(
+                command, cwd=directory, env=env, capture_output=True, text=True, timeout=300
+            )
+            assert done.returncode == 0, f"{line}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+            if command[:2] == ["turnstile", "sql"]:
+                assert "demo" in done.stdout, done.stdout  # the demo's policy has rows
+            if command[:2] == ["turnstile", "plot"]:
+                assert (directory / ".turnstile" / "plots" / "reward_curve.png").exists()
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=120)
+
+
+def browse(command: list[str], directory: Path, env: dict[str, str]) -> None:
+    """``turnstile ui ...`` as written but on a free port: its episode list has the demo's episodes."""
+    ui = subprocess.Popen(
+        [*command, "--port", "0"], cwd=directory, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        assert ui.stdout is not None
+        for output in ui.stdout:
+            found = re.search(r"episode browser on (http://\S+/episodes)", output)
+            if found:
+                break
+        else:
+            raise AssertionError(f"turnstile ui ended: {ui.wait()}")
+        with urllib.request.urlopen(found.group(1), timeout=60) as page:
+            assert "demo" in page.read().decode()
+    finally:
+        ui.send_signal(signal.SIGINT)
+        ui.wait(timeout=120)
