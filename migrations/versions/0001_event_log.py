@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 from alembic import op
 
+from migrations.objects import replace
+
 revision: str = "0001"
 down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = None
@@ -45,16 +47,7 @@ def upgrade() -> None:
     )
     # Wakes tailers at commit (NOTIFY is delivered only when the inserting transaction commits, and
     # identical notifications in one transaction are folded into one).
-    op.execute(
-        """
-        CREATE FUNCTION events_notify() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            PERFORM pg_notify('turnstile_events', '');
-            RETURN NULL;
-        END
-        $$
-        """
-    )
+    replace("events_notify", 1)
     op.execute(
         "CREATE TRIGGER events_notify AFTER INSERT ON events "
         "FOR EACH STATEMENT EXECUTE FUNCTION events_notify()"

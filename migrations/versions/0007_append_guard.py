@@ -23,12 +23,15 @@ from collections.abc import Sequence
 
 from alembic import op
 
+from migrations.objects import replace
+
 revision: str = "0007"
 down_revision: str | None = "0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-APPEND_LOCK = 0x7475726E73746C  # pipeline/log/store.py APPEND_LOCK (migrations do not import the library)
+# The guard: migrations/sql/events_append_guard/v*.sql. They write pipeline/log/store.py's APPEND_LOCK
+# (0x7475726E73746C) in decimal: migrations do not import the library.
 LOCKERS = ("turnstile_writer", "turnstile_materializer")
 ADVISORY_FUNCTIONS = """
     SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
@@ -37,41 +40,7 @@ ADVISORY_FUNCTIONS = """
 
 
 def upgrade() -> None:
-    op.execute(
-        f"""
-        CREATE FUNCTION events_append_guard() RETURNS trigger LANGUAGE plpgsql AS $$
-        DECLARE
-            first_new bigint;
-            last_new  bigint;
-            added     bigint;
-            previous  bigint;
-        BEGIN
-            IF NOT EXISTS (
-                SELECT FROM pg_locks
-                WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted AND objsubid = 1
-                  AND classid = ({APPEND_LOCK} >> 32)::oid AND objid = ({APPEND_LOCK} & 4294967295)::oid
-            ) THEN
-                RAISE EXCEPTION 'events are appended only while holding the append lock'
-                    USING ERRCODE = 'insufficient_privilege',
-                          HINT = 'append through the event store (pipeline.log.EventStore), which takes '
-                                 || 'pg_advisory_xact_lock({APPEND_LOCK}) first';
-            END IF;
-            SELECT min(position), max(position), count(*) INTO first_new, last_new, added FROM appended;
-            IF added = 0 THEN
-                RETURN NULL;
-            END IF;
-            SELECT coalesce(max(position), 0) INTO previous FROM events WHERE position < first_new;
-            IF first_new <> previous + 1 OR last_new - first_new + 1 <> added
-               OR EXISTS (SELECT FROM events WHERE position > last_new) THEN
-                RAISE EXCEPTION 'events must take the positions right after the head (%), without gaps; '
-                                'got % rows at % .. %', previous, added, first_new, last_new
-                    USING ERRCODE = 'insufficient_privilege';
-            END IF;
-            RETURN NULL;
-        END
-        $$
-        """
-    )
+    replace("events_append_guard", 1)
     op.execute(
         "CREATE TRIGGER events_append_guard AFTER INSERT ON events REFERENCING NEW TABLE AS appended "
         "FOR EACH STATEMENT EXECUTE FUNCTION events_append_guard()"

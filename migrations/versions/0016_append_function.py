@@ -34,12 +34,13 @@ from collections.abc import Sequence
 
 from alembic import op
 
+from migrations.objects import replace
+
 revision: str = "0016"
 down_revision: str | None = "0015"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-APPEND_LOCK = 0x7475726E73746C  # pipeline/log/store.py APPEND_LOCK (migrations do not import the library)
 APPENDER = "turnstile_appender"
 WRITER = "turnstile_writer"
 SIGNATURE = "append_events(text[], int4[], uuid[], text[], text[], bytea[], text[], bytea[])"
@@ -48,44 +49,7 @@ GUARD_TRIGGER = (
     "FOR EACH STATEMENT {when}EXECUTE FUNCTION events_append_guard()"
 )
 
-FUNCTION = f"""
-CREATE FUNCTION append_events(
-    streams text[], versions int4[], event_ids uuid[], types text[], data text[], tokens bytea[],
-    metadata text[], content_hashes bytea[]
-) RETURNS int8 LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = public, pg_temp AS $$
-DECLARE
-    head       int8;
-    bad_stream text;
-    bad_last   integer;
-    bad_first  integer;
-BEGIN
-    PERFORM pg_advisory_xact_lock({APPEND_LOCK});
-    SELECT coalesce(max(position), 0) INTO head FROM events;
-    SELECT stream, last_before, first_new_version INTO bad_stream, bad_last, bad_first
-    FROM (
-        SELECT n.*,
-               coalesce((SELECT max(e.version) FROM events e WHERE e.stream = n.stream), 0) AS last_before
-        FROM (SELECT a.stream, min(a.version) AS first_new_version, max(a.version) AS last_new_version,
-                     count(*) AS new_versions
-              FROM unnest(streams, versions) AS a(stream, version) GROUP BY a.stream) AS n
-    ) AS checked
-    WHERE first_new_version IS DISTINCT FROM last_before + 1
-       OR last_new_version - first_new_version + 1 <> new_versions
-    LIMIT 1;
-    IF FOUND THEN
-        RAISE EXCEPTION 'events of a stream must take the versions right after its last one, without '
-                        'gaps: % is at version %, got version %', bad_stream, bad_last, bad_first
-            USING ERRCODE = 'check_violation';
-    END IF;
-    INSERT INTO events (position, stream, version, event_id, type, data, tokens, metadata, content_hash)
-    SELECT head + new.n, new.stream, new.version, new.event_id, new.type, new.data::jsonb, new.tokens,
-           new.metadata::jsonb, new.content_hash
-    FROM unnest(streams, versions, event_ids, types, data, tokens, metadata, content_hashes)
-         WITH ORDINALITY AS new(stream, version, event_id, type, data, tokens, metadata, content_hash, n);
-    RETURN head;
-END
-$$
-"""
+# The function: migrations/sql/append_events/v1.sql (pipeline/log/store.py's APPEND_LOCK in decimal there).
 
 
 def upgrade() -> None:
@@ -117,7 +81,7 @@ def upgrade() -> None:
         END
         $$
     """)
-    op.execute(FUNCTION)
+    replace("append_events", 1)
     op.execute(f"""
         DO $$
         BEGIN
