@@ -1,16 +1,15 @@
 """The materializer: the log folded into trajectories (pure math in ``trajectory``), read models, training
-batches and the batch outbox, exactly once (``materializer``)."""
+batches and the batch outbox, exactly once.
 
-from pipeline.materialize.materializer import (
-    READ_MODEL_TABLES,
-    USABLE,
-    Fold,
-    Materializer,
-    MaterializerConfig,
-    batch_id_for,
-    drop_rebuild,
-    rebuild_schema,
-)
+``config`` (what the batches depend on), ``records`` and ``columns`` (what the fold reads and writes),
+``fields`` (its checks of an event), ``fold`` (the fold itself, no I/O), ``workers`` (its episode half in
+forked processes), ``rebuild`` (a rebuild's schema) and ``writer`` (``Materializer``: the fold on PostgreSQL,
+one transaction a step)."""
+
+from pipeline.materialize.config import MaterializerConfig, batch_id_for, rebuild_schema
+from pipeline.materialize.fold import Fold
+from pipeline.materialize.rebuild import READ_MODEL_TABLES, drop_rebuild
+from pipeline.materialize.records import USABLE
 from pipeline.materialize.trajectory import (
     Sample,
     Turn,
@@ -23,6 +22,7 @@ from pipeline.materialize.trajectory import (
     monte_carlo_returns,
     parents,
 )
+from pipeline.materialize.writer import Materializer
 
 __all__ = [
     "READ_MODEL_TABLES",
