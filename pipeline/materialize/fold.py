@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.batches.format import encode_packed
-from pipeline.log.store import JsonText
+from pipeline.log.json_text import JsonText
 from pipeline.materialize import packed
 from pipeline.materialize.columns import FINISHED_INDEXES, S_ADVANTAGE, S_ARRAYS, S_BATCH, S_READY, S_STALE
 from pipeline.materialize.config import MaterializerConfig, batch_id_for

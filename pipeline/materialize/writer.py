@@ -40,7 +40,8 @@ from psycopg import sql
 
 from pipeline.batches.format import BATCHES_CHANNEL
 from pipeline.errors import ConfigError
-from pipeline.log.store import JsonText, JsonTextBinaryDumper
+from pipeline.log.json_text import JsonText
+from pipeline.log.store import JsonTextBinaryDumper
 from pipeline.materialize.columns import (
     BATCH_COPY,
     EPISODE_COPY,
