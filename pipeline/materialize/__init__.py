@@ -6,10 +6,9 @@ batches and the batch outbox, exactly once.
 forked processes), ``rebuild`` (a rebuild's schema) and ``writer`` (``Materializer``: the fold on PostgreSQL,
 one transaction a step)."""
 
-from pipeline.materialize.config import MaterializerConfig, batch_id_for, rebuild_schema
+from pipeline.materialize.config import MaterializerConfig, rebuild_schema
 from pipeline.materialize.fold import Fold
 from pipeline.materialize.rebuild import READ_MODEL_TABLES, drop_rebuild
-from pipeline.materialize.records import USABLE
 from pipeline.materialize.trajectory import (
     Sample,
     Turn,
@@ -26,14 +25,12 @@ from pipeline.materialize.writer import Materializer
 
 __all__ = [
     "READ_MODEL_TABLES",
-    "USABLE",
     "Fold",
     "Materializer",
     "MaterializerConfig",
     "Sample",
     "Turn",
     "apply_staleness",
-    "batch_id_for",
     "children",
     "concat_samples",
     "discounted_rewards",

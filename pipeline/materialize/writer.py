@@ -28,7 +28,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import re
 from collections import deque
 from collections.abc import Awaitable, Iterable, Sequence
 from datetime import datetime
@@ -54,7 +53,7 @@ from pipeline.materialize.columns import (
 )
 from pipeline.materialize.config import MaterializerConfig
 from pipeline.materialize.fold import Fold
-from pipeline.materialize.rebuild import READ_MODEL_TABLES
+from pipeline.materialize.rebuild import build_deferred_indexes, create_rebuild_schema
 from pipeline.materialize.records import LogRow, PendingGroup, ReadySample, Writes, log_rows, read_query
 from pipeline.materialize.workers import (
     FOLD_WORKER_BACKLOG,
@@ -70,8 +69,6 @@ from pipeline.materialize.workers import (
 from pipeline.settings import libpq_url
 
 log = logging.getLogger(__name__)
-
-_ON_TABLE = re.compile(r" ON (?:public\.)?(?P<table>[a-z_]+) USING ")
 
 
 REFUSED_WRITES: Final = (psycopg.errors.DataError, psycopg.errors.IntegrityError)
@@ -167,75 +164,15 @@ class Materializer:
                 f"no materializer named {self.config.name!r}; build one with `turnstile rematerialize --name "
                 f"{self.config.name}`"
             )
-        await connection.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self.config.schema)))
-        for table in READ_MODEL_TABLES:
-            await connection.execute(
-                sql.SQL("CREATE TABLE {} (LIKE public.{} INCLUDING ALL EXCLUDING INDEXES)").format(
-                    self._table(table), sql.Identifier(table)
-                )
-            )
-        # Only the unique indexes now (the keys that updates and the views join on); the others are built once
-        # the rebuild has caught up (build_deferred_indexes): one sort each instead of an insert per row.
-        for _, unique, definition in await self._index_definitions(connection):
-            if unique:
-                await connection.execute(definition)
-        await connection.execute("SELECT turnstile_read_model_views(%s)", (self.config.schema,))
-
-    async def _index_definitions(
-        self, connection: psycopg.AsyncConnection[Any]
-    ) -> list[tuple[str, bool, str]]:
-        """The indexes of the live read models (schema public) as statements for this rebuild's schema:
-        (name, unique, CREATE INDEX ...)."""
-        rows = await (
-            await connection.execute(
-                "SELECT i.relname, x.indisunique, pg_get_indexdef(x.indexrelid) FROM pg_index x "
-                "JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_class t ON t.oid = x.indrelid "
-                "JOIN pg_namespace n ON n.oid = t.relnamespace "
-                "WHERE n.nspname = 'public' AND t.relname = ANY(%s) ORDER BY i.relname",
-                (list(READ_MODEL_TABLES),),
-            )
-        ).fetchall()
-        target = self.config.schema  # rm_<name>: letters, digits and _ (MaterializerConfig checks the name)
-        return [
-            (name, unique, _ON_TABLE.sub(rf" ON {target}.\g<table> USING ", definition, count=1))
-            for name, unique, definition in rows
-        ]
+        await create_rebuild_schema(connection, self.config.schema)
 
     async def build_deferred_indexes(self) -> int:
         """A rebuild's schema gets the live read models' other indexes once it has caught up (see
-        ``_create_schema``); also after a restart, when a rebuild stopped before that. The indexes built."""
+        ``rebuild.create_rebuild_schema``); also after a restart, when a rebuild stopped before that. The
+        indexes built."""
         if self.config.schema == "public" or self._indexes_built:
             return 0
-        connection = self._require()
-        existing = await (
-            await connection.execute(
-                "SELECT count(*) FROM pg_index x JOIN pg_class t ON t.oid = x.indrelid "
-                "JOIN pg_namespace n ON n.oid = t.relnamespace "
-                "WHERE n.nspname = %s AND t.relname = ANY(%s) AND NOT x.indisunique",
-                (self.config.schema, list(READ_MODEL_TABLES)),
-            )
-        ).fetchone()
-        built = 0
-        if existing is not None and existing[0] == 0:  # a rebuild made before this rule has its indexes
-            definitions = [d for _, unique, d in await self._index_definitions(connection) if not unique]
-            # Two at a time, on this connection and one more: each build is one sort on one core (and two
-            # builds on one table take SHARE locks, which do not conflict).
-            other = await psycopg.AsyncConnection.connect(self.database_url, autocommit=True)
-            async with other:
-
-                async def build(on: psycopg.AsyncConnection[Any], statements: list[str]) -> None:
-                    for statement in statements:
-                        await on.execute(statement)
-
-                failed = await asyncio.gather(
-                    build(connection, definitions[0::2]),
-                    build(other, definitions[1::2]),
-                    return_exceptions=True,
-                )
-            for error in failed:
-                if isinstance(error, BaseException):
-                    raise error
-            built = len(definitions)
+        built = await build_deferred_indexes(self._require(), self.database_url, self.config.schema)
         self._indexes_built = True
         return built
 
