@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import heapq
 import itertools
 import json
@@ -29,7 +28,7 @@ import multiprocessing
 import os
 import pickle
 from collections import deque
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable
 from datetime import datetime
 from multiprocessing.connection import Connection
 from typing import Any, Final
@@ -39,18 +38,6 @@ from psycopg import sql
 
 from pipeline.batches.format import BATCHES_CHANNEL
 from pipeline.errors import ConfigError
-from pipeline.log.json_text import JsonText
-from pipeline.log.store import JsonTextBinaryDumper
-from pipeline.materialize.columns import (
-    BATCH_COPY,
-    EPISODE_COPY,
-    FINISHED_COLUMNS,
-    OUTBOX_COPY,
-    SAMPLE_COPY,
-    SKIPPED_COPY,
-    TURN_COPY,
-    CopyColumns,
-)
 from pipeline.materialize.config import MaterializerConfig
 from pipeline.materialize.fold import Fold
 from pipeline.materialize.rebuild import build_deferred_indexes, create_rebuild_schema
@@ -66,6 +53,7 @@ from pipeline.materialize.workers import (
     receive_bytes,
     to_micros,
 )
+from pipeline.materialize.writes import qualified, write
 from pipeline.settings import libpq_url
 
 log = logging.getLogger(__name__)
@@ -112,7 +100,7 @@ class Materializer:
         return self.fold.skipped
 
     def _table(self, name: str) -> sql.Composed:
-        return sql.SQL("{}.{}").format(sql.Identifier(self.config.schema), sql.Identifier(name))
+        return qualified(self.config.schema, name)
 
     async def open(self, *, create: bool = False) -> None:
         """Connect, register (or check) the configuration, and load the state from the read models.
@@ -365,7 +353,7 @@ class Materializer:
         # One transaction: the read models, the batches, the outbox and the checkpoint commit together.
         connection = self._require_writer()
         with connection.transaction():
-            self._write(connection, writes)
+            write(connection, self.config.schema, writes)
             connection.execute(
                 "INSERT INTO checkpoints (name, position) VALUES (%s, %s) ON CONFLICT (name) DO UPDATE "
                 "SET position = excluded.position, updated_at = now()",
@@ -373,98 +361,6 @@ class Materializer:
             )
             if writes.outbox:
                 connection.execute(sql.SQL("NOTIFY {}").format(sql.Identifier(BATCHES_CHANNEL)))
-
-    def _copy(
-        self,
-        connection: psycopg.Connection[Any],
-        table: str,
-        columns: CopyColumns,
-        rows: Iterable[Sequence[Any]],
-    ) -> None:
-        """Binary COPY: PostgreSQL takes the values as they are stored, without parsing text."""
-        statement = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
-            self._table(table), sql.SQL(", ").join(map(sql.Identifier, columns.names))
-        )
-        with connection.cursor() as cursor:
-            cursor.adapters.register_dumper(JsonText, JsonTextBinaryDumper)
-            with cursor.copy(statement) as out:
-                out.set_types(list(columns.types))
-                for row in rows:
-                    out.write_row(row)
-
-    def _write(self, connection: psycopg.Connection[Any], writes: Writes) -> None:
-        if writes.episodes:
-            self._copy(connection, "episodes", EPISODE_COPY, writes.episodes.values())
-        if writes.turns:
-            self._copy(connection, "turn_rows", TURN_COPY, writes.turns)
-        if writes.samples:
-            self._copy(connection, "sample_rows", SAMPLE_COPY, writes.samples.values())
-        if writes.finished:
-            self._update(connection, "episodes", "episode_id", FINISHED_COLUMNS, writes.finished)
-        if writes.ready or writes.batched:
-            # one table for both kinds: a sample made ready and batched in this step has both changes
-            merged: dict[str, list[Any]] = {}
-            for advantage, ready_position, key in writes.ready:
-                merged.setdefault(key, [None, None, None, None])[0:2] = [advantage, ready_position]
-            for stale, batch_id, key in writes.batched:
-                merged.setdefault(key, [None, None, None, None])[2:4] = [stale, batch_id]
-            # A batched sample's arrays live in its batch's payload (and in the log): the row keeps the rest,
-            # in the same UPDATE. (Samples batched in the step that made them were written without them.)
-            self._update(
-                connection,
-                "sample_rows",
-                "turn_id",
-                ("advantage", "ready_position", "stale", "batch_id"),
-                [(*values, key) for key, values in merged.items()],
-                also=sql.SQL("arrays = CASE WHEN c.batch_id IS NULL THEN t.arrays END"),
-            )
-        if writes.batches:
-            hashed = [
-                (*row[:-1], hashlib.sha256(row[-1]).digest() if row[-1] else None) for row in writes.batches
-            ]
-            self._copy(connection, "batches", BATCH_COPY, hashed)
-        if writes.outbox:
-            self._copy(connection, "batch_outbox", OUTBOX_COPY, writes.outbox)
-        if writes.skipped:
-            self._copy(connection, "skipped_events", SKIPPED_COPY, writes.skipped)
-
-    def _update(
-        self,
-        connection: psycopg.Connection[Any],
-        table: str,
-        key: str,
-        columns: Sequence[str],
-        rows: list[tuple[Any, ...]],
-        also: sql.Composable | None = None,
-    ) -> None:
-        """Rows inserted by earlier steps change through one set-based UPDATE per table: the changes are
-        COPYed into a temporary table (dropped at commit) and joined, instead of one UPDATE per row. A NULL
-        in a change means "unchanged" (coalesce): no change ever sets a column back to NULL."""
-        changes = sql.Identifier(f"changed_{table}")
-        connection.execute(
-            sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} LIMIT 0").format(
-                changes, sql.SQL(", ").join(map(sql.Identifier, [*columns, key])), self._table(table)
-            )
-        )
-        with connection.cursor() as cursor, cursor.copy(sql.SQL("COPY {} FROM STDIN").format(changes)) as out:
-            for row in rows:
-                out.write_row(row)
-        assignments = sql.SQL(", ").join(
-            [
-                *(
-                    sql.SQL("{} = coalesce(c.{}, t.{})").format(
-                        sql.Identifier(c), sql.Identifier(c), sql.Identifier(c)
-                    )
-                    for c in columns
-                ),
-                *([also] if also is not None else []),
-            ]
-        )
-        connection.execute(
-            sql.SQL("UPDATE {} t SET {} FROM {} c WHERE t.{} = c.{}").format(
-                self._table(table), assignments, changes, sql.Identifier(key), sql.Identifier(key)
-            )
-        )
 
     async def head(self) -> int:
         connection = self._require()
