@@ -4,7 +4,8 @@ batches and the batch outbox, exactly once.
 ``config`` (what the batches depend on), ``records`` and ``columns`` (what the fold reads and writes),
 ``fields`` (its checks of an event), ``fold`` (the fold itself, no I/O), ``workers`` (its episode half in
 forked processes), ``rebuild`` (a rebuild's schema and its indexes), ``writes`` (a step's COPYs and
-UPDATEs) and ``writer`` (``Materializer``: the fold on PostgreSQL, one transaction a step)."""
+UPDATEs), ``state`` (what a restart loads) and ``writer`` (``Materializer``: the fold on PostgreSQL, one
+transaction a step)."""
 
 from pipeline.materialize.config import MaterializerConfig, rebuild_schema
 from pipeline.materialize.fold import Fold

@@ -27,9 +27,7 @@ import logging
 import multiprocessing
 import os
 import pickle
-from collections import deque
 from collections.abc import Awaitable
-from datetime import datetime
 from multiprocessing.connection import Connection
 from typing import Any, Final
 
@@ -41,7 +39,8 @@ from pipeline.errors import ConfigError
 from pipeline.materialize.config import MaterializerConfig
 from pipeline.materialize.fold import Fold
 from pipeline.materialize.rebuild import build_deferred_indexes, create_rebuild_schema
-from pipeline.materialize.records import LogRow, PendingGroup, ReadySample, Writes, log_rows, read_query
+from pipeline.materialize.records import LogRow, Writes, log_rows, read_query
+from pipeline.materialize.state import load_state, read_log
 from pipeline.materialize.workers import (
     FOLD_WORKER_BACKLOG,
     FOLD_WORKER_CPUS,
@@ -143,7 +142,7 @@ class Materializer:
                     f"a rebuild named {self.config.name!r} exists already (schema {self.config.schema}); "
                     "choose another --name, or drop it with --replace"
                 )
-        await self._load()
+        await load_state(self._require(), self.fold, self.config.schema)
         self._writer = await asyncio.to_thread(psycopg.Connection.connect, self.database_url, autocommit=True)
 
     async def _create_schema(self, connection: psycopg.AsyncConnection[Any], create: bool) -> None:
@@ -172,81 +171,6 @@ class Materializer:
             await asyncio.to_thread(self._writer.close)
             self._writer = None
 
-    async def _load(self) -> None:
-        connection = self._require()
-        fold = self.fold
-        row = await (
-            await connection.execute(
-                "SELECT position FROM checkpoints WHERE name = %s", (self.config.checkpoint,)
-            )
-        ).fetchone()
-        fold.position = int(row[0]) if row else 0
-        running = await (
-            await connection.execute(
-                sql.SQL("SELECT stream FROM {} WHERE status = 'running'").format(self._table("episodes"))
-            )
-        ).fetchall()
-        if running:
-            for log_row in await self._read(
-                "stream = ANY(%(streams)s) AND position <= %(position)s",
-                {"streams": [r[0] for r in running], "position": fold.position},
-            ):
-                fold.open.setdefault(log_row.stream, []).append(log_row)
-        versions = await (
-            await connection.execute(
-                "SELECT data->>'policy', max((data->>'version')::int) FROM events "
-                "WHERE type = 'PolicyVersionPublished' AND position <= %s GROUP BY 1",
-                (fold.position,),
-            )
-        ).fetchall()
-        seen = await (
-            await connection.execute(
-                sql.SQL(
-                    "SELECT policy, max(max_policy_version) FROM {} WHERE status = 'finished' GROUP BY 1"
-                ).format(self._table("episodes"))
-            )
-        ).fetchall()
-        for policy, version in [*versions, *seen]:
-            if version is not None:
-                fold.newest[policy] = max(fold.newest.get(policy, 0), int(version))
-        await self._load_samples(connection)
-
-    async def _load_samples(self, connection: psycopg.AsyncConnection[Any]) -> None:
-        query = sql.SQL(
-            "SELECT s.sample_id, s.episode_id, s.group_id, s.policy, s.turn_ids, s.policy_version, s.tokens, "
-            "s.reward, s.arrays, s.position, s.advantage, s.ready_position, e.group_size, e.finished_at, "
-            "s.slot "
-            "FROM {} s JOIN {} e USING (episode_id) WHERE s.batch_id IS NULL "
-            "ORDER BY s.ready_position NULLS LAST, s.group_id, s.position, s.sample_id"
-        ).format(self._table("samples"), self._table("episodes"))
-        rows = await (await connection.execute(query)).fetchall()
-        ready: dict[tuple[str, int, str], list[ReadySample]] = {}
-        pending: list[tuple[datetime, str, PendingGroup]] = []
-        groups: dict[tuple[str, str], PendingGroup] = {}
-        for r in rows:
-            sample = ReadySample(
-                sample_id=r[0], episode_id=r[1], group_id=r[2], policy=r[3],
-                turn_ids=tuple(str(t) for t in r[4]), policy_version=r[5], tokens=r[6], reward=r[7],
-                arrays=bytes(r[8]), position=r[9], advantage=r[10], slot=r[14],
-            )  # fmt: skip
-            if r[11] is not None:
-                ready.setdefault((r[3], r[11], r[2]), []).append(sample)
-                continue
-            size = int(r[12]) if r[2] != r[1] else 1
-            group = groups.get((r[3], r[2]))
-            if group is None:
-                group = groups[(r[3], r[2])] = PendingGroup(r[3], r[2], size, r[13])
-                pending.append((r[13], r[2], group))
-            group.last_time = max(group.last_time, r[13])
-            group.episodes.add(r[1])
-            group.samples.append(sample)
-        for (policy, _, _), members in sorted(ready.items(), key=lambda item: (item[0][1], item[0][2])):
-            self.fold.queues.setdefault(policy, deque()).append(members)
-        for _, _, group in sorted(
-            pending, key=lambda item: (max(s.position for s in item[2].samples), item[1])
-        ):
-            self.fold.pending[(group.policy, group.group_id)] = group
-
     def _require(self) -> psycopg.AsyncConnection[Any]:
         if self._connection is None:
             raise ConfigError("the materializer is not open: call open() first")
@@ -258,12 +182,7 @@ class Materializer:
         return self._writer
 
     async def _read(self, where: str, params: dict[str, Any], limit: int | None = None) -> list[LogRow]:
-        """The events ``where`` selects, in log order. Only what the fold reads of ``data`` comes (see
-        ``UNFOLDED_FIELDS``), in binary (token arrays as bytes, not hex), and a page's JSON is parsed in one
-        call: reading the log was a third of a rebuild's Python."""
-        cursor = self._require().cursor(binary=True)
-        rows = await (await cursor.execute(*read_query(where, params, limit))).fetchall()
-        return log_rows(rows)
+        return await read_log(self._require(), where, params, limit)
 
     def _read_after(self, connection: psycopg.Connection[Any], position: int) -> list[tuple[Any, ...]]:
         """``_read``'s next page after ``position``, on ``connection``, unparsed (blocking: ``catch_up``'s
@@ -340,7 +259,7 @@ class Materializer:
         """Forget the in-memory state and load it again from the tables as of the checkpoint."""
         self.fold = Fold(self.config)
         self.fold.skipped = skipped
-        await self._load()
+        await load_state(self._require(), self.fold, self.config.schema)
 
     async def _commit(self, writes: Writes, position: int) -> None:
         """Write one step's output and its checkpoint, on the writer connection in a worker thread (see
