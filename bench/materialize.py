@@ -87,7 +87,10 @@ from rich.table import Table
 
 from pipeline.log import encode_event
 from pipeline.log.store import APPEND_LOCK, COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
-from pipeline.materialize.materializer import READ_MODEL_TABLES, Materializer, MaterializerConfig, Writes
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.rebuild import READ_MODEL_TABLES
+from pipeline.materialize.records import Writes
+from pipeline.materialize.writer import Materializer
 from schemas import (
     ChatMessage,
     EpisodeFinished,

@@ -46,7 +46,10 @@ from pipeline.inference import InferenceService, raise_for_error
 from pipeline.inference.backends import Generation
 from pipeline.inference.chain import Chain
 from pipeline.log import EventStore, encode_event
-from pipeline.materialize.materializer import Fold, LogRow, Materializer, MaterializerConfig
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.fold import Fold
+from pipeline.materialize.records import LogRow
+from pipeline.materialize.writer import Materializer
 from schemas import ChatMessage, Event, LLMError, LLMRequest, LLMResponse, TurnCompleted, parse_wire
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))

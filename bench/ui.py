@@ -48,7 +48,7 @@ import psycopg
 import sqlalchemy as sa
 
 from pipeline.log import EventStore
-from pipeline.materialize.materializer import TURN_COLUMNS
+from pipeline.materialize.columns import TURN_COLUMNS
 from pipeline.settings import sqlalchemy_url
 from pipeline.ui.filters import page_query, parse_query
 from schemas import (

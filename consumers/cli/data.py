@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import typer
 from rich.console import Console
@@ -140,66 +142,135 @@ def replay(
 
     --all --where selects the episodes from the episodes read model (read-only SQL).
     """
+    asked = ReplayRequest(
+        episode_id, until, tokens, model_dir, as_json, discount, rerun, agent, all_episodes, where, timeout
+    )
+    for conflict, message in asked.conflicts():
+        if conflict:
+            raise ConfigError(message)
+    database_url = Settings().require_reader_url()  # reads only: a read replica will do
+    # In a terminal the output fits its width; piped (a file, CI) it is 120 columns, without colour.
+    out = Console(width=None if sys.stdout.isatty() else 120)
+    mode = "all" if all_episodes else "rerun" if rerun else "show"
+    _REPLAY_MODES[mode](asked, database_url, out)
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """What ``turnstile replay`` was asked, as its options."""
+
+    episode_id: str
+    """None (as typer gives it) with --all."""
+    until: int | None
+    tokens: bool
+    model_dir: Path | None
+    as_json: bool
+    discount: float
+    rerun: bool
+    agent: str | None
+    all_episodes: bool
+    where: str | None
+    timeout: float
+
+    def conflicts(self) -> list[tuple[bool, str]]:
+        """Each option conflict and its message, in the order checked: the first true one is told."""
+        return [
+            (
+                not self.rerun and bool(self.agent or self.all_episodes or self.where),
+                "--agent, --all and --where rerun episodes: add --rerun",
+            ),
+            (
+                self.rerun and bool(self.tokens or self.model_dir),
+                "--tokens and --model show a transcript; they do not combine with --rerun",
+            ),
+            (
+                self.where is not None and not self.all_episodes,
+                "--where selects the episodes of --all; add --all (or give one EPISODE_ID)",
+            ),
+            (
+                self.all_episodes == (self.episode_id is not None),
+                "give one EPISODE_ID, or --rerun --all [--where CONDITION], not both",
+            ),
+            (
+                self.all_episodes and self.until is not None,
+                "--until is for one episode; it does not combine with --all",
+            ),
+            (not 0.0 <= self.discount <= 1.0, f"--discount must be within [0, 1], got {self.discount}"),
+            (self.timeout <= 0, f"--timeout must be more than 0 seconds, got {self.timeout:g}"),
+        ]
+
+
+def _replay_show(asked: ReplayRequest, database_url: str, out: Console) -> None:
+    """One episode as a transcript (or JSON)."""
+    import asyncio
+
+    from pipeline.log import EventStore
+    from pipeline.replay import (
+        episode_json,
+        load_episode,
+        load_tokenizer,
+        render_transcript,
+        resolve_episode_id,
+    )
+
+    tokenizer = load_tokenizer(asked.model_dir) if asked.model_dir else None
+
+    async def show() -> None:
+        store = await EventStore.connect(database_url)
+        try:
+            found = await resolve_episode_id(store, asked.episode_id)
+            replayed = await load_episode(store, found, until=asked.until)
+        finally:
+            await store.close()
+        if asked.as_json:
+            sys.stdout.write(json.dumps(episode_json(replayed, asked.discount), indent=2) + "\n")
+        else:
+            shaded = asked.tokens or tokenizer is not None
+            out.print(
+                render_transcript(replayed, discount=asked.discount, tokens=shaded, tokenizer=tokenizer)
+            )
+
+    asyncio.run(show())
+    raise SystemExit(0)
+
+
+def _replay_rerun(asked: ReplayRequest, database_url: str, out: Console) -> None:
+    """One episode's agent rerun on its recorded replies; exits 1 when it diverged."""
+    import asyncio
+
+    from pipeline.log import EventStore
+    from pipeline.replay import RerunResult, render_rerun, rerun_by_id, resolve_episode_id
+
+    async def rerun() -> RerunResult:
+        store = await EventStore.connect(database_url)
+        try:
+            found = await resolve_episode_id(store, asked.episode_id)
+            return await rerun_by_id(
+                store, found, agent=asked.agent, until=asked.until, timeout=asked.timeout
+            )
+        finally:
+            await store.close()
+
+    result = asyncio.run(rerun())
+    if asked.as_json:
+        sys.stdout.write(json.dumps(result.to_json(), indent=2) + "\n")
+    else:
+        out.print(render_rerun(result))
+    raise SystemExit(0 if result.identical else 1)
+
+
+def _replay_all(asked: ReplayRequest, database_url: str, out: Console) -> None:
+    """Every episode ``--where`` selects rerun; exits 1 when one diverged or failed."""
     import asyncio
 
     from rich.markup import escape
 
     from pipeline.log import EventStore
-    from pipeline.replay import (
-        RerunResult,
-        RerunSummary,
-        episode_json,
-        load_episode,
-        load_tokenizer,
-        render_rerun,
-        render_transcript,
-        rerun_all,
-        rerun_by_id,
-        resolve_episode_id,
-    )
-
-    if not rerun and (agent or all_episodes or where):
-        raise ConfigError("--agent, --all and --where rerun episodes: add --rerun")
-    if rerun and (tokens or model_dir):
-        raise ConfigError("--tokens and --model show a transcript; they do not combine with --rerun")
-    if where is not None and not all_episodes:
-        raise ConfigError("--where selects the episodes of --all; add --all (or give one EPISODE_ID)")
-    if all_episodes == (episode_id is not None):
-        raise ConfigError("give one EPISODE_ID, or --rerun --all [--where CONDITION], not both")
-    if all_episodes and until is not None:
-        raise ConfigError("--until is for one episode; it does not combine with --all")
-    if not 0.0 <= discount <= 1.0:
-        raise ConfigError(f"--discount must be within [0, 1], got {discount}")
-    if timeout <= 0:
-        raise ConfigError(f"--timeout must be more than 0 seconds, got {timeout:g}")
-    database_url = Settings().require_reader_url()  # reads only: a read replica will do
-    # In a terminal the output fits its width; piped (a file, CI) it is 120 columns, without colour.
-    out = Console(width=None if sys.stdout.isatty() else 120)
-    tokenizer = load_tokenizer(model_dir) if model_dir else None
-
-    async def one() -> int:
-        store = await EventStore.connect(database_url)
-        try:
-            found = await resolve_episode_id(store, episode_id)
-            if rerun:
-                result = await rerun_by_id(store, found, agent=agent, until=until, timeout=timeout)
-                if as_json:
-                    sys.stdout.write(json.dumps(result.to_json(), indent=2) + "\n")
-                else:
-                    out.print(render_rerun(result))
-                return 0 if result.identical else 1
-            replayed = await load_episode(store, found, until=until)
-            if as_json:
-                sys.stdout.write(json.dumps(episode_json(replayed, discount), indent=2) + "\n")
-            else:
-                shaded = tokens or tokenizer is not None
-                out.print(render_transcript(replayed, discount=discount, tokens=shaded, tokenizer=tokenizer))
-            return 0
-        finally:
-            await store.close()
+    from pipeline.replay import RerunResult, RerunSummary, render_rerun, rerun_all
+    from pipeline.sql import SqlError, episode_ids_where
 
     def shown(episode_id: str, outcome: RerunResult | TurnstileError) -> None:
-        if as_json:
+        if asked.as_json:
             return
         if isinstance(outcome, TurnstileError):
             out.print(f"[bold red]failed[/bold red]    {escape(episode_id)}  {escape(str(outcome))}")
@@ -209,17 +280,13 @@ def replay(
     async def many(ids: list[str]) -> RerunSummary:
         store = await EventStore.connect(database_url)
         try:
-            return await rerun_all(store, ids, agent=agent, timeout=timeout, each=shown)
+            return await rerun_all(store, ids, agent=asked.agent, timeout=asked.timeout, each=shown)
         finally:
             await store.close()
 
-    if not all_episodes:
-        raise SystemExit(asyncio.run(one()))
-    from pipeline.sql import SqlError, episode_ids_where
-
     try:
         # As the user that reruns (and appends) anyway: --where cannot do more than that user can.
-        ids = episode_ids_where(database_url, where, allow_superuser=True)
+        ids = episode_ids_where(database_url, asked.where, allow_superuser=True)
     except SqlError as error:
         raise TurnstileError(f"--where: {escape(str(error))}") from None
     if not ids:
@@ -229,7 +296,7 @@ def replay(
         )
         return
     summary = asyncio.run(many(ids))
-    if as_json:
+    if asked.as_json:
         results = [result.to_json() for result in summary.results]
         errors = [{"episode_id": episode, "error": error} for episode, error in summary.errors]
         sys.stdout.write(json.dumps({"results": results, "errors": errors}, indent=2) + "\n")
@@ -237,6 +304,14 @@ def replay(
         out.print(summary.line())
     if summary.diverged or summary.errors:
         raise SystemExit(1)
+
+
+_REPLAY_MODES: Final[dict[str, Callable[[ReplayRequest, str, Console], None]]] = {
+    "show": _replay_show,
+    "rerun": _replay_rerun,
+    "all": _replay_all,
+}
+"""``turnstile replay``'s modes: a transcript, one rerun, or every selected episode rerun."""
 
 
 def episodes(

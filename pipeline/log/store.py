@@ -49,6 +49,7 @@ from pipeline.errors import (
 from pipeline.log import episode_queries
 from pipeline.log.appends import PendingAppend, RecordedId, plan_appends, prepare_append, recorded_event
 from pipeline.log.db import create_engine
+from pipeline.log.json_text import JsonText as JsonText  # re-exported: COPY callers pair it with the dumper
 from pipeline.log.port import AbandonedEpisode, AppendResult, EpisodeFilter, EpisodeRow, RecordedEvent
 from pipeline.log.tables import events as events_table
 from pipeline.settings import libpq_url
@@ -637,10 +638,6 @@ def _expected_versions(appends: Sequence[PendingAppend], looked_up: Set[str] = f
         if append.expected_version is not None and append.stream not in looked_up:
             versions.setdefault(append.stream, append.expected_version)
     return versions
-
-
-class JsonText(str):
-    """JSON that is already text: sent to a jsonb column as is."""
 
 
 class JsonTextBinaryDumper(Dumper):

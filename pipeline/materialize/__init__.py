@@ -1,17 +1,16 @@
 """The materializer: the log folded into trajectories (pure math in ``trajectory``), read models, training
-batches and the batch outbox, exactly once (``materializer``)."""
+batches and the batch outbox, exactly once.
 
-from pipeline.materialize.materializer import (
-    READ_MODEL_TABLES,
-    USABLE,
-    Fold,
-    Materializer,
-    MaterializerConfig,
-    batch_id_for,
-    drop_rebuild,
-    rebuild_schema,
-)
+``config`` (what the batches depend on), ``records`` and ``columns`` (what the fold reads and writes),
+``fields`` (its checks of an event), ``fold`` (the fold itself, no I/O), ``workers`` (its episode half in
+forked processes), ``rebuild`` (a rebuild's schema and its indexes), ``writes`` (a step's COPYs and
+UPDATEs), ``state`` (what a restart loads) and ``writer`` (``Materializer``: the fold on PostgreSQL, one
+transaction a step)."""
+
+from pipeline.materialize.config import MaterializerConfig, rebuild_schema
+from pipeline.materialize.fold import Fold
 from pipeline.materialize.metrics import MaterializerMetrics
+from pipeline.materialize.rebuild import READ_MODEL_TABLES, drop_rebuild
 from pipeline.materialize.trajectory import (
     Sample,
     Turn,
@@ -24,10 +23,10 @@ from pipeline.materialize.trajectory import (
     monte_carlo_returns,
     parents,
 )
+from pipeline.materialize.writer import Materializer
 
 __all__ = [
     "READ_MODEL_TABLES",
-    "USABLE",
     "Fold",
     "Materializer",
     "MaterializerConfig",
@@ -35,7 +34,6 @@ __all__ = [
     "Sample",
     "Turn",
     "apply_staleness",
-    "batch_id_for",
     "children",
     "concat_samples",
     "discounted_rewards",

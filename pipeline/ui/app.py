@@ -16,7 +16,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +26,7 @@ from urllib.parse import quote
 import psycopg
 import sqlalchemy as sa
 import sqlalchemy.exc
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -80,6 +80,10 @@ POLICIES_QUERY: Final = """
     SELECT policy FROM policies WHERE policy IS NOT NULL LIMIT 200
 """
 SAMPLE_LIMIT: Final = 2_000
+
+
+_Page = Callable[..., HTMLResponse]
+"""``page(request, template, status=200, **context)`` or ``error_page(request, status, title, message)``."""
 
 
 @dataclass
@@ -198,6 +202,17 @@ def create_app(
     def error_page(request: Request, status: int, title: str, message: str, **extra: Any) -> HTMLResponse:
         return page(request, "error.html", status, title=title, message=message, candidates=[], **extra)
 
+    _add_error_pages(app, page, error_page)
+    app.include_router(home_router(browser))
+    app.include_router(episodes_router(browser, page, error_page))
+    app.include_router(runs_router(browser, page, error_page))
+    app.include_router(batches_router(browser, page, error_page))
+    return app
+
+
+def _add_error_pages(app: FastAPI, page: _Page, error_page: _Page) -> None:
+    """Each error the routes raise as its page (status, title, message)."""
+
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, error: BadRequest) -> HTMLResponse:
         return error_page(request, 400, "Bad filter", str(error))
@@ -254,17 +269,29 @@ def create_app(
         log.exception("query failed")
         return error_page(request, 500, "Query failed", f"PostgreSQL refused a query: {error.orig}")
 
-    @app.get("/", include_in_schema=False)
+
+def home_router(browser: Browser) -> APIRouter:
+    """The home page (to the episodes) and the health check."""
+    router = APIRouter()
+
+    @router.get("/", include_in_schema=False)
     async def home(request: Request) -> Response:
         base = request.scope.get("root_path", "").rstrip("/")
         return RedirectResponse(f"{base}/episodes", status_code=307)
 
-    @app.get("/healthz", include_in_schema=False)
+    @router.get("/healthz", include_in_schema=False)
     async def health() -> PlainTextResponse:
         await browser.open()
         return PlainTextResponse("ok\n")
 
-    @app.get("/episodes", response_class=HTMLResponse)
+    return router
+
+
+def episodes_router(browser: Browser, page: _Page, error_page: _Page) -> APIRouter:
+    """The episodes: the list, one episode (and its rerun), a turn's episode."""
+    router = APIRouter()
+
+    @router.get("/episodes", response_class=HTMLResponse)
     async def episodes(request: Request) -> HTMLResponse:
         params: dict[str, list[str]] = {}
         for name, value in request.query_params.multi_items():
@@ -341,11 +368,11 @@ def create_app(
             reruns=browser.reruns, rerun_agent=browser.rerun_agent,
         )  # fmt: skip
 
-    @app.get("/episodes/{episode_id}", response_class=HTMLResponse)
+    @router.get("/episodes/{episode_id}", response_class=HTMLResponse)
     async def episode(request: Request, episode_id: str) -> Response:
         return await episode_page(request, episode_id, rerun=False)
 
-    @app.get("/episodes/{episode_id}/rerun", response_class=HTMLResponse)
+    @router.get("/episodes/{episode_id}/rerun", response_class=HTMLResponse)
     async def rerun(request: Request, episode_id: str) -> Response:
         if not browser.reruns:
             return error_page(
@@ -356,7 +383,7 @@ def create_app(
             )  # fmt: skip
         return await episode_page(request, episode_id, rerun=True)
 
-    @app.get("/turns/{turn_id}", include_in_schema=False)
+    @router.get("/turns/{turn_id}", include_in_schema=False)
     async def turn(request: Request, turn_id: str) -> Response:
         try:
             parsed = uuid.UUID(turn_id)
@@ -378,7 +405,14 @@ def create_app(
         base = request.scope.get("root_path", "").rstrip("/")
         return RedirectResponse(f"{base}/episodes/{quote(found, safe='')}#turn-{parsed}", status_code=307)
 
-    @app.get("/runs", response_class=HTMLResponse)
+    return router
+
+
+def runs_router(browser: Browser, page: _Page, error_page: _Page) -> APIRouter:
+    """The runs: each policy's figures and charts."""
+    router = APIRouter()
+
+    @router.get("/runs", response_class=HTMLResponse)
     async def runs(request: Request) -> HTMLResponse:
         engine, _ = await browser.open()
         async with engine.connect() as connection:
@@ -389,7 +423,7 @@ def create_app(
             )
         return page(request, "runs.html", stats=stats)
 
-    @app.get("/runs/{policy}", response_class=HTMLResponse)
+    @router.get("/runs/{policy}", response_class=HTMLResponse)
     async def run(request: Request, policy: str) -> HTMLResponse:
         unknown = sorted(set(request.query_params) - {"refresh"})
         if unknown:
@@ -412,7 +446,14 @@ def create_app(
             )
         return page(request, "run.html", policy=policy, refresh=refresh, **figures)
 
-    @app.get("/batches", response_class=HTMLResponse)
+    return router
+
+
+def batches_router(browser: Browser, page: _Page, error_page: _Page) -> APIRouter:
+    """The training batches: the list and one batch."""
+    router = APIRouter()
+
+    @router.get("/batches", response_class=HTMLResponse)
     async def batches(request: Request) -> HTMLResponse:
         params: dict[str, list[str]] = {}
         for name, value in request.query_params.multi_items():
@@ -452,7 +493,7 @@ def create_app(
             policy=policy,
         )
 
-    @app.get("/batches/{batch_id}", response_class=HTMLResponse)
+    @router.get("/batches/{batch_id}", response_class=HTMLResponse)
     async def batch(request: Request, batch_id: str) -> HTMLResponse:
         engine, _ = await browser.open()
         b, s, e, tb = batches_table, samples_table, episodes_table, trained_table
@@ -533,7 +574,7 @@ def create_app(
             sample_limit=SAMPLE_LIMIT,
         )
 
-    return app
+    return router
 
 
 async def _count(connection: Any, query: EpisodeQuery, now: dt.datetime) -> int | None:

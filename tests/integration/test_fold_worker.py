@@ -11,7 +11,10 @@ import multiprocessing
 import pytest
 
 from pipeline.log import EventStore
-from pipeline.materialize.materializer import Fold, LogRow, Materializer, MaterializerConfig
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.fold import Fold
+from pipeline.materialize.records import LogRow
+from pipeline.materialize.writer import Materializer
 from tests.integration.test_poison import poisoned_log
 from tests.integration.test_rebuild_equivalence import CONFIGS, FIXTURE, digests, varied_log, write_log
 

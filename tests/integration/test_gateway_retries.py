@@ -16,7 +16,10 @@ from consumers.inference import InferenceConfig
 from pipeline.episodes import EpisodeSession
 from pipeline.log import EventStore, InMemoryStore
 from pipeline.log.appends import encode_event
-from pipeline.materialize.materializer import SAMPLE_COLUMNS, Fold, LogRow, MaterializerConfig
+from pipeline.materialize.columns import SAMPLE_COLUMNS
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.fold import Fold
+from pipeline.materialize.records import LogRow
 from tests.conftest import Servers
 from tests.integration.test_gateway import Gateway, gateway_for, llm, new_policy, turns_of  # noqa: F401 (fixtures)
 from tests.support.backends import PrefixEcho, RuleBackend, calculator_rule

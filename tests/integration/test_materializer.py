@@ -25,14 +25,11 @@ from pipeline.batches.relay import OutboxRelay
 from pipeline.errors import ConfigError
 from pipeline.log import EventStore
 from pipeline.log.db import create_engine
-from pipeline.materialize.materializer import (
-    SAMPLE_COLUMNS,
-    TURN_COLUMNS,
-    Fold,
-    LogRow,
-    Materializer,
-    MaterializerConfig,
-)
+from pipeline.materialize.columns import SAMPLE_COLUMNS, TURN_COLUMNS
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.fold import Fold
+from pipeline.materialize.records import LogRow
+from pipeline.materialize.writer import Materializer
 from pipeline.settings import libpq_url
 from schemas import (
     ChatMessage,

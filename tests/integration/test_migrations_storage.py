@@ -7,7 +7,8 @@ import psycopg
 from alembic import command
 
 from pipeline.log.db import alembic_config
-from pipeline.materialize.materializer import Materializer, MaterializerConfig
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.writer import Materializer
 
 COLUMNS = {("batch_outbox", "payload"), ("sample_rows", "arrays")}
 

@@ -23,7 +23,8 @@ from psycopg.types.json import Jsonb
 from pipeline.log import EventStore, encode_event
 from pipeline.log.store import APPEND_LOCK
 from pipeline.log.tokens import pack_tokens
-from pipeline.materialize.materializer import Materializer, MaterializerConfig
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.writer import Materializer
 from pipeline.replay import load_episode
 from pipeline.replay.lookup import UnreadableEpisode
 from pipeline.settings import libpq_url

@@ -30,14 +30,9 @@ from psycopg import sql
 
 from pipeline.log import encode_event
 from pipeline.log.store import APPEND_LOCK, COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
-from pipeline.materialize.materializer import (
-    BATCH_COLUMNS,
-    EPISODE_COLUMNS,
-    SAMPLE_COLUMNS,
-    TURN_COLUMNS,
-    Materializer,
-    MaterializerConfig,
-)
+from pipeline.materialize.columns import BATCH_COLUMNS, EPISODE_COLUMNS, SAMPLE_COLUMNS, TURN_COLUMNS
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.writer import Materializer
 from pipeline.settings import libpq_url
 from schemas import (
     ChatMessage,

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import psycopg
 
-from pipeline.materialize.materializer import READ_MODEL_TABLES, Materializer, MaterializerConfig
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.rebuild import READ_MODEL_TABLES
+from pipeline.materialize.writer import Materializer
 from tests.integration.test_rebuild_equivalence import varied_log, write_log
 
 

@@ -28,7 +28,8 @@ from pipeline.examples.calculator import CalculatorAgent
 from pipeline.examples.openai_agent import OpenAIAgent
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore, InMemoryStore
-from pipeline.materialize.materializer import Materializer, MaterializerConfig
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.writer import Materializer
 from pipeline.replay import (
     EpisodeFilter,
     compare_request,

@@ -16,7 +16,8 @@ from pipeline.dev.embedded import EmbeddedPostgres, EmbeddedReplica
 from pipeline.episodes import EpisodeSession, run_episode
 from pipeline.log import EventStore
 from pipeline.log.db import make_logins, migrate, with_user
-from pipeline.materialize.materializer import Materializer, MaterializerConfig
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.writer import Materializer
 from tests.support.agents import ThreeTurnAgent
 from tests.support.backends import PrefixEcho
 from tests.support.waiting import wait_until

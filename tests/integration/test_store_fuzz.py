@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 from pipeline.errors import TurnstileError
 from pipeline.log import EventStore
-from pipeline.materialize.materializer import Fold, LogRow, MaterializerConfig
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.fold import Fold
+from pipeline.materialize.records import LogRow
 from pipeline.replay import load_episode
 from tests.support.factories import finished, reward, started, turn
 

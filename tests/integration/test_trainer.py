@@ -25,7 +25,8 @@ from pipeline.batches.format import BatchSample, TrainingBatch, encode_batch
 from pipeline.batches.relay import BATCHES_STREAM, OutboxRelay, batch_subject, ensure_batches_stream
 from pipeline.errors import TurnstileError
 from pipeline.log import EventStore
-from pipeline.materialize.materializer import Materializer, MaterializerConfig
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.writer import Materializer
 from pipeline.settings import libpq_url, sqlalchemy_url
 from pipeline.training import BatchSubscription, checkpoint_dir
 from pipeline.training.subscription import publish_policy_version, published_version, to_tensors

@@ -26,7 +26,8 @@ from pipeline.log import EventStore, InMemoryStore
 from pipeline.log.appends import decode_event, encode_event
 from pipeline.log.store import APPEND_LOCK
 from pipeline.log.turns import UnfoldableTurn, expand_turn
-from pipeline.materialize.materializer import Materializer, MaterializerConfig
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.writer import Materializer
 from pipeline.settings import libpq_url
 from schemas import LLMError, LLMRequest, LLMResponse, TurnCompleted, parse_wire
 from tests.support.backends import RuleBackend

@@ -8,7 +8,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from pipeline.log import EventStore
-from pipeline.materialize.materializer import Materializer, MaterializerConfig
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.writer import Materializer
 from schemas import (
     ChatMessage,
     EpisodeFinished,

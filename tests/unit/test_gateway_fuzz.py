@@ -16,7 +16,9 @@ from schemathesis.python import asgi
 from pipeline.gateway import create_gateway
 from pipeline.log import InMemoryStore
 from pipeline.log.appends import encode_event
-from pipeline.materialize.materializer import Fold, LogRow, MaterializerConfig
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.fold import Fold
+from pipeline.materialize.records import LogRow
 from tests.support.backends import PrefixEcho
 
 ADMIN = {"Authorization": "Bearer admin-key"}
