@@ -17,7 +17,7 @@ from consumers.runtime import running, serve_until_stopped
 from pipeline.errors import ConfigError
 from pipeline.gateway import HttpServer
 from pipeline.ui import create_app, reader_engine
-from pipeline.ui.db import check_login
+from pipeline.ui.reader import check_login
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 alone or mounted in another app (the gateway's ``--ui``)."""
 
 from pipeline.ui.app import create_app
-from pipeline.ui.db import DatabaseUnavailable, reader_engine
 from pipeline.ui.filters import BadRequest, EpisodeQuery, parse_query
 from pipeline.ui.guard import KeyGuard
+from pipeline.ui.reader import DatabaseUnavailable, reader_engine
 
 __all__ = [
     "BadRequest",

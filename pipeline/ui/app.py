@@ -2,7 +2,7 @@
 
 Server-rendered HTML (Jinja2, autoescaped), CSS inline, charts as inline SVG: no script, no build step,
 nothing fetched from elsewhere. Every route is a GET; every query runs as the reader role in a read-only
-transaction (``pipeline.ui.db``). Episodes are read through ``pipeline.replay`` (the fold of their events);
+transaction (``pipeline.ui.reader``). Episodes are read through ``pipeline.replay`` (the fold of their events);
 lists and numbers come from the read models. The app is made by ``create_app`` and can be served alone
 (``turnstile ui``) or mounted under a path of another app (the gateway's ``--ui``): links are made from the
 request's ``root_path``, and the database is opened on the first request (mounted apps get no lifespan).
@@ -49,8 +49,7 @@ from pipeline.replay import (
 )
 from pipeline.replay.lookup import UnreadableEpisode
 from pipeline.ui import svg
-from pipeline.ui.db import DatabaseUnavailable, check_login, reader_engine
-from pipeline.ui.episode import episode_view, shade
+from pipeline.ui.episode_view import episode_view, shade
 from pipeline.ui.filters import (
     COUNT_CAP,
     PAGE_SIZES,
@@ -63,6 +62,7 @@ from pipeline.ui.filters import (
     page_query,
     parse_query,
 )
+from pipeline.ui.reader import DatabaseUnavailable, check_login, reader_engine
 
 log = logging.getLogger(__name__)
 
