@@ -4,8 +4,8 @@ Server-rendered HTML (Jinja2, autoescaped), CSS inline, charts as inline SVG: no
 nothing fetched from elsewhere. Every route is a GET; every query runs as the reader role in a read-only
 transaction (``pipeline.ui.reader``). Episodes are read through ``pipeline.replay`` (the fold of their
 events); lists and numbers come from the read models. The app is made by ``create_app`` and can be served
-alone (``turnstile ui``) or mounted under a path of another app (the gateway's ``--ui``): links are made from the
-request's ``root_path``, and the database is opened on the first request (mounted apps get no lifespan).
+alone (``turnstile ui``) or mounted under a path of another app (the gateway's ``--ui``): links are made from
+the request's ``root_path``, and the database is opened on the first request (mounted apps get no lifespan).
 """
 
 from __future__ import annotations
