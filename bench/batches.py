@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load
 from torch.nn.utils.rnn import pad_sequence
 
-from pipeline.batches.format import (
+from pipeline.batches import (
     BatchSample,
     TrainingBatch,
     decode_batch,

@@ -27,24 +27,28 @@ from rich.live import Live
 from rich.table import Table
 
 from consumers.runtime import stop_on_signals
-from pipeline.dev.charts import CHART_NAMES, NO_MATPLOTLIB, curve_chart, draw, have_matplotlib, read_charts
-from pipeline.dev.embedded import EmbeddedServers
-from pipeline.dev.supervisor import (
+from pipeline.dev import (
+    CHART_NAMES,
+    NO_MATPLOTLIB,
     POLICY,
     TRY_QUERIES,
+    EmbeddedServers,
     ServiceProcesses,
     Summary,
     batches_trained,
+    curve_chart,
+    draw,
+    have_matplotlib,
     log_head,
     loop_status,
+    read_charts,
     summarize,
 )
-from pipeline.episodes.leases import RunnerLease, close_abandoned_episodes
-from pipeline.examples.digits_or_capitals import DigitsOrCapitalsAgent, demo_tasks
-from pipeline.inference.client import NatsLLMClient
-from pipeline.log import EventStore
-from pipeline.log.db import make_logins, migrate
-from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
+from pipeline.episodes import RunnerLease, close_abandoned_episodes
+from pipeline.examples import DigitsOrCapitalsAgent, demo_tasks
+from pipeline.inference import NatsLLMClient
+from pipeline.log import EventStore, make_logins, migrate
+from pipeline.runners import Runner, RunnerConfig, TaskSpec, run_tasks
 from pipeline.settings import SERVERS_FILE
 from schemas import SamplingParams
 

@@ -26,10 +26,7 @@ from nats.aio.subscription import Subscription
 
 from consumers.runtime import LATENCY_BUCKETS, Runtime, serve_metrics, tune_gc
 from pipeline.errors import ConfigError
-from pipeline.inference.backends import Backend
-from pipeline.inference.client import QUEUE_GROUP, request_subject
-from pipeline.inference.held import DEFAULT_BUDGET_TOKENS
-from pipeline.inference.service import InferenceService
+from pipeline.inference import DEFAULT_BUDGET_TOKENS, QUEUE_GROUP, Backend, InferenceService, request_subject
 from pipeline.settings import nats_inbox_prefix
 from pipeline.versions import latest_version, versions_subject
 from schemas import LLMResponse
@@ -75,8 +72,8 @@ def create_backend(config: InferenceConfig) -> Backend:
         from pipeline.inference.backends.vllm_backend import VllmBackend
 
         return VllmBackend(config.model)
+    from pipeline.inference import Script
     from pipeline.inference.backends.torch_backend import TorchBackend
-    from pipeline.inference.script import Script
 
     script = Script.load(config.script) if config.script is not None else None
     return TorchBackend(config.model, max_batch=config.max_batch, script=script)

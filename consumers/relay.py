@@ -11,7 +11,7 @@ from rich.console import Console
 
 from consumers.runtime import connect_nats, running
 from pipeline.batches import OutboxRelay
-from pipeline.log.db import create_engine
+from pipeline.log import create_engine
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,18 @@ from rich.console import Console
 
 from consumers.runtime import Connections, Runtime, episode_services, running, stop_on_signals
 from pipeline.episodes import Agent, EpisodeOutcome, RewardFunction
-from pipeline.runners.progress import live_progress, stats_line, stats_table
-from pipeline.runners.runner import Runner, RunnerConfig, RunStats, TaskLineError, read_tasks, run_tasks
-from pipeline.runners.taskqueue import TaskWorker
+from pipeline.runners import (
+    Runner,
+    RunnerConfig,
+    RunStats,
+    TaskLineError,
+    TaskWorker,
+    live_progress,
+    read_tasks,
+    run_tasks,
+    stats_line,
+    stats_table,
+)
 
 log = logging.getLogger(__name__)
 

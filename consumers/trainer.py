@@ -24,12 +24,13 @@ from pipeline.training import (
     BatchSubscription,
     JsonlStepLog,
     PolicyGradient,
+    StepHook,
+    StepRecord,
     TrainerStats,
     TrainingPlan,
     resume,
     train,
 )
-from pipeline.training.trainer import StepHook, StepRecord
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,7 @@ from rich.console import Console
 from consumers.runtime import running, serve_until_stopped
 from pipeline.errors import ConfigError
 from pipeline.gateway import HttpServer
-from pipeline.ui import create_app, reader_engine
-from pipeline.ui.reader import check_login
+from pipeline.ui import check_login, create_app, reader_engine
 
 
 @dataclass(frozen=True)

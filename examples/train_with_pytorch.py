@@ -10,7 +10,7 @@ import os
 import torch
 from torch.utils.data import DataLoader
 
-from pipeline.training.dataset import BatchStream
+from pipeline.training import BatchStream
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--policy", required=True)

@@ -394,14 +394,7 @@ def plot(
     staleness of batches, throughput, drawn by matplotlib."""
     from rich.markup import escape
 
-    from pipeline.dev.charts import (
-        CHART_NAMES,
-        NO_MATPLOTLIB,
-        PlotsUnavailable,
-        draw,
-        have_matplotlib,
-        read_charts,
-    )
+    from pipeline.dev import CHART_NAMES, NO_MATPLOTLIB, PlotsUnavailable, draw, have_matplotlib, read_charts
     from pipeline.materialize import rebuild_schema
     from pipeline.sql import SqlError
 

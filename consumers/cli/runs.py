@@ -44,9 +44,14 @@ def run(
 
     from consumers.runner import run_task_file
     from consumers.runtime import Connections
-    from pipeline.runners import load_agent, load_reward_function
-    from pipeline.runners.progress import failed_for_infrastructure, failure_report, stats_table
-    from pipeline.runners.runner import RunnerConfig
+    from pipeline.runners import (
+        RunnerConfig,
+        failed_for_infrastructure,
+        failure_report,
+        load_agent,
+        load_reward_function,
+        stats_table,
+    )
 
     settings = Settings()
     connections = Connections(settings.require_database_url(), settings.require_nats_url())
@@ -87,8 +92,7 @@ def submit(
     import asyncio
 
     from consumers.runtime import connect_nats
-    from pipeline.runners.runner import TaskLineError, TaskSpec, read_tasks
-    from pipeline.runners.taskqueue import submit_tasks
+    from pipeline.runners import TaskLineError, TaskSpec, read_tasks, submit_tasks
 
     if group_size < 1:
         raise ConfigError(f"--group-size must be at least 1, got {group_size}")

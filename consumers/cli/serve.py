@@ -24,7 +24,7 @@ from consumers.cli.common import (
     with_materializer_options,
 )
 from pipeline.errors import ConfigError
-from pipeline.inference.held import DEFAULT_BUDGET_TOKENS
+from pipeline.inference import DEFAULT_BUDGET_TOKENS
 from pipeline.settings import Settings
 
 if TYPE_CHECKING:
@@ -101,8 +101,7 @@ def runner(
 
     from consumers.runner import serve_runner
     from consumers.runtime import Connections, run, setup_logging
-    from pipeline.runners import load_agent, load_reward_function
-    from pipeline.runners.runner import RunnerConfig
+    from pipeline.runners import RunnerConfig, load_agent, load_reward_function
 
     setup_logging()
     settings = Settings()

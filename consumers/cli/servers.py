@@ -41,8 +41,8 @@ def up(
     """Start embedded PostgreSQL and NATS (JetStream) on free ports, migrate, run until Ctrl-C or SIGTERM."""
     import asyncio
 
-    from pipeline.dev.embedded import EmbeddedNatsCluster, EmbeddedServers
-    from pipeline.log.db import make_logins, migrate
+    from pipeline.dev import EmbeddedNatsCluster, EmbeddedServers
+    from pipeline.log import make_logins, migrate
 
     if list_clusters or prune:
         _clusters(prune)
@@ -83,7 +83,7 @@ def up(
 
 def _clusters(prune: bool) -> None:
     """As root, a data directory ``nobody`` cannot reach keeps its PostgreSQL cluster under SYSTEM_DIR."""
-    from pipeline.dev.embedded import SYSTEM_DIR, outside_clusters, prune_outside_clusters
+    from pipeline.dev import SYSTEM_DIR, outside_clusters, prune_outside_clusters
 
     for cluster in prune_outside_clusters() if prune else []:
         console.print(f"removed {cluster.path} ({cluster.size / 1e6:,.0f} MB), left by {cluster.owner}")
@@ -99,7 +99,7 @@ def _clusters(prune: bool) -> None:
 def migrate() -> None:
     """Bring the database to the newest schema (idempotent), as TURNSTILE_ADMIN_DATABASE_URL (the database's
     owner) or else TURNSTILE_DATABASE_URL."""
-    from pipeline.log.db import migrate as run_migrations
+    from pipeline.log import migrate as run_migrations
 
     run_migrations(Settings().require_admin_database_url())
     console.print("[green]database is at the newest schema[/green]")

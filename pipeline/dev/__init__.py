@@ -1,28 +1,68 @@
 """Development tooling: embedded PostgreSQL and nats-server from PyPI packages (``embedded``), the demo's
 process supervisor and statistics (``demo``), plots (``charts``: matplotlib)."""
 
-from pipeline.dev.charts import Chart, Series, draw, mean_ci, read_charts
+from pipeline.dev.charts import (
+    CHART_NAMES,
+    NO_MATPLOTLIB,
+    Chart,
+    PlotsUnavailable,
+    Series,
+    curve_chart,
+    draw,
+    have_matplotlib,
+    mean_ci,
+    read_charts,
+)
 from pipeline.dev.embedded import (
+    SYSTEM_DIR,
     EmbeddedNats,
+    EmbeddedNatsCluster,
     EmbeddedPostgres,
     EmbeddedServerError,
     EmbeddedServers,
     free_port,
+    outside_clusters,
+    prune_outside_clusters,
+    scratch_dir,
 )
-from pipeline.dev.supervisor import ServiceProcesses, Summary, summarize
+from pipeline.dev.supervisor import (
+    POLICY,
+    TRY_QUERIES,
+    ServiceProcesses,
+    Summary,
+    batches_trained,
+    log_head,
+    loop_status,
+    summarize,
+)
 
 __all__ = [
+    "CHART_NAMES",
+    "NO_MATPLOTLIB",
+    "POLICY",
+    "SYSTEM_DIR",
+    "TRY_QUERIES",
     "Chart",
     "EmbeddedNats",
+    "EmbeddedNatsCluster",
     "EmbeddedPostgres",
     "EmbeddedServerError",
     "EmbeddedServers",
+    "PlotsUnavailable",
     "Series",
     "ServiceProcesses",
     "Summary",
+    "batches_trained",
+    "curve_chart",
     "draw",
     "free_port",
+    "have_matplotlib",
+    "log_head",
+    "loop_status",
     "mean_ci",
+    "outside_clusters",
+    "prune_outside_clusters",
     "read_charts",
+    "scratch_dir",
     "summarize",
 ]

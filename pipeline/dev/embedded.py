@@ -32,7 +32,7 @@ from types import TracebackType
 import psycopg
 
 from pipeline.errors import ConfigError, TurnstileError
-from pipeline.log.db import Logins
+from pipeline.log import Logins
 
 POSTGRES_SYSTEM_USER = "nobody"
 """PostgreSQL refuses to run as root; when we are root, the embedded server runs as this user (present on
@@ -549,8 +549,8 @@ class EmbeddedNatsCluster:
         cluster's first JetStream leader election; streams that exist are kept as they are."""
         import nats as nats_client  # the client package, beside this module's nats-server processes
 
-        from pipeline.batches.relay import ensure_batches_stream
-        from pipeline.runners.taskqueue import ensure_tasks_stream
+        from pipeline.batches import ensure_batches_stream
+        from pipeline.runners import ensure_tasks_stream
 
         copies = min(replicas, len(self.nodes))
         connection = await nats_client.connect([node.url for node in self.nodes])

@@ -6,13 +6,14 @@ SDK in process."""
 from collections.abc import Sequence
 from typing import Final
 
-from pipeline.dialects.anthropic import AnthropicMessages, AnthropicRequestError
+from pipeline.dialects.anthropic import AnthropicMessages, AnthropicRequestError, count_tokens_estimate
 from pipeline.dialects.base import (
     ChatCall,
     ChatHandler,
     ChatResult,
     ChoiceData,
     Dialect,
+    ParseMemo,
     RequestError,
     WireReply,
 )
@@ -53,10 +54,12 @@ __all__ = [
     "OpenAIChat",
     "OpenAIRequestError",
     "OpenAIResponses",
+    "ParseMemo",
     "RequestError",
     "ResponsesCall",
     "ResponsesRequestError",
     "WireReply",
+    "count_tokens_estimate",
     "dialect_for_path",
     "model_object",
     "openai_client",

@@ -18,8 +18,17 @@ from uuid import UUID
 from pydantic import BaseModel, ValidationError
 
 from pipeline.errors import TurnstileError
-from schemas import ChatMessage, FinishReason, SamplingParams, TokenLogprob, ToolCall, ToolChoice, ToolSpec
-from schemas.base import IGNORE, TOLERANT
+from schemas import (
+    IGNORE,
+    TOLERANT,
+    ChatMessage,
+    FinishReason,
+    SamplingParams,
+    TokenLogprob,
+    ToolCall,
+    ToolChoice,
+    ToolSpec,
+)
 
 _Model = TypeVar("_Model", bound=BaseModel)
 

@@ -20,7 +20,7 @@ from pipeline.episodes.leases import (
     new_runner_id,
     recover_abandoned_episodes,
 )
-from pipeline.episodes.openai_client import chat_result, episode_openai_client
+from pipeline.episodes.openai_client import chat_result, episode_openai_client, wanted_detail
 from pipeline.episodes.refusals import InvalidLLMCall, MaxTurnsExceeded
 from pipeline.episodes.reply import ChatReply
 from pipeline.episodes.session import (
@@ -63,5 +63,6 @@ __all__ = [
     "same_assistant_message",
     "slot_episode_id",
     "turn_delta",
+    "wanted_detail",
     "whole_events",
 ]

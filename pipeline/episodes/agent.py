@@ -19,8 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from pipeline.episodes.fold import Episode, EpisodeOutcome
 from pipeline.episodes.refusals import MaxTurnsExceeded
 from pipeline.episodes.session import EpisodeLLM, EpisodeSession
-from schemas import RewardAssigned
-from schemas.episode import Termination
+from schemas import RewardAssigned, Termination
 
 
 @runtime_checkable

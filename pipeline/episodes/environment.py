@@ -18,7 +18,7 @@ from pipeline.episodes.agent import Agent, RewardFunction, run_episode
 from pipeline.episodes.fold import EpisodeOutcome
 from pipeline.episodes.session import EpisodeSession
 from pipeline.errors import TurnstileError
-from pipeline.inference.client import PendingCall, QueueLLMClient
+from pipeline.inference import PendingCall, QueueLLMClient
 from pipeline.log import Store
 from schemas import LLMRequest, LLMResponse, SamplingParams
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import TurnstileError
-from pipeline.log.turns import (
+from pipeline.log import (
     UnfoldableTurn,
     conversation,
     expand_turn,
@@ -26,9 +26,9 @@ from schemas import (
     EpisodeStarted,
     Event,
     RewardAssigned,
+    Termination,
     TurnCompleted,
 )
-from schemas.episode import Termination
 
 
 @dataclass

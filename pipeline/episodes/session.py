@@ -27,7 +27,7 @@ from pipeline.episodes.openai_client import episode_openai_client
 from pipeline.episodes.refusals import InvalidLLMCall, MaxTurnsExceeded
 from pipeline.episodes.reply import ChatReply
 from pipeline.errors import TurnstileError, describe_validation_error
-from pipeline.inference.client import InferenceError, LLMClient, PrefixUnknown
+from pipeline.inference import InferenceError, LLMClient, PrefixUnknown
 from pipeline.log import AppendResult, Store
 from schemas import (
     ChatMessage,
@@ -38,6 +38,7 @@ from schemas import (
     LLMResponse,
     RewardAssigned,
     SamplingParams,
+    Termination,
     TokenPrefix,
     ToolChoice,
     ToolSpec,
@@ -45,7 +46,6 @@ from schemas import (
     TurnReply,
     TurnRequest,
 )
-from schemas.episode import Termination
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI

@@ -9,4 +9,11 @@
 
 from pathlib import Path
 
+from pipeline.examples.digits_or_capitals import DigitsOrCapitalsAgent, demo_tasks
+
 ARITHMETIC_TASKS = Path(__file__).with_name("arithmetic.jsonl")
+
+__all__ = [
+    "DigitsOrCapitalsAgent",
+    "demo_tasks",
+]

@@ -15,9 +15,9 @@ from pipeline.dialects import (
     DIALECTS,
     OPENAI,
     Dialect,
+    count_tokens_estimate,
     model_object,
 )
-from pipeline.dialects.anthropic import count_tokens_estimate
 from pipeline.gateway.http import (
     PROMPT_IDS_HEADER,
     client_gone,

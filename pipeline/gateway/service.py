@@ -24,8 +24,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 
 from pipeline.dialects import ChatCall, ChatResult
-from pipeline.episodes import ChatReply, EpisodeSession, InvalidLLMCall, MaxTurnsExceeded, chat_result
-from pipeline.episodes.openai_client import wanted_detail
+from pipeline.episodes import (
+    ChatReply,
+    EpisodeSession,
+    InvalidLLMCall,
+    MaxTurnsExceeded,
+    chat_result,
+    wanted_detail,
+)
 from pipeline.errors import InvalidEvent, StoreUnavailable, WrongExpectedVersion
 from pipeline.gateway.http_error import GatewayError
 from pipeline.gateway.sessions import Answer, Listener, RetryKeys, SessionEntry, SessionRegistry, key_digest
@@ -37,8 +43,7 @@ from pipeline.inference import (
     RequestRejected,
 )
 from pipeline.log import Store
-from schemas import ChatMessage, PolicyVersionPublished, RewardAssigned, SamplingParams
-from schemas.episode import Termination
+from schemas import ChatMessage, PolicyVersionPublished, RewardAssigned, SamplingParams, Termination
 
 BAD_KEY: Final = (
     "invalid API key: it names no open session of this gateway (a session's key stops working when it ends)"

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
-from pipeline.dialects.base import ParseMemo
+from pipeline.dialects import ParseMemo
 from pipeline.episodes import EpisodeSession
 from pipeline.errors import TurnstileError
 from pipeline.gateway.http_error import GatewayError

@@ -4,6 +4,7 @@ with token-exact continuation and the engine backends' interface. The engines th
 imported by name: they need torch."""
 
 from pipeline.inference.backends import Backend, Generation
+from pipeline.inference.chain import Chain
 from pipeline.inference.chat import ChatRenderer, ChatTokenizer, Prompt, split_tool_calls
 from pipeline.inference.client import (
     CONSUMER_HEADER,
@@ -21,13 +22,17 @@ from pipeline.inference.client import (
     raise_for_error,
     request_subject,
 )
+from pipeline.inference.held import DEFAULT_BUDGET_TOKENS
+from pipeline.inference.script import Script
 from pipeline.inference.service import InferenceService
 
 __all__ = [
     "CONSUMER_HEADER",
+    "DEFAULT_BUDGET_TOKENS",
     "HEARTBEAT_HEADER",
     "QUEUE_GROUP",
     "Backend",
+    "Chain",
     "ChatRenderer",
     "ChatTokenizer",
     "Generation",
@@ -42,6 +47,7 @@ __all__ = [
     "Prompt",
     "QueueLLMClient",
     "RequestRejected",
+    "Script",
     "raise_for_error",
     "request_subject",
     "split_tool_calls",

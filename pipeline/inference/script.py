@@ -30,8 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.errors import ConfigError, describe_validation_error
-from schemas import LLMRequest
-from schemas.common import Role
+from schemas import LLMRequest, Role
 
 
 class _Strict(BaseModel):

@@ -2,7 +2,8 @@
 append rules both share, token packing, the tables, consumer checkpoints and migrations."""
 
 from pipeline.log.appends import decode_event, encode_event, validate_event
-from pipeline.log.db import create_engine, migrate, migrate_async
+from pipeline.log.db import Logins, create_engine, make_logins, migrate, migrate_async
+from pipeline.log.json_text import JsonText
 from pipeline.log.memory import InMemoryStore
 from pipeline.log.port import (
     AbandonedEpisode,
@@ -14,9 +15,33 @@ from pipeline.log.port import (
     RunnerLeases,
     Store,
 )
-from pipeline.log.store import EventStore, is_connection_error
+from pipeline.log.store import (
+    APPEND_LOCK,
+    COPY_COLUMNS,
+    COPY_TYPES,
+    EventStore,
+    JsonTextBinaryDumper,
+    is_connection_error,
+)
+from pipeline.log.tables import batches as batches_table
+from pipeline.log.tables import episodes as episodes_table
+from pipeline.log.tables import samples as samples_table
+from pipeline.log.tables import trained_batches as trained_batches_table
+from pipeline.log.tables import turns as turns_table
+from pipeline.log.turns import (
+    UnfoldableTurn,
+    conversation,
+    expand_turn,
+    expand_turns,
+    reply_message,
+    turn_delta,
+    whole_events,
+)
 
 __all__ = [
+    "APPEND_LOCK",
+    "COPY_COLUMNS",
+    "COPY_TYPES",
     "AbandonedEpisode",
     "AppendResult",
     "EpisodeFilter",
@@ -24,14 +49,30 @@ __all__ = [
     "EpisodeRow",
     "EventStore",
     "InMemoryStore",
+    "JsonText",
+    "JsonTextBinaryDumper",
+    "Logins",
     "RecordedEvent",
     "RunnerLeases",
     "Store",
+    "UnfoldableTurn",
+    "batches_table",
+    "conversation",
     "create_engine",
     "decode_event",
     "encode_event",
+    "episodes_table",
+    "expand_turn",
+    "expand_turns",
     "is_connection_error",
+    "make_logins",
     "migrate",
     "migrate_async",
+    "reply_message",
+    "samples_table",
+    "trained_batches_table",
+    "turn_delta",
+    "turns_table",
     "validate_event",
+    "whole_events",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from pipeline.log.db import create_engine
+from pipeline.log import create_engine
 
 
 class MaterializerMetrics:

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import psycopg
 
-from pipeline.log.json_text import JsonText
+from pipeline.log import JsonText
 from pipeline.materialize.config import MaterializerConfig
 from pipeline.materialize.fold import Fold
 from pipeline.materialize.records import Finished, LogRow, Outcome, ReadySample, Writes, log_rows, read_query

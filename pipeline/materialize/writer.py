@@ -34,7 +34,7 @@ from typing import Any, Final
 import psycopg
 from psycopg import sql
 
-from pipeline.batches.format import BATCHES_CHANNEL
+from pipeline.batches import BATCHES_CHANNEL
 from pipeline.errors import ConfigError
 from pipeline.materialize.config import MaterializerConfig
 from pipeline.materialize.fold import Fold

@@ -10,8 +10,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from pipeline.log.json_text import JsonText
-from pipeline.log.store import JsonTextBinaryDumper
+from pipeline.log import JsonText, JsonTextBinaryDumper
 from pipeline.materialize.columns import (
     BATCH_COPY,
     EPISODE_COPY,

@@ -15,7 +15,7 @@ from rich.markup import escape
 from pipeline.episodes import Episode, episode_stream, fold_episode
 from pipeline.errors import ConfigError, TurnstileError
 from pipeline.log import RecordedEvent, Store
-from pipeline.materialize.trajectory import Turn, discounted_rewards, parents
+from pipeline.materialize import Turn, discounted_rewards, parents
 from schemas import (
     EpisodeFinished,
     Event,

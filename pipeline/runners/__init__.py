@@ -2,7 +2,13 @@
 (proxy-style agents through an in-process gateway included) and live progress."""
 
 from pipeline.runners.loading import import_object, load_agent, load_reward_function
-from pipeline.runners.progress import live_progress, stats_line, stats_table
+from pipeline.runners.progress import (
+    failed_for_infrastructure,
+    failure_report,
+    live_progress,
+    stats_line,
+    stats_table,
+)
 from pipeline.runners.proxy import ProxyAgent, ProxyAgentAdapter, local_gateway, proxy_agent_adapter
 from pipeline.runners.runner import (
     Runner,
@@ -32,6 +38,8 @@ __all__ = [
     "TaskSpec",
     "TaskWorker",
     "ensure_tasks_stream",
+    "failed_for_infrastructure",
+    "failure_report",
     "import_object",
     "live_progress",
     "load_agent",

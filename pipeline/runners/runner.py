@@ -30,7 +30,7 @@ from pipeline.episodes import (
     slot_episode_id,
 )
 from pipeline.errors import ConfigError, WrongExpectedVersion
-from pipeline.inference.client import LLMClient
+from pipeline.inference import LLMClient
 from pipeline.log import Store
 from schemas import EpisodeFinished, Event, SamplingParams
 

@@ -3,6 +3,7 @@ reference PPO-clip learner (``ppo``), the training loop (``trainer``: checkpoint
 hook), policy versions, and a torch ``Dataset`` of a batch's samples (``dataset``, imported on its own:
 it imports torch)."""
 
+from pipeline.training.dataset import BatchStream
 from pipeline.training.ppo import PolicyGradient, checkpoint_dir
 from pipeline.training.subscription import (
     BatchSubscription,
@@ -16,6 +17,7 @@ from pipeline.training.subscription import (
 )
 from pipeline.training.trainer import (
     JsonlStepLog,
+    StepHook,
     StepRecord,
     TrainerStats,
     TrainingPlan,
@@ -25,11 +27,13 @@ from pipeline.training.trainer import (
 )
 
 __all__ = [
+    "BatchStream",
     "BatchSubscription",
     "BatchTensors",
     "DeliveredBatch",
     "JsonlStepLog",
     "PolicyGradient",
+    "StepHook",
     "StepRecord",
     "TrainerStats",
     "TrainingPlan",

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load
 from torch.utils.data import Dataset, IterableDataset
 
-from pipeline.batches.format import read_metadata
+from pipeline.batches import read_metadata
 from pipeline.log import EventStore
 from pipeline.settings import nats_inbox_prefix
 from pipeline.training.subscription import BatchSubscription, DeliveredBatch

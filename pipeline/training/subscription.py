@@ -42,17 +42,18 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import ServiceUnavailableError
 
-from pipeline.batches.format import TrainingBatch, is_safetensors
-from pipeline.batches.relay import (
+from pipeline.batches import (
     BATCHES_STREAM,
     BatchPayloadError,
+    TrainingBatch,
     batch_subject,
     ensure_batches_stream,
     fetch_batch_payload,
+    is_safetensors,
 )
 from pipeline.errors import DuplicateEventConflict, TurnstileError
 from pipeline.log import EventStore, Store
-from pipeline.log.tables import trained_batches
+from pipeline.log import trained_batches_table as trained_batches
 from pipeline.versions import ensure_versions_stream, versions_subject
 from schemas import PolicyVersionPublished
 
@@ -112,7 +113,7 @@ def payload_tensors(payload: bytes, pad_id: int = 0) -> BatchTensors:
     import torch
     from safetensors.torch import load
 
-    from pipeline.batches.format import read_metadata
+    from pipeline.batches import read_metadata
 
     samples = read_metadata(payload)["samples"]
     flat = load(payload)

@@ -33,21 +33,17 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.errors import ConfigError, TurnstileError
-from pipeline.log import EventStore
-from pipeline.log.tables import batches as batches_table
-from pipeline.log.tables import episodes as episodes_table
-from pipeline.log.tables import samples as samples_table
-from pipeline.log.tables import trained_batches as trained_table
-from pipeline.log.tables import turns as turns_table
+from pipeline.log import EventStore, batches_table, episodes_table, samples_table, turns_table
+from pipeline.log import trained_batches_table as trained_table
 from pipeline.replay import (
     AmbiguousEpisodeId,
     EpisodeNotFound,
+    UnreadableEpisode,
     load_episode,
     load_tokenizer,
     rerun_by_id,
     resolve_episode_id,
 )
-from pipeline.replay.lookup import UnreadableEpisode
 from pipeline.ui import svg
 from pipeline.ui.episode_view import episode_view, shade
 from pipeline.ui.filters import (

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.replay.lookup import ReplayedEpisode, mean_logprob, turn_values
+from pipeline.replay import ReplayedEpisode, mean_logprob, turn_values
 from schemas import ChatMessage, TurnCompleted
 
 

@@ -12,9 +12,8 @@ from urllib.parse import urlencode
 import sqlalchemy as sa
 
 from pipeline.errors import ConfigError, TurnstileError
-from pipeline.log.tables import episodes as episodes_table
-from pipeline.log.tables import turns as turns_table
-from pipeline.replay.listing import parse_since
+from pipeline.log import episodes_table, turns_table
+from pipeline.replay import parse_since
 
 TERMINATIONS: Final = ("done", "max_turns", "truncated", "error", "cancelled", "timeout", "aborted")
 STATUSES: Final = ("running", "finished")

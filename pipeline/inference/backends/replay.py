@@ -11,8 +11,7 @@ import time
 
 from pipeline.inference.backends import Generation
 from pipeline.inference.client import RequestRejected
-from pipeline.log import Store
-from pipeline.log.turns import expand_turns
+from pipeline.log import Store, expand_turns
 from schemas import LLMRequest, TurnCompleted
 
 
