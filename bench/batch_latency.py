@@ -48,15 +48,10 @@ import nats
 import psycopg
 from nats.aio.msg import Msg
 
-from pipeline.batches import (
-    BATCH_HEADER,
-    BATCHES_CHANNEL,
-    batch_subject,
-    decode_batch,
-    ensure_batches_stream,
-    read_batch_message,
-)
-from pipeline.dev import scratch_dir
+from pipeline.batches import decode_batch
+from pipeline.batches.format import BATCHES_CHANNEL
+from pipeline.batches.relay import BATCH_HEADER, batch_subject, ensure_batches_stream, read_batch_message
+from pipeline.dev.embedded import scratch_dir
 from pipeline.log import EventStore
 from schemas import (
     ChatMessage,

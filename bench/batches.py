@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load
 from torch.nn.utils.rnn import pad_sequence
 
-from pipeline.batches import (
+from pipeline.batches.format import (
     BatchSample,
     TrainingBatch,
     decode_batch,

@@ -39,8 +39,8 @@ from typing import Any
 import psycopg
 from sqlalchemy.engine import make_url
 
-from pipeline.dev import EmbeddedNats, EmbeddedNatsCluster, EmbeddedPostgres, scratch_dir
-from pipeline.log import migrate
+from pipeline.dev.embedded import EmbeddedNats, EmbeddedNatsCluster, EmbeddedPostgres, scratch_dir
+from pipeline.log.db import migrate
 from pipeline.settings import libpq_url
 
 READY_TIMEOUT_S = 60.0

@@ -55,9 +55,9 @@ from rich.table import Table
 
 from consumers.runtime import run, tune_gc
 from pipeline.episodes import EpisodeLLM
-from pipeline.inference import NatsLLMClient
+from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
-from pipeline.runners import Runner, RunnerConfig, TaskSpec, run_tasks
+from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
 from schemas import ChatMessage, LLMRequest, SamplingParams
 
 from common import (  # bench/common.py

@@ -87,8 +87,9 @@ from rich.table import Table
 
 from consumers.runtime import run, tune_gc
 from pipeline.episodes import EpisodeSession
-from pipeline.inference import Generation, NatsLLMClient, request_subject
+from pipeline.inference.backends import Generation
 from pipeline.inference.backends.scripted import ScriptedBackend
+from pipeline.inference.client import NatsLLMClient, request_subject
 from pipeline.log import EventStore
 
 from common import (
@@ -474,7 +475,7 @@ class InstantLLM:
         self.held: dict[str, int] = {}
 
     async def __call__(self, request: Any) -> Any:
-        from pipeline.inference import PrefixUnknown
+        from pipeline.inference.client import PrefixUnknown
         from schemas import LLMResponse
 
         prefix, known = request.prefix, 0

@@ -57,7 +57,8 @@ from rich.table import Table
 
 from consumers.runtime import run as run_service
 from consumers.runtime import tune_gc
-from pipeline.log import COPY_COLUMNS, COPY_TYPES, EventStore, JsonText, JsonTextBinaryDumper, encode_event
+from pipeline.log import EventStore, encode_event
+from pipeline.log.store import COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
 from schemas import ChatMessage, FunctionCall, ToolCall, TurnCompleted, TurnReply, TurnRequest
 
 from common import CpuMeter, Processes, cpu_text, machine, note, postgres_server, scratch_database

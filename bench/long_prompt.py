@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.inference import Script
 from pipeline.inference.backends.torch_backend import TorchBackend
+from pipeline.inference.script import Script
 from pipeline.inference.tinymodel import build_long_model
 from schemas import ChatMessage, LLMRequest, SamplingParams
 

@@ -85,8 +85,12 @@ from psycopg import sql
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.log import APPEND_LOCK, COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper, encode_event
-from pipeline.materialize import READ_MODEL_TABLES, Materializer, MaterializerConfig, Writes
+from pipeline.log import encode_event
+from pipeline.log.store import APPEND_LOCK, COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.rebuild import READ_MODEL_TABLES
+from pipeline.materialize.records import Writes
+from pipeline.materialize.writer import Materializer
 from schemas import (
     ChatMessage,
     EpisodeFinished,
@@ -94,12 +98,12 @@ from schemas import (
     Event,
     FunctionCall,
     RewardAssigned,
-    Timings,
     ToolCall,
     TurnCompleted,
     TurnReply,
     TurnRequest,
 )
+from schemas.common import Timings
 
 from common import checkpoint, note, postgres_server, scratch_database  # bench/common.py
 

@@ -170,7 +170,7 @@ def main() -> None:
         servers = None
         if suite.servers:
             sys.path.insert(0, str(ROOT))
-            from pipeline.dev import EmbeddedServers
+            from pipeline.dev.embedded import EmbeddedServers
 
             servers = EmbeddedServers(Path(data)).__enter__()
             env.update(TURNSTILE_DATABASE_URL=servers.postgres.url, TURNSTILE_NATS_URL=servers.nats.url)

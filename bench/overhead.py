@@ -61,8 +61,9 @@ from rich.console import Console
 from rich.table import Table
 
 from consumers.runtime import run, tune_gc
-from pipeline.inference import InferenceService, NatsLLMClient
 from pipeline.inference.backends.scripted import ScriptedBackend
+from pipeline.inference.client import NatsLLMClient
+from pipeline.inference.service import InferenceService
 from schemas import ChatMessage, LLMRequest, LLMResponse, parse_wire
 
 from common import (  # bench/common.py

@@ -31,7 +31,7 @@ import psycopg
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.dev import EmbeddedNats, EmbeddedNatsCluster, scratch_dir
+from pipeline.dev.embedded import EmbeddedNats, EmbeddedNatsCluster, scratch_dir
 
 from common import machine, postgres_server, scratch_database, summary
 

@@ -42,9 +42,14 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.episodes import EpisodeSession, expand_turn
-from pipeline.inference import Chain, Generation, InferenceService, raise_for_error
+from pipeline.inference import InferenceService, raise_for_error
+from pipeline.inference.backends import Generation
+from pipeline.inference.chain import Chain
 from pipeline.log import EventStore, encode_event
-from pipeline.materialize import Fold, LogRow, Materializer, MaterializerConfig
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.fold import Fold
+from pipeline.materialize.records import LogRow
+from pipeline.materialize.writer import Materializer
 from schemas import ChatMessage, Event, LLMError, LLMRequest, LLMResponse, TurnCompleted, parse_wire
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))

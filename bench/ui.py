@@ -48,19 +48,19 @@ import psycopg
 import sqlalchemy as sa
 
 from pipeline.log import EventStore
-from pipeline.materialize import TURN_COLUMNS
+from pipeline.materialize.columns import TURN_COLUMNS
 from pipeline.settings import sqlalchemy_url
-from pipeline.ui import page_query, parse_query
+from pipeline.ui.filters import page_query, parse_query
 from schemas import (
     ChatMessage,
     EpisodeFinished,
     EpisodeStarted,
     RewardAssigned,
-    Timings,
     TurnCompleted,
     TurnReply,
     TurnRequest,
 )
+from schemas.common import Timings
 
 from common import machine, note, percentile, postgres_server, scratch_database, summary
 
