@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 from alembic import op
 
+from migrations.objects import replace
+
 revision: str = "0013"
 down_revision: str | None = "0012"
 branch_labels: str | Sequence[str] | None = None
@@ -79,71 +81,10 @@ INDEXES = (
     "CREATE UNIQUE INDEX episodes_started_position ON {schema}.episodes (started_position)",
 )
 
-# The views, made by a SQL function so that a rebuild's schema gets the same ones. LEFT JOINs on unique keys:
-# a query that reads no column of the joined table does not join it (PostgreSQL removes the join).
-VIEWS_FUNCTION = r"""
-CREATE FUNCTION turnstile_read_model_views(target text) RETURNS void LANGUAGE plpgsql AS $fn$
-BEGIN
-    EXECUTE format($view$
-        CREATE VIEW %1$I.turns AS
-        SELECT t.turn_id,
-               e.episode_id,
-               t.turn_index,
-               t.parent_turn_id,
-               (ev.data ->> 'parent_turn_id')::uuid                                     AS recorded_parent,
-               t.prompt_tokens,
-               t.completion_tokens,
-               ev.data -> 'reply' ->> 'finish_reason'                                  AS finish_reason,
-               t.policy_version,
-               ev.data ->> 'engine_id'                                                 AS engine_id,
-               coalesce((ev.data -> 'timings' ->> 'queued_ms')::double precision, 0)      AS queued_ms,
-               coalesce((ev.data -> 'timings' ->> 'first_token_ms')::double precision, 0) AS first_token_ms,
-               coalesce((ev.data -> 'timings' ->> 'total_ms')::double precision, 0)       AS latency_ms,
-               t.mean_logprob,
-               t.reward,
-               t.discounted_return,
-               t.prefix_break,
-               CASE WHEN jsonb_typeof(ev.data -> 'reply' -> 'tool_calls') = 'array'
-                    THEN jsonb_array_length(ev.data -> 'reply' -> 'tool_calls') ELSE 0 END AS tool_calls,
-               ev.recorded_at,
-               t.position,
-               t.render_drift,
-               ev.data ->> 'chat_template'                                             AS chat_template
-        FROM %1$I.turn_rows t
-        LEFT JOIN %1$I.episodes e ON e.started_position = t.episode
-        LEFT JOIN public.events ev ON ev.position = t.position
-    $view$, target);
-    EXECUTE format($view$
-        CREATE VIEW %1$I.samples AS
-        SELECT s.turn_id::text || CASE WHEN s.path THEN '\:path' ELSE '' END   AS sample_id,
-               e.episode_id,
-               e.policy,
-               coalesce(nullif(e.group_id, ''), e.episode_id)                AS group_id,
-               s.slot,
-               coalesce(s.turn_ids, ARRAY[s.turn_id])                        AS turn_ids,
-               coalesce(s.policy_version, t.policy_version)                  AS policy_version,
-               coalesce(s.tokens, t.prompt_tokens + t.completion_tokens)     AS tokens,
-               coalesce(s.model_tokens, t.completion_tokens)                 AS model_tokens,
-               coalesce(s.reward, t.discounted_return)                       AS reward,
-               s.advantage,
-               s.stale,
-               s.arrays,
-               s.ready_position,
-               s.batch_id,
-               e.finished_position                                           AS position
-        FROM %1$I.sample_rows s
-        JOIN %1$I.turn_rows t ON t.turn_id = s.turn_id
-        JOIN %1$I.episodes e ON e.started_position = t.episode
-    $view$, target);
-    EXECUTE format('COMMENT ON VIEW %1$I.turns IS %2$L', target,
-        'one row per folded turn: turn_rows (what the materializer derives) with its episode and the '
-        'fields of its TurnCompleted event (events.data at position)');
-    EXECUTE format('COMMENT ON VIEW %1$I.samples IS %2$L', target,
-        'one row per training sample: sample_rows with its episode, and the values of its turn where the '
-        'sample has the same (NULL in sample_rows)');
-END
-$fn$
-"""
+# The views, made by a SQL function so that a rebuild's schema gets the same ones
+# (migrations/sql/turnstile_read_model_views/v1.sql). LEFT JOINs on unique keys: a query that reads no column
+# of the joined table does not join it (PostgreSQL removes the join).
+
 
 # The views of 0004 and 0009 that read turns or samples: dropped with the tables, made again over the views.
 DEPENDENT_VIEWS = """
@@ -180,7 +121,7 @@ def _make_views_again(views: list[tuple[str, str, str | None]]) -> None:
 
 
 def upgrade() -> None:
-    op.execute(VIEWS_FUNCTION)
+    replace("turnstile_read_model_views", 1)
     dependent = _dependent_views(("public.turns", "public.samples"))
     for name, _, _ in dependent:
         op.execute(f"DROP VIEW {name}")
