@@ -8,14 +8,10 @@ from pipeline.batches.format import (
     decode_batch,
     encode_batch,
     encode_packed,
-    encode_packed_v1,
-    encode_v1,
     is_safetensors,
-    pack_arrays,
     read_metadata,
 )
 from pipeline.batches.relay import (
-    BATCH_HEADER,
     BATCH_PAYLOADS_BUCKET,
     BATCHES_STREAM,
     BatchNotPublished,
@@ -32,7 +28,6 @@ from pipeline.batches.relay import (
 __all__ = [
     "BATCHES_CHANNEL",
     "BATCHES_STREAM",
-    "BATCH_HEADER",
     "BATCH_PAYLOADS_BUCKET",
     "BatchNotPublished",
     "BatchPayloadError",
@@ -43,14 +38,11 @@ __all__ = [
     "decode_batch",
     "encode_batch",
     "encode_packed",
-    "encode_packed_v1",
-    "encode_v1",
     "ensure_batches_stream",
     "ensure_payload_store",
     "fetch_batch_payload",
     "fetch_training_batch",
     "is_safetensors",
-    "pack_arrays",
     "read_batch_message",
     "read_metadata",
 ]

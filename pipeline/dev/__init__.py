@@ -23,7 +23,6 @@ from pipeline.dev.embedded import (
     free_port,
     outside_clusters,
     prune_outside_clusters,
-    scratch_dir,
 )
 from pipeline.dev.supervisor import (
     POLICY,
@@ -63,6 +62,5 @@ __all__ = [
     "outside_clusters",
     "prune_outside_clusters",
     "read_charts",
-    "scratch_dir",
     "summarize",
 ]

@@ -4,7 +4,6 @@ with token-exact continuation and the engine backends' interface. The engines th
 imported by name: they need torch."""
 
 from pipeline.inference.backends import Backend, Generation
-from pipeline.inference.chain import Chain
 from pipeline.inference.chat import ChatRenderer, ChatTokenizer, Prompt, split_tool_calls
 from pipeline.inference.client import (
     CONSUMER_HEADER,
@@ -32,7 +31,6 @@ __all__ = [
     "HEARTBEAT_HEADER",
     "QUEUE_GROUP",
     "Backend",
-    "Chain",
     "ChatRenderer",
     "ChatTokenizer",
     "Generation",

@@ -16,9 +16,6 @@ from pipeline.log.port import (
     Store,
 )
 from pipeline.log.store import (
-    APPEND_LOCK,
-    COPY_COLUMNS,
-    COPY_TYPES,
     EventStore,
     JsonTextBinaryDumper,
     is_connection_error,
@@ -39,9 +36,6 @@ from pipeline.log.turns import (
 )
 
 __all__ = [
-    "APPEND_LOCK",
-    "COPY_COLUMNS",
-    "COPY_TYPES",
     "AbandonedEpisode",
     "AppendResult",
     "EpisodeFilter",

@@ -7,12 +7,10 @@ forked processes), ``rebuild`` (a rebuild's schema and its indexes), ``writes`` 
 UPDATEs), ``state`` (what a restart loads) and ``writer`` (``Materializer``: the fold on PostgreSQL, one
 transaction a step)."""
 
-from pipeline.materialize.columns import TURN_COLUMNS
 from pipeline.materialize.config import MaterializerConfig, rebuild_schema
 from pipeline.materialize.fold import Fold
 from pipeline.materialize.metrics import MaterializerMetrics
 from pipeline.materialize.rebuild import READ_MODEL_TABLES, drop_rebuild
-from pipeline.materialize.records import LogRow, Writes
 from pipeline.materialize.trajectory import (
     Sample,
     Turn,
@@ -29,15 +27,12 @@ from pipeline.materialize.writer import Materializer
 
 __all__ = [
     "READ_MODEL_TABLES",
-    "TURN_COLUMNS",
     "Fold",
-    "LogRow",
     "Materializer",
     "MaterializerConfig",
     "MaterializerMetrics",
     "Sample",
     "Turn",
-    "Writes",
     "apply_staleness",
     "children",
     "concat_samples",

@@ -2,7 +2,7 @@
 alone or mounted in another app (the gateway's ``--ui``)."""
 
 from pipeline.ui.app import create_app
-from pipeline.ui.filters import BadRequest, EpisodeQuery, page_query, parse_query
+from pipeline.ui.filters import BadRequest, EpisodeQuery, parse_query
 from pipeline.ui.guard import KeyGuard
 from pipeline.ui.reader import DatabaseUnavailable, check_login, reader_engine
 
@@ -13,7 +13,6 @@ __all__ = [
     "KeyGuard",
     "check_login",
     "create_app",
-    "page_query",
     "parse_query",
     "reader_engine",
 ]
