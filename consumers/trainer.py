@@ -6,13 +6,16 @@ Wiring only: the store and NATS through the service runtime, the durable batch s
 into it, a new policy version published for the inference consumers. Batches more than ``max_staleness``
 versions behind are skipped and counted. On restart it resumes from the newest version it recorded
 (weights and optimizer state), so every batch counts exactly once. Only the newest ``keep_checkpoints``
-version directories stay; ``log_steps`` writes a JSON line per step (the loop's ``on_step`` hook).
+version directories stay; ``log_steps`` writes a JSON line per step and ``track`` logs each step to W&B or
+MLflow (both ``on_step`` hooks). The learner's device, precision, micro-batches, KL and LoRA are
+``pipeline.training.LearnerOptions``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,13 +24,17 @@ from pathlib import Path
 from consumers.runtime import Runtime, connect_nats, connect_store, running
 from pipeline.errors import ConfigError
 from pipeline.training import (
+    TRACKERS,
     BatchSubscription,
     JsonlStepLog,
+    LearnerOptions,
     PolicyGradient,
     StepHook,
     StepRecord,
     TrainerStats,
+    Tracker,
     TrainingPlan,
+    open_tracker,
     resume,
     train,
 )
@@ -43,20 +50,21 @@ class TrainerConfig:
     model: Path
     checkpoints: Path
     durable: str = "trainer"
-    lr: float = 3e-3
-    clip: float = 0.2
+    learner: LearnerOptions = LearnerOptions()
     version_every: int = 1
     max_staleness: int | None = None
     ack_wait: float = 120.0
-    seed: int = 0
-    threads: int = 1
     keep_checkpoints: int = 3
     log_steps: Path | None = None  # a JSON line per learner step (the on_step hook); off by default
+    track: str | None = None  # "wandb" or "mlflow": each step logged to that tracker
+    track_dir: Path | None = None  # where the tracker writes; None: <checkpoints>/tracking
     metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.version_every < 1:
             raise ConfigError(f"--version-every must be at least 1, got {self.version_every}")
+        if self.track is not None and self.track not in TRACKERS:
+            raise ConfigError(f"--track {self.track!r}: unknown tracker; use one of {', '.join(TRACKERS)}")
         if self.keep_checkpoints < 0:
             raise ConfigError(f"--keep-checkpoints must be 0 (keep all) or more, got {self.keep_checkpoints}")
         if not (self.model / "config.json").is_file():
@@ -81,10 +89,11 @@ class TrainerConfig:
 async def serve_trainer(config: TrainerConfig, *, stop: asyncio.Event | None = None) -> TrainerStats:
     """Train until Ctrl-C, SIGTERM or ``stop``; the trainer's figures at the end."""
     step_log = JsonlStepLog(config.log_steps) if config.log_steps is not None else None
+    tracker = await asyncio.to_thread(_tracker, config)
     stats = TrainerStats()
     async with running(f"trainer {config.durable}", stop=stop, metrics_port=config.metrics_port) as runtime:
         observe = instrument(runtime, lambda: stats)
-        plan = config.plan(_both(step_log, observe))
+        plan = config.plan(_all(step_log, tracker, observe))
         store = await connect_store(config.database_url)
         assert store is not None
         try:
@@ -108,12 +117,7 @@ async def serve_trainer(config: TrainerConfig, *, stop: asyncio.Event | None = N
                         lambda: batches.duplicates,
                     )
                     learner = await asyncio.to_thread(
-                        PolicyGradient,
-                        weights,
-                        lr=config.lr,
-                        clip=config.clip,
-                        seed=config.seed,
-                        threads=config.threads,
+                        PolicyGradient, weights, config.learner, base=config.model
                     )
                     log.info("trainer %s at policy version %d (%s)", config.durable, stats.version, weights)
                     training = asyncio.create_task(train(plan, store, connection, batches, learner, stats))
@@ -130,18 +134,30 @@ async def serve_trainer(config: TrainerConfig, *, stop: asyncio.Event | None = N
             await store.close()
             if step_log is not None:
                 step_log.close()
+            if tracker is not None:
+                await asyncio.to_thread(tracker.close)
     return stats
 
 
-def _both(first: StepHook | None, second: StepHook) -> StepHook:
-    if first is None:
-        return second
+def _tracker(config: TrainerConfig) -> Tracker | None:
+    """The experiment tracker of ``--track`` (None: none), its run named after the trainer."""
+    if config.track is None:
+        return None
+    directory = config.track_dir if config.track_dir is not None else config.checkpoints / "tracking"
+    settings = {"policy": config.policy, "model": str(config.model), "version_every": config.version_every}
+    settings |= {"max_staleness": config.max_staleness, **dataclasses.asdict(config.learner)}
+    return open_tracker(config.track, run_name=config.durable, directory=directory, config=settings)
 
-    def both(record: StepRecord) -> None:
-        first(record)
-        second(record)
 
-    return both
+def _all(*hooks: StepHook | None) -> StepHook:
+    """One hook that calls each of ``hooks`` in turn (None: left out)."""
+    present = [hook for hook in hooks if hook is not None]
+
+    def every(record: StepRecord) -> None:
+        for hook in present:
+            hook(record)
+
+    return every
 
 
 def instrument(runtime: Runtime, stats: Callable[[], TrainerStats]) -> StepHook:

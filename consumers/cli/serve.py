@@ -204,11 +204,25 @@ def trainer(
     ack_wait: float = typer.Option(120.0, help="seconds before an unfinished batch is delivered again"),
     seed: int = typer.Option(0, help="torch seed"),
     threads: int = typer.Option(1, help="torch CPU threads"),
+    device: str = typer.Option(None, help="cuda, cuda:N or cpu \\[default: cuda when there is one, else cpu]"),
+    bf16: bool = typer.Option(
+        None, "--bf16/--fp32", help="bf16 autocast, fp32 master weights \\[default: bf16 on cuda, fp32 on cpu]"
+    ),
+    micro_batch_tokens: int = typer.Option(
+        0, help="padded tokens per forward pass, gradients accumulated (0: the whole batch at once)"
+    ),
+    kl_coef: float = typer.Option(0.0, help="weight of the KL to the starting weights (0: none)"),
+    lora_rank: int = typer.Option(0, help="LoRA adapters of this rank (0: full fine-tuning; needs [lora])"),
+    lora_alpha: float = typer.Option(None, help="LoRA alpha \\[default: twice the rank]"),
     keep_checkpoints: int = typer.Option(
         3, help="version directories kept under --checkpoints, the newest (0: keep all)"
     ),
     log_steps: Path = typer.Option(
         None, help="append a JSON line per learner step (loss, staleness, reward ...) to this file"
+    ),
+    track: str = typer.Option(None, help="log each step to an experiment tracker: wandb or mlflow"),
+    track_dir: Path = typer.Option(
+        None, help="where the tracker writes (wandb's offline run, mlflow's file store) \\[default: CHECKPOINTS/tracking]"
     ),
     metrics_port: MetricsPort = None,
 ) -> None:
@@ -216,6 +230,7 @@ def trainer(
 
     from consumers.runtime import run, setup_logging
     from consumers.trainer import TrainerConfig, serve_trainer
+    from pipeline.training import LearnerOptions
 
     setup_logging()
     settings = Settings()
@@ -226,15 +241,25 @@ def trainer(
         model=model_dir,
         checkpoints=checkpoints,
         durable=durable,
-        lr=lr,
-        clip=clip,
+        learner=LearnerOptions(
+            lr=lr,
+            clip=clip,
+            seed=seed,
+            threads=threads,
+            device=device,
+            bf16=bf16,
+            micro_batch_tokens=micro_batch_tokens,
+            kl_coef=kl_coef,
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+        ),
         version_every=version_every,
         max_staleness=max_staleness,
         ack_wait=ack_wait,
-        seed=seed,
-        threads=threads,
         keep_checkpoints=keep_checkpoints,
         log_steps=log_steps,
+        track=track,
+        track_dir=track_dir,
         metrics_port=metrics_port,
     )
     stats = run(serve_trainer(config))

@@ -1,49 +1,78 @@
 """The trainer's side: batches from JetStream as tensors, exactly once in effect (``subscription``), the
-reference PPO-clip learner (``ppo``), the training loop (``trainer``: checkpoints kept, a per-step logger
-hook), policy versions, and a torch ``Dataset`` of a batch's samples (``dataset``, imported on its own:
-it imports torch)."""
+reference PPO-clip learner (``ppo``: device, bf16, micro-batches, KL to a reference, LoRA), the training
+loop (``trainer``: checkpoints kept, a per-step logger hook, experiment trackers in ``tracking``), policy
+versions, and a torch ``Dataset`` of a batch's samples (``dataset``).
 
-from pipeline.training.dataset import BatchStream
-from pipeline.training.ppo import PolicyGradient, checkpoint_dir
-from pipeline.training.subscription import (
-    BatchSubscription,
-    BatchTensors,
-    DeliveredBatch,
-    payload_tensors,
-    publish_policy_version,
-    published_version,
-    to_tensors,
-    version_event_id,
-)
-from pipeline.training.trainer import (
-    JsonlStepLog,
-    StepHook,
-    StepRecord,
-    TrainerStats,
-    TrainingPlan,
-    prune_checkpoints,
-    resume,
-    train,
-)
+The names below are imported when first used (PEP 562 ``__getattr__``), not when the package is: the
+learner and the tensors need torch alone, and a GPU machine that only runs the learner (``pytest -m gpu
+tests/e2e/test_gpu_learner.py``) has no NATS or SQL client to import.
+"""
 
-__all__ = [
-    "BatchStream",
-    "BatchSubscription",
-    "BatchTensors",
-    "DeliveredBatch",
-    "JsonlStepLog",
-    "PolicyGradient",
-    "StepHook",
-    "StepRecord",
-    "TrainerStats",
-    "TrainingPlan",
-    "checkpoint_dir",
-    "payload_tensors",
-    "prune_checkpoints",
-    "publish_policy_version",
-    "published_version",
-    "resume",
-    "to_tensors",
-    "train",
-    "version_event_id",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.training.dataset import BatchStream
+    from pipeline.training.ppo import LearnerOptions, PolicyGradient, checkpoint_dir
+    from pipeline.training.subscription import (
+        BatchSubscription,
+        DeliveredBatch,
+        publish_policy_version,
+        published_version,
+        version_event_id,
+    )
+    from pipeline.training.tensors import BatchTensors, payload_tensors, to_tensors
+    from pipeline.training.tracking import TRACKERS, Tracker, open_tracker
+    from pipeline.training.trainer import (
+        JsonlStepLog,
+        StepHook,
+        StepRecord,
+        TrainerStats,
+        TrainingPlan,
+        prune_checkpoints,
+        resume,
+        train,
+    )
+
+_HOME: dict[str, str] = {
+    "BatchStream": "dataset",
+    "LearnerOptions": "ppo",
+    "PolicyGradient": "ppo",
+    "checkpoint_dir": "ppo",
+    "BatchSubscription": "subscription",
+    "DeliveredBatch": "subscription",
+    "publish_policy_version": "subscription",
+    "published_version": "subscription",
+    "version_event_id": "subscription",
+    "BatchTensors": "tensors",
+    "payload_tensors": "tensors",
+    "to_tensors": "tensors",
+    "TRACKERS": "tracking",
+    "Tracker": "tracking",
+    "open_tracker": "tracking",
+    "JsonlStepLog": "trainer",
+    "StepHook": "trainer",
+    "StepRecord": "trainer",
+    "TrainerStats": "trainer",
+    "TrainingPlan": "trainer",
+    "prune_checkpoints": "trainer",
+    "resume": "trainer",
+    "train": "trainer",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # the next look-up finds it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,17 +1,19 @@
 """The training loop: batches from the stream, one learner step each, a policy version every
 ``version_every`` batches — checkpoint written, then the batches recorded as trained into it, then acked,
-then the version published — so after a crash each batch counts exactly once. Checkpoints older than the
+then the version published — so after a crash each batch counts exactly once. The next batch is fetched
+and loaded into tensors while the learner steps on this one (``_ahead``). Checkpoints older than the
 newest ``keep_checkpoints`` are removed after each publication; ``on_step`` (off by default) hears of each
-step, for an experiment logger."""
+step, for an experiment logger or tracker (``tracking``)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final, TextIO
@@ -22,6 +24,7 @@ from pipeline.errors import ConfigError
 from pipeline.log import Store
 from pipeline.training.ppo import PolicyGradient, checkpoint_dir
 from pipeline.training.subscription import BatchSubscription, DeliveredBatch, publish_policy_version
+from pipeline.training.tensors import BatchTensors
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,8 @@ class StepRecord:
     mean_advantage: float
     kl: float  # approximate KL(sampling policy || trained policy) over the batch's scored tokens
     clip_fraction: float  # share of scored tokens whose probability ratio was clipped
+    reference_kl: float = 0.0  # approximate KL(trained || starting weights), with --kl-coef
+    skipped: int = 0  # batches skipped as stale by this trainer so far
 
 
 StepHook = Callable[[StepRecord], None]
@@ -134,42 +139,55 @@ async def train(
 ) -> None:
     pending: list[DeliveredBatch] = []
     losses: list[float | None] = []
-    async for delivered in batches:
-        behind = stats.version - delivered.min_policy_version
-        if plan.max_staleness is not None and behind > plan.max_staleness:
-            stats.stale += 1
-            log.info("batch %s is %d versions behind: skipped", delivered.batch_id, behind)
-            await batches.commit([delivered], stats.version, outcome="stale")
-            continue
-        loss = await asyncio.to_thread(learner.step, delivered.tensors())
-        stats.last_loss = loss
-        pending.append(delivered)
-        losses.append(loss)
-        if plan.on_step is not None:
-            step = stats.trained + len(pending)
-            _tell(plan.on_step, _record(step, delivered, stats.version, loss, behind, learner.diagnostics))
-        if len(pending) < plan.version_every:
-            continue
-        version = stats.version + 1
-        directory = checkpoint_dir(plan.checkpoints, version)
-        await asyncio.to_thread(learner.save, directory)
-        await batches.commit(pending, version, losses=losses)
-        stats.version, stats.trained = version, stats.trained + len(pending)
-        await publish_policy_version(
-            store, connection, plan.policy, version, str(directory.absolute()),
-            batches_consumed=[d.batch_id for d in pending],
-        )  # fmt: skip
-        log.info("policy version %d published (%d batches trained, loss %.4f)", version, stats.trained, loss)
-        pending.clear()
-        losses.clear()
-        for removed in await asyncio.to_thread(prune_checkpoints, plan.checkpoints, plan.keep_checkpoints):
-            log.info("removed checkpoint %s (keeping the newest %d)", removed, plan.keep_checkpoints)
+    async with contextlib.aclosing(_ahead(batches)) as stream:
+        async for delivered, tensors in stream:
+            behind = stats.version - delivered.min_policy_version
+            if plan.max_staleness is not None and behind > plan.max_staleness:
+                stats.stale += 1
+                log.info("batch %s is %d versions behind: skipped", delivered.batch_id, behind)
+                await batches.commit([delivered], stats.version, outcome="stale")
+                continue
+            loss = await asyncio.to_thread(learner.step, tensors)
+            stats.last_loss = loss
+            pending.append(delivered)
+            losses.append(loss)
+            if plan.on_step is not None:
+                step = stats.trained + len(pending)
+                _tell(plan.on_step, _record(step, delivered, stats, loss, behind, learner.diagnostics))
+            if len(pending) >= plan.version_every:
+                await _publish(plan, store, connection, batches, learner, stats, pending, losses)
+                pending, losses = [], []
+
+
+async def _publish(
+    plan: TrainingPlan,
+    store: Store,
+    connection: NatsConnection,
+    batches: BatchSubscription,
+    learner: PolicyGradient,
+    stats: TrainerStats,
+    pending: list[DeliveredBatch],
+    losses: list[float | None],
+) -> None:
+    """Checkpoint, then record the batches as trained into it and ack them, then publish the version."""
+    version = stats.version + 1
+    directory = checkpoint_dir(plan.checkpoints, version)
+    await asyncio.to_thread(learner.save, directory)
+    await batches.commit(pending, version, losses=losses)
+    stats.version, stats.trained = version, stats.trained + len(pending)
+    await publish_policy_version(
+        store, connection, plan.policy, version, str(directory.absolute()),
+        batches_consumed=[d.batch_id for d in pending],
+    )  # fmt: skip
+    log.info("policy version %d published (%d batches trained, loss %.4f)", version, stats.trained, losses[-1])
+    for removed in await asyncio.to_thread(prune_checkpoints, plan.checkpoints, plan.keep_checkpoints):
+        log.info("removed checkpoint %s (keeping the newest %d)", removed, plan.keep_checkpoints)
 
 
 def _record(
     step: int,
     delivered: DeliveredBatch,
-    version: int,
+    stats: TrainerStats,
     loss: float,
     behind: int,
     diagnostics: dict[str, float],
@@ -179,7 +197,7 @@ def _record(
     return StepRecord(
         step=step,
         batch_id=delivered.batch_id,
-        policy_version=version,
+        policy_version=stats.version,
         loss=loss,
         samples=len(samples),
         tokens=delivered.batch.tokens,
@@ -188,6 +206,8 @@ def _record(
         mean_advantage=sum(s.advantage for s in samples) / n,
         kl=diagnostics.get("kl", 0.0),
         clip_fraction=diagnostics.get("clip_fraction", 0.0),
+        reference_kl=diagnostics.get("reference_kl", 0.0),
+        skipped=stats.stale,
     )
 
 
