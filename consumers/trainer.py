@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from consumers.runtime import Runtime, connect_nats, connect_store, running
@@ -31,8 +31,8 @@ from pipeline.training import (
     PolicyGradient,
     StepHook,
     StepRecord,
-    TrainerStats,
     Tracker,
+    TrainerStats,
     TrainingPlan,
     open_tracker,
     resume,
@@ -50,7 +50,7 @@ class TrainerConfig:
     model: Path
     checkpoints: Path
     durable: str = "trainer"
-    learner: LearnerOptions = LearnerOptions()
+    learner: LearnerOptions = field(default_factory=LearnerOptions)
     version_every: int = 1
     max_staleness: int | None = None
     ack_wait: float = 120.0

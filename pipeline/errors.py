@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a type only: the learner imports these errors on GPU machines without pydantic
+    from pydantic import ValidationError
 
 
 class TurnstileError(Exception):

@@ -204,16 +204,20 @@ def trainer(
     ack_wait: float = typer.Option(120.0, help="seconds before an unfinished batch is delivered again"),
     seed: int = typer.Option(0, help="torch seed"),
     threads: int = typer.Option(1, help="torch CPU threads"),
-    device: str = typer.Option(None, help="cuda, cuda:N or cpu \\[default: cuda when there is one, else cpu]"),
+    device: str = typer.Option(
+        None, help="cuda, cuda:N or cpu \\[default: cuda when there is one, else cpu]"
+    ),
     bf16: bool = typer.Option(
-        None, "--bf16/--fp32", help="bf16 autocast, fp32 master weights \\[default: bf16 on cuda, fp32 on cpu]"
+        None,
+        "--bf16/--fp32",
+        help="bf16 autocast, fp32 master weights \\[default: bf16 on cuda, fp32 on cpu]",
     ),
     micro_batch_tokens: int = typer.Option(
         0, help="padded tokens per forward pass, gradients accumulated (0: the whole batch at once)"
     ),
     kl_coef: float = typer.Option(0.0, help="weight of the KL to the starting weights (0: none)"),
     lora_rank: int = typer.Option(0, help="LoRA adapters of this rank (0: full fine-tuning; needs [lora])"),
-    lora_alpha: float = typer.Option(None, help="LoRA alpha \\[default: twice the rank]"),
+    lora_alpha: int = typer.Option(None, help="LoRA alpha \\[default: twice the rank]"),
     keep_checkpoints: int = typer.Option(
         3, help="version directories kept under --checkpoints, the newest (0: keep all)"
     ),
@@ -222,7 +226,9 @@ def trainer(
     ),
     track: str = typer.Option(None, help="log each step to an experiment tracker: wandb or mlflow"),
     track_dir: Path = typer.Option(
-        None, help="where the tracker writes (wandb's offline run, mlflow's file store) \\[default: CHECKPOINTS/tracking]"
+        None,
+        help="where the tracker writes (wandb's offline run, mlflow's file store) "
+        "\\[default: CHECKPOINTS/tracking]",
     ),
     metrics_port: MetricsPort = None,
 ) -> None:

@@ -30,6 +30,7 @@ class Series:
     high: Sequence[float] | None = None
     band_label: str | None = None
     markers: bool = False
+    line: bool = True  # False: markers alone (points that do not follow one another)
 
 
 @dataclass(frozen=True)
@@ -142,27 +143,48 @@ def reward_by_version(
     )
 
 
-def staleness(rows: Sequence[tuple[int, float | None, int, int]], *, policy: str = "") -> Chart:
-    """Rows (batch number, mean staleness, min staleness, max staleness) in batch order: how many policy
-    versions a batch's samples lag the newest version when the batch was made."""
+StalenessRow = tuple[int, float | None, int, int] | tuple[int, float | None, int, int, str | None, int | None]
+
+
+def staleness(rows: Sequence[StalenessRow], *, policy: str = "") -> Chart:
+    """Rows (batch number, mean staleness, min staleness, max staleness[, outcome, staleness at training])
+    in the order the batches were made: how many policy versions a batch's samples lag the newest version
+    when the batch was made, and — where a trainer took it — when it was trained (its oldest sample
+    against the version the step started from) or skipped as too stale (outcome ``stale``)."""
     xs = [float(row[0]) for row in rows]
+    taken = [(float(row[0]), row[4], float(row[5])) for row in rows if len(row) > 5 and row[5] is not None]
+    trained = [(x, y) for x, outcome, y in taken if outcome == "trained"]
+    skipped = [(x, y) for x, outcome, y in taken if outcome == "stale"]
+    series = [
+        Series(
+            "at batch time: mean over the batch's samples",
+            xs,
+            [float(row[1] or 0.0) for row in rows],
+            [float(row[2]) for row in rows],
+            [float(row[3]) for row in rows],
+            band_label="min..max",
+        )
+    ]
+    if trained:
+        series.append(Series("at training time: oldest sample", *_columns(trained)))
+    if skipped:
+        series.append(Series("skipped as too stale", *_columns(skipped), line=False))
+    notes: tuple[str, ...] = ()
+    if taken:
+        notes = (f"skipped {len(skipped)} of {len(taken)} batches taken ({len(skipped) / len(taken):.0%})",)
     return Chart(
         name="staleness",
         title=f"Staleness of training batches{_of(policy)}",
         x_label="batch (in order made)",
         y_label="staleness (policy versions behind)",
-        series=(
-            Series(
-                "mean over the batch's samples",
-                xs,
-                [float(row[1] or 0.0) for row in rows],
-                [float(row[2]) for row in rows],
-                [float(row[3]) for row in rows],
-                band_label="min..max",
-            ),
-        ),
+        series=tuple(series),
+        notes=notes,
         y_from_zero=True,
     )
+
+
+def _columns(points: Sequence[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    return [x for x, _ in points], [y for _, y in points]
 
 
 def throughput(
@@ -223,7 +245,12 @@ def figure(chart: Chart) -> Any:
     axes.grid(True, alpha=0.3)
     for series in chart.series:
         (line,) = axes.plot(
-            series.x, series.y, label=series.label, linewidth=2, marker="o" if series.markers else None
+            series.x,
+            series.y,
+            label=series.label,
+            linewidth=2,
+            linestyle="-" if series.line else "none",
+            marker="o" if series.markers or not series.line else None,
         )
         if series.low is not None and series.high is not None and len(series.x):
             axes.fill_between(
@@ -248,9 +275,15 @@ BY_VERSION_SQL: Final = (
     "SELECT policy_version, rewarded, mean_reward, stddev_reward FROM reward_by_policy_version "
     "WHERE policy = %(policy)s ORDER BY policy_version"
 )
+# A batch trained into version v was stepped on version v - 1 (every batch of a version starts from the
+# one before); a skipped one is recorded with the version it was measured against.
 STALENESS_SQL: Final = (
-    "SELECT row_number() OVER (ORDER BY created_at, batch_id), mean_staleness, min_staleness, max_staleness "
-    "FROM batch_staleness WHERE policy = %(policy)s ORDER BY created_at, batch_id"
+    "SELECT row_number() OVER (ORDER BY s.created_at, s.batch_id), s.mean_staleness, s.min_staleness, "
+    "s.max_staleness, t.outcome, t.at_training FROM batch_staleness s LEFT JOIN LATERAL ("
+    "SELECT outcome, CASE outcome WHEN 'trained' THEN policy_version - 1 ELSE policy_version END "
+    "- s.min_policy_version AS at_training FROM trained_batches "
+    "WHERE batch_id = s.batch_id AND outcome IN ('trained', 'stale') ORDER BY trained_at LIMIT 1"
+    ") t ON true WHERE s.policy = %(policy)s ORDER BY s.created_at, s.batch_id"
 )
 SPAN_SQL: Final = (
     "SELECT extract(epoch FROM min(t.recorded_at))::double precision, "

@@ -62,7 +62,31 @@ _HOME: dict[str, str] = {
     "train": "trainer",
 }
 
-__all__ = sorted(_HOME)
+__all__ = [
+    "TRACKERS",
+    "BatchStream",
+    "BatchSubscription",
+    "BatchTensors",
+    "DeliveredBatch",
+    "JsonlStepLog",
+    "LearnerOptions",
+    "PolicyGradient",
+    "StepHook",
+    "StepRecord",
+    "Tracker",
+    "TrainerStats",
+    "TrainingPlan",
+    "checkpoint_dir",
+    "open_tracker",
+    "payload_tensors",
+    "prune_checkpoints",
+    "publish_policy_version",
+    "published_version",
+    "resume",
+    "to_tensors",
+    "train",
+    "version_event_id",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -60,7 +60,7 @@ class LearnerOptions:
     """Weight of the k3 KL(trained || starting weights) per scored token; 0: no reference model."""
     lora_rank: int = 0
     """0: full fine-tuning; else LoRA adapters of this rank (needs ``pip install 'turnstile-rl[lora]'``)."""
-    lora_alpha: float | None = None
+    lora_alpha: int | None = None
     """LoRA scaling numerator; None: twice the rank."""
 
     def __post_init__(self) -> None:
@@ -68,7 +68,10 @@ class LearnerOptions:
             (self.lr > 0, f"--lr must be positive, got {self.lr}"),
             (0 < self.clip < 1, f"--clip must lie between 0 and 1, got {self.clip}"),
             (self.threads >= 1, f"--threads must be at least 1, got {self.threads}"),
-            (self.micro_batch_tokens >= 0, f"--micro-batch-tokens must be 0 or more, got {self.micro_batch_tokens}"),
+            (
+                self.micro_batch_tokens >= 0,
+                f"--micro-batch-tokens must be 0 or more, got {self.micro_batch_tokens}",
+            ),
             (self.kl_coef >= 0, f"--kl-coef must be 0 or more, got {self.kl_coef}"),
             (self.lora_rank >= 0, f"--lora-rank must be 0 (off) or more, got {self.lora_rank}"),
         ]
@@ -167,7 +170,7 @@ class PolicyGradient:
                 "fine-tuning trainer; resume it with --lora-rank 0, or start a new trainer (--durable)"
             )
         rank = self.options.lora_rank
-        alpha = self.options.lora_alpha if self.options.lora_alpha is not None else 2.0 * rank
+        alpha = self.options.lora_alpha if self.options.lora_alpha is not None else 2 * rank
         config = LoraConfig(r=rank, lora_alpha=alpha, target_modules="all-linear", task_type="CAUSAL_LM")
         return get_peft_model(_load_model(base), config)
 
@@ -193,7 +196,9 @@ class PolicyGradient:
             self.diagnostics["reference_kl"] = sums.reference_kl / scored
         return sums.loss
 
-    def _micro_step(self, batch: BatchTensors, rows: list[int], width: int, scored: float, sums: _Sums) -> None:
+    def _micro_step(
+        self, batch: BatchTensors, rows: list[int], width: int, scored: float, sums: _Sums
+    ) -> None:
         torch = self.torch
         index = torch.tensor(rows)
 

@@ -5,7 +5,8 @@ reward...) at the step's number, and is closed when the trainer stops.
 - ``wandb`` (the ``wandb`` extra): a run in ``directory``; offline unless ``WANDB_MODE`` says otherwise
   (``wandb sync DIR/wandb/offline-run-*`` uploads it later).
 - ``mlflow`` (the ``mlflow`` extra, mlflow-skinny): a run in the tracking store ``MLFLOW_TRACKING_URI``,
-  by default a local file store in ``directory`` (``mlflow ui --backend-store-uri DIR``).
+  by default a local store in ``directory`` (``DIR/mlflow.db``, SQLite: ``mlflow ui --backend-store-uri
+  sqlite:///DIR/mlflow.db``).
 
 The packages are imported when a tracker is opened, never at import time: neither is needed otherwise.
 """
@@ -78,12 +79,18 @@ class WandbTracker:
         self.run.finish()
 
 
+def local_store(directory: Path) -> str:
+    """MLflow's local store in ``directory``: a SQLite file (MLflow 3 refuses its older ``mlruns`` file
+    store unless told otherwise, and recommends this one)."""
+    return f"sqlite:///{(directory / 'mlflow.db').absolute()}"
+
+
 class MlflowTracker:
     def __init__(self, run_name: str, directory: Path, config: dict[str, Any]) -> None:
         _require("mlflow")
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or directory.absolute().as_uri()
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or local_store(directory)
         self.client: Any = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(PROJECT)
         experiment_id = (

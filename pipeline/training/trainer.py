@@ -13,7 +13,7 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final, TextIO
@@ -179,7 +179,9 @@ async def _publish(
         store, connection, plan.policy, version, str(directory.absolute()),
         batches_consumed=[d.batch_id for d in pending],
     )  # fmt: skip
-    log.info("policy version %d published (%d batches trained, loss %.4f)", version, stats.trained, losses[-1])
+    log.info(
+        "policy version %d published (%d batches trained, loss %.4f)", version, stats.trained, losses[-1]
+    )
     for removed in await asyncio.to_thread(prune_checkpoints, plan.checkpoints, plan.keep_checkpoints):
         log.info("removed checkpoint %s (keeping the newest %d)", removed, plan.keep_checkpoints)
 
@@ -217,3 +219,25 @@ def _tell(hook: StepHook, record: StepRecord) -> None:
         hook(record)
     except Exception:
         log.exception("the on_step hook failed on batch %s; training goes on", record.batch_id)
+
+
+async def _ahead(batches: BatchSubscription) -> AsyncGenerator[tuple[DeliveredBatch, BatchTensors]]:
+    """The batches with their tensors, the next one fetched and loaded (in a thread) while the caller
+    trains on this one: the learner never waits on NATS or on decoding. Whether a batch is too stale is
+    still decided when its turn comes, against the version of that moment."""
+    iterator = aiter(batches)
+
+    async def load() -> tuple[DeliveredBatch, BatchTensors]:
+        delivered = await anext(iterator)
+        return delivered, await asyncio.to_thread(delivered.tensors)
+
+    upcoming = asyncio.create_task(load())
+    try:
+        while True:
+            current = await upcoming
+            upcoming = asyncio.create_task(load())
+            yield current
+    finally:
+        upcoming.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await upcoming

@@ -657,6 +657,29 @@ async def _run_figures(connection: Any, policy: str) -> dict[str, Any]:
         ylabel="versions behind",
         title="staleness per batch: mean, with the band from the freshest to the stalest sample",
     )
+    # staleness when a trainer took the batch: a batch trained into version v was stepped on v - 1; a
+    # skipped one is recorded with the version it was measured against
+    taken = await rows(
+        "SELECT * FROM (SELECT t.outcome, t.trained_at, "
+        "CASE t.outcome WHEN 'trained' THEN t.policy_version - 1 ELSE t.policy_version END "
+        "- b.min_policy_version AS behind FROM trained_batches t "
+        "JOIN batches b USING (batch_id) WHERE t.policy = :policy AND t.outcome IN ('trained', 'stale') "
+        "ORDER BY t.trained_at DESC, t.batch_id LIMIT 500) recent ORDER BY trained_at"
+    )
+    training = (
+        await rows(
+            "SELECT count(*) AS taken, count(*) FILTER (WHERE outcome = 'stale') AS skipped "
+            "FROM trained_batches WHERE policy = :policy AND outcome IN ('trained', 'stale')"
+        )
+    )[0]
+    trained = [row for row in taken if row["outcome"] == "trained"]
+    training_chart = svg.line_chart(
+        [float(index) for index in range(len(trained))],
+        [float(row["behind"]) for row in trained],
+        xlabel="trained batch (oldest to newest of the last 500 taken)",
+        ylabel="versions behind",
+        title="staleness at training time: the batch's oldest sample against the version stepped on",
+    )
     terminations = await rows(
         "SELECT termination, episodes, share FROM terminations WHERE policy = :policy ORDER BY episodes DESC"
     )
@@ -689,6 +712,8 @@ async def _run_figures(connection: Any, policy: str) -> dict[str, Any]:
         "throughput_chart": throughput_chart,
         "staleness": staleness,
         "staleness_chart": staleness_chart,
+        "training": training,
+        "training_chart": training_chart,
         "terminations": terminations,
         "spread": spread,
         "spread_chart": spread_chart,

@@ -33,7 +33,7 @@ LR = 1e-3
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     if DEVICE.startswith("cuda") and not torch.cuda.is_available():
         pytest.skip("no CUDA device here: run on a GPU machine (or set TURNSTILE_GPU_TEST_DEVICE=cpu)")
-    yield tiny_causal_lm(tmp_path_factory.mktemp("gpu-learner") / "tiny")
+    return tiny_causal_lm(tmp_path_factory.mktemp("gpu-learner") / "tiny")
 
 
 def weights(learner: PolicyGradient) -> dict[str, torch.Tensor]:
@@ -76,7 +76,9 @@ def test_a_bf16_step_on_the_device_matches_the_fp32_step_on_the_cpu(model_dir: P
 def test_micro_batches_on_the_device_give_the_whole_batchs_gradient(model_dir: Path, bf16: bool) -> None:
     batch = synthetic_batch(model_dir, lengths=LENGTHS, noise=0.2, seed=2)
     whole = PolicyGradient(model_dir, LearnerOptions(device=DEVICE, bf16=bf16, kl_coef=0.05))
-    parts = PolicyGradient(model_dir, LearnerOptions(device=DEVICE, bf16=bf16, kl_coef=0.05, micro_batch_tokens=200))
+    parts = PolicyGradient(
+        model_dir, LearnerOptions(device=DEVICE, bf16=bf16, kl_coef=0.05, micro_batch_tokens=200)
+    )
     assert len(micro_batches(LENGTHS, 200)) >= 4
     loss_whole, loss_parts = whole.accumulate(batch), parts.accumulate(batch)
     tolerance = 1e-2 if bf16 else 1e-5  # bf16: a row's numbers depend a little on its pass's padding

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from pipeline.dev.charts import (
@@ -77,6 +78,25 @@ def test_throughput_is_counts_per_second_over_minutes() -> None:
     assert chart.y_from_zero
 
 
+def test_staleness_shows_training_time_staleness_and_the_skipped_share(tmp_path: Path) -> None:
+    rows = [
+        (1, 0.5, 0, 1, "trained", 1),
+        (2, 1.0, 1, 1, "trained", 3),
+        (3, 0.0, 0, 0, "stale", 6),
+        (4, 0.0, 0, 0, None, None),  # not taken by a trainer yet
+    ]
+    chart = staleness(rows, policy="p")
+    made, trained, skipped = chart.series
+    assert list(made.y) == [0.5, 1.0, 0.0, 0.0]
+    assert (list(trained.x), list(trained.y)) == ([1.0, 2.0], [1.0, 3.0])
+    assert (list(skipped.x), list(skipped.y)) == ([3.0], [6.0])
+    assert not skipped.line
+    assert chart.notes == ("skipped 1 of 3 batches taken (33%)",)
+    labels = [t.get_text() for t in figure(chart).axes[0].get_legend().get_texts()]
+    assert labels == [made.label, trained.label, skipped.label, "min..max"]
+    assert staleness([(1, 0.5, 0, 1)]).notes == ()  # no trainer yet: no share to tell
+
+
 def test_matplotlib_draws_title_axis_names_units_and_legend(tmp_path: Path) -> None:
     chart = reward_by_version([(0, 4, 0.5, 0.2), (1, 4, 0.7, 0.2)], policy="demo")
     fig = figure(chart)
@@ -134,6 +154,11 @@ def test_charts_from_the_read_models_match_the_hand_computed_figures(
     database_url: str, reader_url: str
 ) -> None:
     seed(database_url)
+    with psycopg.connect(database_url) as connection:  # a trainer stepped on version 3 with b1, into 4
+        connection.execute(
+            "INSERT INTO trained_batches (trainer, batch_id, policy, policy_version, outcome) "
+            "VALUES ('t', 'b1', 'main', 4, 'trained')"
+        )
     curve, by_version, stale, rates = read_charts(reader_url, "main")
     # finished episodes of main ending done/truncated/max_turns: e1 (1.0 over 2 turns), e2 (0.0 over 1)
     assert sorted(curve.series[0].y) == [0.0, 0.5]
@@ -145,9 +170,12 @@ def test_charts_from_the_read_models_match_the_hand_computed_figures(
     assert series.high is not None
     assert series.high[0] - series.y[0] == pytest.approx(1.96 * math.sqrt(0.5) / math.sqrt(2))
     # batch b1: newest version 3, samples of versions 1, 2, 2: mean 4/3 behind, 1..2
-    (lag,) = stale.series
+    # and at training time its oldest sample (version 1) was 3 - 1 = 2 versions behind; none skipped
+    lag, trained = stale.series
     assert list(lag.y) == [pytest.approx(4 / 3)]
     assert (list(lag.low or []), list(lag.high or [])) == ([1.0], [2.0])
+    assert (list(trained.x), list(trained.y)) == ([1.0], [2.0])
+    assert stale.notes == ("skipped 0 of 1 batches taken (0%)",)
     # 7 turns of main, all at the same second: one bucket of 1 s; episodes finish 10, 20 and 70 s later
     turns, episodes = rates.series
     assert (list(turns.x), list(turns.y)) == ([0.0], [7.0])

@@ -17,6 +17,7 @@ from typing import Any
 import nats
 import psycopg
 import pytest
+from mlflow.tracking import MlflowClient
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from consumers.inference import InferenceConfig
@@ -28,8 +29,15 @@ from pipeline.log import EventStore
 from pipeline.materialize.config import MaterializerConfig
 from pipeline.materialize.writer import Materializer
 from pipeline.settings import libpq_url, sqlalchemy_url
-from pipeline.training import BatchSubscription, checkpoint_dir
-from pipeline.training.subscription import publish_policy_version, published_version, to_tensors
+from pipeline.training import (
+    BatchSubscription,
+    LearnerOptions,
+    checkpoint_dir,
+    publish_policy_version,
+    published_version,
+    to_tensors,
+)
+from pipeline.training.tracking import local_store
 from schemas import PolicyVersionPublished
 from tests.conftest import Servers
 from tests.integration.test_materializer import random_log
@@ -124,7 +132,8 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
     config = TrainerConfig(
         database_url=database_url, nats_url=servers.nats_url, policy=policy, model=tiny_model_dir,
         checkpoints=tmp_path / "checkpoints", durable=f"t{uuid.uuid4().hex[:8]}", version_every=1,
-        keep_checkpoints=2, log_steps=tmp_path / "steps.jsonl",
+        keep_checkpoints=2, log_steps=tmp_path / "steps.jsonl", track="mlflow", track_dir=tmp_path / "mlflow",
+        learner=LearnerOptions(micro_batch_tokens=64, kl_coef=0.01),
     )  # fmt: skip
     inference = InferenceConfig(servers.nats_url, policy, backend="torch", model=tiny_model_dir)
     async with serving(inference) as service:
@@ -169,6 +178,15 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
     assert {step["batch_id"]: step["loss"] for step in steps} == pytest.approx(recorded)
     assert all(step["samples"] > 0 and step["tokens"] > 0 for step in steps)
     assert all(step["kl"] >= 0 and 0 <= step["clip_fraction"] <= 1 for step in steps)
+    assert all(step["reference_kl"] >= 0 for step in steps)
+    assert steps[-1]["reference_kl"] > 0  # --kl-coef: the weights moved away from the starting ones
+    # --track mlflow: the same losses, step by step, in the local store
+    client = MlflowClient(tracking_uri=local_store(tmp_path / "mlflow"))
+    (run,) = client.search_runs([client.get_experiment_by_name("turnstile").experiment_id])
+    assert run.info.run_name == config.durable
+    assert run.data.params["micro_batch_tokens"] == "64"
+    logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
+    assert logged == pytest.approx({step["step"]: step["loss"] for step in steps})
 
 
 async def test_a_trainer_killed_mid_batch_trains_each_batch_once(

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
+import psycopg
 import pytest
 import sqlalchemy as sa
 import sqlalchemy.exc
@@ -347,3 +348,32 @@ def test_turnstile_ui_refuses_to_start_on_a_superuser_login_or_a_bad_option(data
     )  # fmt: skip
     assert lone.returncode == 2
     assert "add --rerun" in lone.stderr
+
+
+async def test_a_run_shows_staleness_at_training_time_and_the_batches_skipped(
+    browsing: Browsing, database_url: str
+) -> None:
+    client = browsing.client
+    before = (await client.get("/runs/main")).text
+    assert "no trainer yet" in before
+    batch_ids = sorted(
+        set(re.findall(r'href="/batches/([0-9a-zA-Z_-]+)"', (await client.get("/batches")).text))
+    )
+    assert batch_ids
+    with psycopg.connect(
+        database_url
+    ) as connection:  # one batch trained into v3 (stepped on v2), one skipped
+        for batch_id, version, outcome in zip(batch_ids, (3, 5), ("trained", "stale"), strict=False):
+            connection.execute(
+                "INSERT INTO trained_batches (trainer, batch_id, policy, policy_version, outcome) "
+                "VALUES ('t', %s, 'main', %s, %s)",
+                (batch_id, version, outcome),
+            )
+    run = (await client.get("/runs/main")).text
+    card = run.split('id="skipped"')[1].split("</div></div>")[0]
+    skipped, taken = (1, 2) if len(batch_ids) > 1 else (0, 1)
+    assert f'<div class="big">{skipped} / {taken}</div>' in card
+    assert f"{round(100 * skipped / taken, 1)}% of those a trainer took" in card
+    section = run.split('id="staleness-trained"')[1].split("</section>")[0]
+    assert "staleness at training time" in section
+    assert "nothing to plot yet" not in section

@@ -22,7 +22,7 @@ LENGTHS = [9, 23, 17, 5, 30, 12]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    yield tiny_causal_lm(tmp_path_factory.mktemp("learner") / "tiny")
+    return tiny_causal_lm(tmp_path_factory.mktemp("learner") / "tiny")
 
 
 def cpu(**options: object) -> LearnerOptions:
@@ -54,7 +54,8 @@ def test_micro_batched_gradient_equals_the_whole_batchs(model_dir: Path, kl_coef
     assert loss_parts == pytest.approx(loss_whole, rel=1e-5, abs=1e-7)
     assert whole.diagnostics == pytest.approx(parts.diagnostics, rel=1e-4, abs=1e-7)
     mine, theirs = gradients(whole), gradients(parts)
-    assert mine.keys() == theirs.keys() and len(mine) > 10
+    assert mine.keys() == theirs.keys()
+    assert len(mine) > 10
     for name, grad in mine.items():
         torch.testing.assert_close(theirs[name], grad, rtol=1e-4, atol=1e-7, msg=name)
 
@@ -92,13 +93,15 @@ def test_lora_trains_the_adapter_only_and_publishes_merged_weights(model_dir: Pa
     batch = synthetic_batch(model_dir, lengths=LENGTHS, noise=0.3)
     learner = PolicyGradient(model_dir, cpu(lora_rank=4, kl_coef=0.1, lr=1e-2))
     trained = dict(learner.named_weights())
-    assert trained and all("lora_" in name for name in trained)
+    assert trained
+    assert all("lora_" in name for name in trained)
     for _ in range(2):
         learner.step(batch)
     assert learner.diagnostics["reference_kl"] > 0  # the base without the adapter is the reference
     checkpoint = tmp_path / "v000002"
     learner.save(checkpoint)
-    assert (checkpoint / "config.json").is_file() and (checkpoint / ADAPTER / "optimizer.pt").is_file()
+    assert (checkpoint / "config.json").is_file()
+    assert (checkpoint / ADAPTER / "optimizer.pt").is_file()
     merged = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     learner.model.eval()
