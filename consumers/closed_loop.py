@@ -230,6 +230,11 @@ async def _drive(
             await runner
 
 
+def _share(skipped: int, trained: int) -> str:
+    taken = skipped + trained
+    return f"{skipped} of {taken} ({skipped / taken:.0%})" if taken else "0"
+
+
 def report(summary: Summary, config: DemoConfig, console: Console) -> None:
     table = Table(title="turnstile demo: summary", show_header=False)
     table.add_column(style="bold")
@@ -241,6 +246,7 @@ def report(summary: Summary, config: DemoConfig, console: Console) -> None:
         "episodes/s": f"{summary.episodes / max(summary.seconds, 1e-9):.1f}",
         "turns/s": f"{summary.turns / max(summary.seconds, 1e-9):.1f}",
         "batches trained": str(summary.batches_trained),
+        "batches skipped as stale": _share(summary.batches_skipped, summary.batches_trained),
         "policy version": str(summary.policy_version),
         "first policy update after": "-"
         if summary.first_update_s is None

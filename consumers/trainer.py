@@ -54,6 +54,7 @@ class TrainerConfig:
     version_every: int = 1
     max_staleness: int | None = None
     ack_wait: float = 120.0
+    merge_waiting: int = 4
     keep_checkpoints: int = 3
     log_steps: Path | None = None  # a JSON line per learner step (the on_step hook); off by default
     track: str | None = None  # "wandb" or "mlflow": each step logged to that tracker
@@ -65,6 +66,10 @@ class TrainerConfig:
             raise ConfigError(f"--version-every must be at least 1, got {self.version_every}")
         if self.track is not None and self.track not in TRACKERS:
             raise ConfigError(f"--track {self.track!r}: unknown tracker; use one of {', '.join(TRACKERS)}")
+        if self.merge_waiting < 1:
+            raise ConfigError(
+                f"--merge-waiting must be at least 1 (1: never merge), got {self.merge_waiting}"
+            )
         if self.keep_checkpoints < 0:
             raise ConfigError(f"--keep-checkpoints must be 0 (keep all) or more, got {self.keep_checkpoints}")
         if not (self.model / "config.json").is_file():
@@ -81,6 +86,7 @@ class TrainerConfig:
             durable=self.durable,
             version_every=self.version_every,
             max_staleness=self.max_staleness,
+            merge_waiting=self.merge_waiting,
             keep_checkpoints=self.keep_checkpoints,
             on_step=on_step,
         )
@@ -145,7 +151,8 @@ def _tracker(config: TrainerConfig) -> Tracker | None:
         return None
     directory = config.track_dir if config.track_dir is not None else config.checkpoints / "tracking"
     settings = {"policy": config.policy, "model": str(config.model), "version_every": config.version_every}
-    settings |= {"max_staleness": config.max_staleness, **dataclasses.asdict(config.learner)}
+    settings |= {"max_staleness": config.max_staleness, "merge_waiting": config.merge_waiting}
+    settings |= dataclasses.asdict(config.learner)
     return open_tracker(config.track, run_name=config.durable, directory=directory, config=settings)
 
 

@@ -202,6 +202,9 @@ def trainer(
         None, help="skip batches more than N versions behind \\[default: never]"
     ),
     ack_wait: float = typer.Option(120.0, help="seconds before an unfinished batch is delivered again"),
+    merge_waiting: int = typer.Option(
+        4, help="batches already waiting taken into one step when the trainer is behind (1: never)"
+    ),
     seed: int = typer.Option(0, help="torch seed"),
     threads: int = typer.Option(1, help="torch CPU threads"),
     device: str = typer.Option(
@@ -262,6 +265,7 @@ def trainer(
         version_every=version_every,
         max_staleness=max_staleness,
         ack_wait=ack_wait,
+        merge_waiting=merge_waiting,
         keep_checkpoints=keep_checkpoints,
         log_steps=log_steps,
         track=track,

@@ -25,6 +25,7 @@ class Summary:
     turns: int = 0
     seconds: float = 0.0
     batches_trained: int = 0
+    batches_skipped: int = 0  # by the trainer, as more than --max-staleness versions behind
     policy_version: int = 0
     first_update_s: float | None = None
     first_window: tuple[float, float, int] = (0.0, 0.0, 0)
@@ -154,14 +155,15 @@ def summarize(database_url: str, since: int, started_wall: float, window: int) -
     summary.first_window = mean_ci(rewards[:window])
     summary.last_window = mean_ci(rewards[-window:])
     summary.curve = curve_points(rewards)
-    summary.batches_trained = int(
+    outcomes = dict(
         query(
             database_url,
-            "SELECT count(*) FROM trained_batches "
-            "WHERE outcome = 'trained' AND trained_at >= to_timestamp(%s)",
+            "SELECT outcome, count(*) FROM trained_batches WHERE trained_at >= to_timestamp(%s) GROUP BY 1",
             started_wall,
-        )[0][0]
+        )
     )
+    summary.batches_trained = int(outcomes.get("trained", 0))
+    summary.batches_skipped = int(outcomes.get("stale", 0))
     versions = query(
         database_url,
         "SELECT (data->>'version')::int, extract(epoch FROM recorded_at) FROM events WHERE stream = %s "

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
         published_version,
         version_event_id,
     )
-    from pipeline.training.tensors import BatchTensors, payload_tensors, to_tensors
+    from pipeline.training.tensors import BatchTensors, concat_tensors, payload_tensors, to_tensors
     from pipeline.training.tracking import TRACKERS, Tracker, open_tracker
     from pipeline.training.trainer import (
         JsonlStepLog,
@@ -47,6 +47,7 @@ _HOME: dict[str, str] = {
     "published_version": "subscription",
     "version_event_id": "subscription",
     "BatchTensors": "tensors",
+    "concat_tensors": "tensors",
     "payload_tensors": "tensors",
     "to_tensors": "tensors",
     "TRACKERS": "tracking",
@@ -77,6 +78,7 @@ __all__ = [
     "TrainerStats",
     "TrainingPlan",
     "checkpoint_dir",
+    "concat_tensors",
     "open_tracker",
     "payload_tensors",
     "prune_checkpoints",

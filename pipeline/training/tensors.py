@@ -4,6 +4,7 @@ learner (``ppo``) imports with torch alone: no NATS or SQL client on a GPU machi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -87,4 +88,30 @@ def payload_tensors(payload: bytes, pad_id: int = 0) -> BatchTensors:
         rewards=flat["rewards"],
         policy_versions=flat["policy_versions"],
         sample_ids=[sample["sample_id"] for sample in samples],
+    )
+
+
+def concat_tensors(parts: Sequence[BatchTensors], pad_id: int = 0) -> BatchTensors:
+    """Several batches as one: their rows stacked, right-padded to the longest (one learner step over the
+    union of batches that were waiting)."""
+    import torch
+
+    if len(parts) == 1:
+        return parts[0]
+    width = max(part.input_ids.shape[1] for part in parts)
+
+    def stacked(name: str, value: float) -> torch.Tensor:
+        rows = [getattr(part, name) for part in parts]
+        padded = [torch.nn.functional.pad(row, (0, width - row.shape[1]), value=value) for row in rows]
+        return torch.cat(padded)
+
+    return BatchTensors(
+        input_ids=stacked("input_ids", pad_id),
+        attention_mask=stacked("attention_mask", 0),
+        loss_mask=stacked("loss_mask", 0.0),
+        logprobs=stacked("logprobs", 0.0),
+        advantages=torch.cat([part.advantages for part in parts]),
+        rewards=torch.cat([part.rewards for part in parts]),
+        policy_versions=torch.cat([part.policy_versions for part in parts]),
+        sample_ids=[sample for part in parts for sample in part.sample_ids],
     )

@@ -1,7 +1,8 @@
 """The training loop: batches from the stream, one learner step each, a policy version every
 ``version_every`` batches — checkpoint written, then the batches recorded as trained into it, then acked,
-then the version published — so after a crash each batch counts exactly once. The next batch is fetched
-and loaded into tensors while the learner steps on this one (``_ahead``). Checkpoints older than the
+then the version published — so after a crash each batch counts exactly once. The next batches are
+fetched and loaded into tensors while the learner steps (``_Ahead``); a trainer that fell behind takes up to
+``merge_waiting`` waiting batches into one step. Checkpoints older than the
 newest ``keep_checkpoints`` are removed after each publication; ``on_step`` (off by default) hears of each
 step, for an experiment logger or tracker (``tracking``)."""
 
@@ -13,7 +14,7 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final, TextIO
@@ -24,7 +25,7 @@ from pipeline.errors import ConfigError
 from pipeline.log import Store
 from pipeline.training.ppo import PolicyGradient, checkpoint_dir
 from pipeline.training.subscription import BatchSubscription, DeliveredBatch, publish_policy_version
-from pipeline.training.tensors import BatchTensors
+from pipeline.training.tensors import BatchTensors, concat_tensors
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class TrainingPlan:
     durable: str = "trainer"
     version_every: int = 1
     max_staleness: int | None = None
+    merge_waiting: int = 4
+    """A trainer that fell behind takes up to this many batches that are already waiting into one step (one
+    update, one version): batches sized to the learner's rate instead of skipped as stale; 1: never."""
     keep_checkpoints: int = 3
     """Version directories kept (the newest; 0 keeps all): resuming needs only the newest, an inference
     consumer that lags further behind fails to load an older one, says so and keeps its weights."""
@@ -139,24 +143,37 @@ async def train(
 ) -> None:
     pending: list[DeliveredBatch] = []
     losses: list[float | None] = []
-    async with contextlib.aclosing(_ahead(batches)) as stream:
-        async for delivered, tensors in stream:
-            behind = stats.version - delivered.min_policy_version
-            if plan.max_staleness is not None and behind > plan.max_staleness:
-                stats.stale += 1
-                log.info("batch %s is %d versions behind: skipped", delivered.batch_id, behind)
-                await batches.commit([delivered], stats.version, outcome="stale")
+    async with _Ahead(batches, depth=plan.merge_waiting) as ahead:
+        while True:
+            taken = [await ahead.next(), *ahead.ready(plan.merge_waiting - 1)]
+            fresh = [item for item in taken if not await _skipped(plan, batches, stats, item[0])]
+            if not fresh:
                 continue
+            tensors = concat_tensors([item[1] for item in fresh])
             loss = await asyncio.to_thread(learner.step, tensors)
             stats.last_loss = loss
-            pending.append(delivered)
-            losses.append(loss)
-            if plan.on_step is not None:
-                step = stats.trained + len(pending)
-                _tell(plan.on_step, _record(step, delivered, stats, loss, behind, learner.diagnostics))
+            for delivered, _ in fresh:
+                pending.append(delivered)
+                losses.append(loss)
+                if plan.on_step is not None:
+                    step = stats.trained + len(pending)
+                    _tell(plan.on_step, _record(step, delivered, stats, loss, learner.diagnostics))
             if len(pending) >= plan.version_every:
                 await _publish(plan, store, connection, batches, learner, stats, pending, losses)
                 pending, losses = [], []
+
+
+async def _skipped(
+    plan: TrainingPlan, batches: BatchSubscription, stats: TrainerStats, delivered: DeliveredBatch
+) -> bool:
+    """Whether ``delivered`` is too far behind the version trained now; if so it is recorded as skipped."""
+    behind = stats.version - delivered.min_policy_version
+    if plan.max_staleness is None or behind <= plan.max_staleness:
+        return False
+    stats.stale += 1
+    log.info("batch %s is %d versions behind: skipped", delivered.batch_id, behind)
+    await batches.commit([delivered], stats.version, outcome="stale")
+    return True
 
 
 async def _publish(
@@ -191,7 +208,6 @@ def _record(
     delivered: DeliveredBatch,
     stats: TrainerStats,
     loss: float,
-    behind: int,
     diagnostics: dict[str, float],
 ) -> StepRecord:
     samples = delivered.batch.samples
@@ -203,7 +219,7 @@ def _record(
         loss=loss,
         samples=len(samples),
         tokens=delivered.batch.tokens,
-        staleness=behind,
+        staleness=stats.version - delivered.min_policy_version,
         mean_reward=sum(s.reward for s in samples) / n,
         mean_advantage=sum(s.advantage for s in samples) / n,
         kl=diagnostics.get("kl", 0.0),
@@ -221,23 +237,45 @@ def _tell(hook: StepHook, record: StepRecord) -> None:
         log.exception("the on_step hook failed on batch %s; training goes on", record.batch_id)
 
 
-async def _ahead(batches: BatchSubscription) -> AsyncGenerator[tuple[DeliveredBatch, BatchTensors]]:
-    """The batches with their tensors, the next one fetched and loaded (in a thread) while the caller
-    trains on this one: the learner never waits on NATS or on decoding. Whether a batch is too stale is
-    still decided when its turn comes, against the version of that moment."""
-    iterator = aiter(batches)
+class _Ahead:
+    """The batches with their tensors, fetched from JetStream and loaded (in a thread) while the learner
+    steps: up to ``depth`` wait ready, so the learner never waits on NATS or on decoding, and a trainer that
+    fell behind finds several at once (``TrainingPlan.merge_waiting``). Whether a batch is too stale is
+    still decided when the learner takes it, against the version of that moment."""
 
-    async def load() -> tuple[DeliveredBatch, BatchTensors]:
-        delivered = await anext(iterator)
-        return delivered, await asyncio.to_thread(delivered.tensors)
+    def __init__(self, batches: BatchSubscription, depth: int) -> None:
+        self._batches = batches
+        self._queue: asyncio.Queue[tuple[DeliveredBatch, BatchTensors]] = asyncio.Queue(maxsize=max(depth, 1))
+        self._filling: asyncio.Task[None] | None = None
 
-    upcoming = asyncio.create_task(load())
-    try:
-        while True:
-            current = await upcoming
-            upcoming = asyncio.create_task(load())
-            yield current
-    finally:
-        upcoming.cancel()
-        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-            await upcoming
+    async def __aenter__(self) -> _Ahead:
+        self._filling = asyncio.create_task(self._fill())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._filling is not None
+        self._filling.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._filling
+
+    async def _fill(self) -> None:
+        async for delivered in self._batches:
+            await self._queue.put((delivered, await asyncio.to_thread(delivered.tensors)))
+
+    async def next(self) -> tuple[DeliveredBatch, BatchTensors]:
+        """The next batch, waiting for it; the subscription's error if it failed."""
+        assert self._filling is not None
+        getting = asyncio.ensure_future(self._queue.get())
+        await asyncio.wait({getting, self._filling}, return_when=asyncio.FIRST_COMPLETED)
+        if getting.done():
+            return getting.result()
+        getting.cancel()
+        self._filling.result()  # raises what stopped it
+        raise RuntimeError("the batch subscription ended")
+
+    def ready(self, most: int) -> list[tuple[DeliveredBatch, BatchTensors]]:
+        """Up to ``most`` batches already loaded, without waiting."""
+        taken: list[tuple[DeliveredBatch, BatchTensors]] = []
+        while len(taken) < most and not self._queue.empty():
+            taken.append(self._queue.get_nowait())
+        return taken

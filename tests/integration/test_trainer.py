@@ -133,7 +133,7 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
         database_url=database_url, nats_url=servers.nats_url, policy=policy, model=tiny_model_dir,
         checkpoints=tmp_path / "checkpoints", durable=f"t{uuid.uuid4().hex[:8]}", version_every=1,
         keep_checkpoints=2, log_steps=tmp_path / "steps.jsonl", track="mlflow", track_dir=tmp_path / "mlflow",
-        learner=LearnerOptions(micro_batch_tokens=64, kl_coef=0.01),
+        learner=LearnerOptions(micro_batch_tokens=64, kl_coef=0.01), merge_waiting=1,
     )  # fmt: skip
     inference = InferenceConfig(servers.nats_url, policy, backend="torch", model=tiny_model_dir)
     async with serving(inference) as service:
@@ -189,6 +189,44 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
     assert logged == pytest.approx({step["step"]: step["loss"] for step in steps})
 
 
+async def test_a_trainer_behind_takes_the_waiting_batches_into_one_step_each_once(
+    servers: Servers, store: EventStore, database_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Every batch on the stream before the trainer starts: it is behind from the first step, so it takes up
+    to --merge-waiting of them per step (one update, one version); each batch is still trained exactly once
+    and recorded into the version that holds its update."""
+    policy, published = await batches_on_the_stream(servers, store, database_url, groups=6, batch_samples=4)
+    assert published >= 6
+    config = TrainerConfig(
+        database_url=database_url, nats_url=servers.nats_url, policy=policy, model=tiny_model_dir,
+        checkpoints=tmp_path / "checkpoints", durable=f"t{uuid.uuid4().hex[:8]}", merge_waiting=3,
+        log_steps=tmp_path / "steps.jsonl",
+    )  # fmt: skip
+    stop = asyncio.Event()
+    training = asyncio.create_task(serve_trainer(config, stop=stop))
+    try:
+        await wait_until(
+            lambda: rows(database_url, "SELECT count(*) FROM trained_batches")[0][0] == published,
+            120,
+            "the trainer training every batch",
+        )
+    finally:
+        stop.set()
+        stats = await training
+    recorded = rows(database_url, "SELECT batch_id, policy_version, loss FROM trained_batches")
+    assert len({batch for batch, _, _ in recorded}) == published  # each once
+    per_version: dict[int, list[float]] = {}
+    for _, version, loss in recorded:
+        per_version.setdefault(version, []).append(loss)
+    assert sorted(per_version) == list(range(1, stats.version + 1))  # versions 1, 2, ... without a gap
+    assert all(1 <= len(losses) <= 3 for losses in per_version.values())
+    assert all(len(set(losses)) == 1 for losses in per_version.values())  # one step: one loss per version
+    assert stats.version < published, "no step took more than one batch although all were waiting"
+    newest = await published_version(store, policy)
+    assert newest is not None
+    assert len(newest.batches_consumed) == len(per_version[stats.version])
+
+
 async def test_a_trainer_killed_mid_batch_trains_each_batch_once(
     servers: Servers, store: EventStore, database_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -205,6 +243,7 @@ async def test_a_trainer_killed_mid_batch_trains_each_batch_once(
     command = [
         *TURNSTILE, "serve", "trainer", "--policy", policy, "--model", str(tiny_model_dir), "--durable",
         durable, "--checkpoints", str(tmp_path / "checkpoints"), "--version-every", "3", "--ack-wait", "2",
+        "--merge-waiting", "1",
     ]  # fmt: skip
 
     def trained() -> int:

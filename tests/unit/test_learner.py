@@ -145,3 +145,20 @@ def test_a_cuda_device_asked_for_and_absent_is_a_config_error(model_dir: Path) -
         pytest.skip("this machine has a CUDA device")
     with pytest.raises(ConfigError, match="--device cuda: torch sees no CUDA device"):
         PolicyGradient(model_dir, LearnerOptions(device="cuda"))
+
+
+def test_waiting_batches_concatenate_into_one_right_padded_batch(model_dir: Path) -> None:
+    from pipeline.training import concat_tensors
+
+    short = synthetic_batch(model_dir, lengths=[5, 3], seed=1)
+    long = synthetic_batch(model_dir, lengths=[9], seed=2)
+    both = concat_tensors([short, long])
+    assert both.input_ids.shape == (3, 9)
+    assert both.attention_mask.sum(dim=1).tolist() == [5, 3, 9]
+    assert torch.equal(both.input_ids[:2, :5], short.input_ids)
+    assert both.input_ids[:2, 5:].eq(0).all()
+    assert both.loss_mask[:2, 5:].eq(0).all()
+    assert torch.equal(both.logprobs[2], long.logprobs[0])
+    assert both.advantages.tolist() == short.advantages.tolist() + long.advantages.tolist()
+    assert both.sample_ids == ["s0", "s1", "s0"]
+    assert concat_tensors([short]) is short
