@@ -54,7 +54,7 @@ class TrainerConfig:
     version_every: int = 1
     max_staleness: int | None = None
     ack_wait: float = 120.0
-    merge_waiting: int = 4
+    merge_waiting: int = 1
     keep_checkpoints: int = 3
     log_steps: Path | None = None  # a JSON line per learner step (the on_step hook); off by default
     track: str | None = None  # "wandb" or "mlflow": each step logged to that tracker

@@ -203,7 +203,7 @@ def trainer(
     ),
     ack_wait: float = typer.Option(120.0, help="seconds before an unfinished batch is delivered again"),
     merge_waiting: int = typer.Option(
-        4, help="batches already waiting taken into one step when the trainer is behind (1: never)"
+        1, help="batches already waiting taken into one step when the trainer is behind (1: never)"
     ),
     seed: int = typer.Option(0, help="torch seed"),
     threads: int = typer.Option(1, help="torch CPU threads"),

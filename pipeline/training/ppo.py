@@ -206,40 +206,47 @@ class PolicyGradient:
             return tensor[index, :width].to(self.device, non_blocking=True)
 
         ids, attention = take(batch.input_ids), take(batch.attention_mask)
-        old, mask = take(batch.logprobs)[:, 1:], take(batch.loss_mask)[:, 1:]
-        advantage = batch.advantages[index].to(self.device).unsqueeze(1)
-        new = self._logprobs(self.model, ids, attention)
+        mask = take(batch.loss_mask)[:, 1:]
+        scored_here = mask > 0  # the token at position i is scored by the hidden state at position i - 1
+        if not bool(scored_here.any()):
+            return  # nothing to learn from these rows: no forward pass at all
+        old, weight = take(batch.logprobs)[:, 1:][scored_here], mask[scored_here]
+        advantage = batch.advantages[index].to(self.device).unsqueeze(1).expand_as(mask)[scored_here]
+        new = self._logprobs(self.model, ids, attention, scored_here)
         ratio = torch.exp(new - old)
         clipped = torch.clamp(ratio, 1 - self.options.clip, 1 + self.options.clip)
         per_token = -torch.minimum(ratio * advantage, clipped * advantage)
         if self.options.kl_coef > 0:
-            log_ratio = self._reference_logprobs(ids, attention) - new
+            log_ratio = self._reference_logprobs(ids, attention, scored_here) - new
             reference_kl = torch.exp(log_ratio) - log_ratio - 1  # k3: unbiased, never negative
             per_token = per_token + self.options.kl_coef * reference_kl
-            sums.reference_kl += float((reference_kl.detach() * mask).sum())
-        loss = (per_token * mask).sum() / scored  # this micro-batch's share of the batch's token mean
+            sums.reference_kl += float((reference_kl.detach() * weight).sum())
+        loss = (per_token * weight).sum() / scored  # this micro-batch's share of the batch's token mean
         loss.backward()
         sums.loss += float(loss.detach())
-        tokens = diagnostics(new.detach(), old, mask, self.options.clip, reduce=False)
+        tokens = diagnostics(new.detach(), old, weight, self.options.clip, reduce=False)
         sums.kl += tokens["kl"]
         sums.clipped += tokens["clip_fraction"]
 
-    def _logprobs(self, model: Any, ids: Any, attention: Any) -> Any:
-        """Log-probability of each token after the first under ``model`` (float32 whatever the autocast):
-        the token at position i is scored by the logits at position i - 1."""
+    def _logprobs(self, model: Any, ids: Any, attention: Any, scored: Any) -> Any:
+        """Log-probability under ``model`` of each token that ``scored`` ([rows, length - 1], true at
+        position i - 1 for the token at i) marks, in float32 whatever the autocast. The output layer runs
+        on those positions only: prompts and tool output are most of a sample's tokens, and over a real
+        vocabulary their logits would be most of the step's time and memory."""
         torch = self.torch
+        decoder, head = _decoder_and_head(model)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            logits = model(input_ids=ids, attention_mask=attention).logits
-        logits = logits[:, :-1].float()
-        chosen = logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+            hidden = decoder(input_ids=ids, attention_mask=attention).last_hidden_state
+            logits = head(hidden[:, :-1][scored]).float()
+        chosen = logits.gather(-1, ids[:, 1:][scored].unsqueeze(-1)).squeeze(-1)
         return chosen - torch.logsumexp(logits, dim=-1)
 
-    def _reference_logprobs(self, ids: Any, attention: Any) -> Any:
+    def _reference_logprobs(self, ids: Any, attention: Any, scored: Any) -> Any:
         with self.torch.no_grad():
             if self.reference is not None:
-                return self._logprobs(self.reference, ids, attention)
+                return self._logprobs(self.reference, ids, attention, scored)
             with self.model.disable_adapter():  # LoRA: the starting weights are the model without it
-                return self._logprobs(self.model, ids, attention)
+                return self._logprobs(self.model, ids, attention, scored)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
 
@@ -261,6 +268,13 @@ class PolicyGradient:
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         """The trained parameters by name (on the learner's device)."""
         return ((name, p) for name, p in self.model.named_parameters() if p.requires_grad)
+
+
+def _decoder_and_head(model: Any) -> tuple[Any, Any]:
+    """A causal LM's stack of layers (hidden states out) and its output layer; under LoRA, those of the
+    model peft wraps (its adapters sit inside them)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(inner, inner.base_model_prefix), inner.get_output_embeddings()
 
 
 def _load_model(directory: Path) -> Any:

@@ -104,7 +104,7 @@ class TrainingPlan:
     durable: str = "trainer"
     version_every: int = 1
     max_staleness: int | None = None
-    merge_waiting: int = 4
+    merge_waiting: int = 1
     """A trainer that fell behind takes up to this many batches that are already waiting into one step (one
     update, one version): batches sized to the learner's rate instead of skipped as stale; 1: never."""
     keep_checkpoints: int = 3
