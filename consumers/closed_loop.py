@@ -167,7 +167,7 @@ def run_demo(config: DemoConfig, console: Console) -> Summary:
             services.start(
                 "trainer", "serve", "trainer", "--policy", POLICY, "--model", str(model), "--checkpoints",
                 str(config.data_dir / "checkpoints"), "--lr", str(config.lr), "--max-staleness",
-                str(config.max_staleness), "--seed", str(config.seed),
+                str(config.max_staleness), "--seed", str(config.seed), "--micro-batch-tokens", "1024",
             )  # fmt: skip
             console.print(
                 f"services started (logs in {services.logs}); `turnstile sql` works from this directory "
