@@ -27,8 +27,10 @@ import contextlib
 import gc
 import json
 import logging
+import random
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -399,6 +401,72 @@ async def _retrying(
             "points at it"
         ) from error
     raise AssertionError("unreachable: the retry loop returns or raises")
+
+
+DISK_FULL: Final = "53100"
+"""PostgreSQL's SQLSTATE for "could not extend file: No space left on device"."""
+OUTAGE_WAIT_MAX: Final = 30.0
+"""Seconds, at most, between a service's attempts to start again while PostgreSQL is away."""
+
+
+def database_outage(error: BaseException) -> str | None:
+    """One line saying why PostgreSQL cannot serve now (gone away, restarting, its disk full), or None when
+    ``error`` is something else (a refused statement, a bug: those still end the service)."""
+    original = getattr(error, "orig", None) or error
+    first_line = (str(original) or type(original).__name__).splitlines()[0]
+    if getattr(original, "sqlstate", None) == DISK_FULL:
+        return f"PostgreSQL's disk is full ({first_line}): free space on the disk of its data directory"
+    if is_connection_error(error):
+        return f"PostgreSQL unreachable ({first_line})"
+    return None
+
+
+async def serve_through_outages(
+    runtime: Runtime,
+    serve: Callable[[Callable[[], None]], Awaitable[None]],
+    *,
+    wait_max: float = OUTAGE_WAIT_MAX,
+) -> None:
+    """Run ``serve`` until the service stops, starting it again whenever it ends with a database outage
+    (a PostgreSQL restart, fast or kill -9, a lost connection, a full disk), so the service stays up and
+    resumes from its checkpoint. ``serve(connected)`` calls ``connected()`` once it has reached the
+    database: an outage is the time from a failure after that call to the next such call, logged once as it
+    begins and once as it ends and counted in ``turnstile_database_outages_total``; the attempts between
+    wait with jittered exponential backoff up to ``wait_max`` seconds (or until the service is stopped)."""
+    state = {"outages": 0, "attempts": 0}
+    began: list[float] = []
+    runtime.counter(
+        "turnstile_database_outages_total",
+        "times PostgreSQL went away (or its disk filled) under this service, which then started again",
+        lambda: state["outages"],
+    )
+
+    def connected() -> None:
+        if began:
+            log.warning(
+                "%s: PostgreSQL is back after %.1f s; going on from the checkpoint",
+                runtime.name, time.monotonic() - began.pop(),
+            )  # fmt: skip
+        state["attempts"] = 0
+
+    while not runtime.stop.is_set():
+        try:
+            await serve(connected)
+            return
+        except Exception as error:
+            reason = database_outage(error)
+            if reason is None:
+                raise
+        if not began:
+            began.append(time.monotonic())
+            state["outages"] += 1
+            log.warning("%s: %s; starting again once it answers", runtime.name, reason)
+        else:
+            log.info("%s: still waiting for PostgreSQL: %s", runtime.name, reason)
+        delay = min(wait_max, 0.2 * 2 ** state["attempts"]) * random.uniform(0.5, 1.0)
+        state["attempts"] += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(runtime.stop.wait(), delay)
 
 
 # ---- what a service that records episodes needs (the runner and the gateway) ---------------------------
