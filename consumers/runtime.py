@@ -50,6 +50,8 @@ from pipeline.log import EventStore, is_connection_error
 from pipeline.settings import nats_inbox_prefix, nats_servers
 
 log = logging.getLogger(__name__)
+# stamina logs a bare "stamina.retry_scheduled" per retry; _retrying's own line names the server instead.
+stamina.instrumentation.set_on_retry_hooks([])
 
 LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 """Seconds: from a millisecond (an instant backend) to the minutes of a long generation."""
@@ -313,20 +315,38 @@ async def connect_nats(
     url: str, *, stop: asyncio.Event | None = None, connect_for: float = CONNECT_FOR
 ) -> NatsConnection | None:
     """A NATS connection that reconnects forever once made. The first connect is retried with jittered
-    backoff for ``connect_for`` seconds (then ``ConfigError``); None if ``stop`` is set first."""
+    backoff for ``connect_for`` seconds (0: one attempt; then ``ConfigError``, one line); None if ``stop``
+    is set first."""
+
+    connected = False
+    last_error: list[Exception] = []
+
+    async def log_error(error: Exception) -> None:
+        # before the first connect, a failed attempt is told once by _retrying, not by nats-py per server
+        if connected:
+            await _log_nats_error(error)
+        else:
+            last_error[:] = [error]
 
     async def attempt() -> NatsConnection:
+        nonlocal connected
         # nats-py's own first connect never gives up when reconnects are unlimited (and has no jitter), so
         # each attempt allows one reconnect only; once connected, reconnecting is unlimited.
-        connection = await nats.connect(
-            nats_servers(url),
-            max_reconnect_attempts=1,
-            reconnect_time_wait=0.1,
-            error_cb=_log_nats_error,
-            inbox_prefix=nats_inbox_prefix(url),
-        )
+        try:
+            connection = await nats.connect(
+                nats_servers(url),
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0.1,
+                error_cb=log_error,
+                inbox_prefix=nats_inbox_prefix(url),
+            )
+        except nats.errors.NoServersError as error:
+            if last_error:  # "no servers available" says less than why the last one failed
+                raise ConnectionError(str(last_error[-1])) from error
+            raise
         connection.options["max_reconnect_attempts"] = -1
         connection.options["reconnect_time_wait"] = 0.5
+        connected = True
         return connection
 
     return await _first_connect(attempt, f"NATS at {url}", "TURNSTILE_NATS_URL", stop, connect_for)
@@ -384,7 +404,11 @@ def _unreachable(error: Exception) -> bool:
 async def _retrying(
     attempt: Callable[[], Awaitable[_Connection]], what: str, setting: str, connect_for: float
 ) -> _Connection:
+    """``attempt()`` until it connects, for ``connect_for`` seconds (0 or less: once): a command run by hand
+    fails at once on "connection refused"; a service started before its servers waits for them."""
     try:
+        if connect_for <= 0:
+            return await attempt()
         async for retry in stamina.retry_context(
             on=_unreachable, attempts=None, timeout=connect_for, wait_initial=0.2, wait_max=5.0
         ):
@@ -396,9 +420,9 @@ async def _retrying(
         if not _unreachable(error):
             raise
         reason = (str(error) or type(error).__name__).splitlines()[0]
+        tried = f"after {connect_for:g} s" if connect_for > 0 else "(tried once: --connect-timeout waits)"
         raise ConfigError(
-            f"cannot reach {what} after {connect_for:g} s ({reason}); check that it runs and that {setting} "
-            "points at it"
+            f"cannot reach {what} {tried} ({reason}); check that it runs and that {setting} points at it"
         ) from error
     raise AssertionError("unreachable: the retry loop returns or raises")
 
@@ -480,6 +504,8 @@ class Connections:
     nats_url: str
     heartbeat_timeout: float = 15.0
     lease_timeout: float = 30.0
+    connect_for: float = CONNECT_FOR
+    """Seconds to keep trying to reach each server at start (0: once, as a command run by hand does)."""
 
 
 @dataclass(frozen=True)
@@ -498,10 +524,10 @@ async def episode_services(
 ) -> AsyncIterator[EpisodeServices]:
     """The store, a NATS connection, an LLM client and a runner lease. Episodes left open by dead runners
     are closed first (``aborted``); with ``recover``, again every ``lease_timeout`` while the block runs."""
-    store = await connect_store(connections.database_url)
+    store = await connect_store(connections.database_url, connect_for=connections.connect_for)
     assert store is not None  # None only when stopped, and no stop event was given
     try:
-        connection = await connect_nats(connections.nats_url)
+        connection = await connect_nats(connections.nats_url, connect_for=connections.connect_for)
         assert connection is not None
         llm = NatsLLMClient(connection, heartbeat_timeout=connections.heartbeat_timeout)
         try:
