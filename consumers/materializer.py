@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
-from consumers.runtime import Runtime, running
+from consumers.runtime import Runtime, running, serve_through_outages
 from pipeline.materialize import Materializer, MaterializerConfig, MaterializerMetrics, drop_rebuild
 
 log = logging.getLogger(__name__)
@@ -21,24 +22,42 @@ async def serve_materializer(
     stop: asyncio.Event | None = None,
     metrics_port: int | None = None,
 ) -> Materializer:
-    """Fold until SIGINT/SIGTERM (or ``stop``); each step commits its outputs and checkpoint together."""
+    """Fold until SIGINT/SIGTERM (or ``stop``); each step commits its outputs and checkpoint together, so
+    when PostgreSQL restarts (or its disk fills) the service waits for it and goes on from the checkpoint
+    with a materializer opened anew (``serve_through_outages``): nothing is lost or folded twice."""
     async with running(f"materializer {config.name}", stop=stop, metrics_port=metrics_port) as runtime:
-        materializer = Materializer(database_url, config)
-        await materializer.open()
+        current = [Materializer(database_url, config)]
         metrics = MaterializerMetrics(database_url)
-        instrument(runtime, materializer, metrics)
-        log.info("materializer %s starts after position %d", config.name, materializer.position)
+        instrument(runtime, lambda: current[0], metrics)
+
+        async def fold(connected: Callable[[], None]) -> None:
+            materializer = current[0] = Materializer(database_url, config)
+            try:
+                await materializer.open()
+                connected()
+                log.info("materializer %s starts after position %d", config.name, materializer.position)
+                await materializer.run(runtime.stop)
+            finally:
+                await close_quietly(materializer)
+
         try:
-            await materializer.run(runtime.stop)
+            await serve_through_outages(runtime, fold)
         finally:
-            await materializer.close()
             await metrics.close()
-            if materializer.skipped:
+            if current[0].skipped:
                 log.warning(
                     "materializer %s skipped %d events it could not fold: SELECT * FROM skipped_events",
-                    config.name, materializer.skipped,
+                    config.name, current[0].skipped,
                 )  # fmt: skip
-    return materializer
+    return current[0]
+
+
+async def close_quietly(materializer: Materializer) -> None:
+    """Close its connections; after an outage they are broken, and closing one may fail too."""
+    try:
+        await materializer.close()
+    except Exception as error:
+        log.debug("closing the materializer's connections: %s", error)
 
 
 async def rematerialize(
@@ -61,21 +80,24 @@ async def rematerialize(
     return materializer
 
 
-def instrument(runtime: Runtime, materializer: Materializer, metrics: MaterializerMetrics) -> None:
-    """Position, events quarantined, lag behind the log's head, open episodes and batches made."""
+def instrument(
+    runtime: Runtime, materializer: Callable[[], Materializer], metrics: MaterializerMetrics
+) -> None:
+    """Position, events quarantined, lag behind the log's head, open episodes and batches made, of the
+    materializer open now (``materializer()``: a new one after each database outage)."""
 
     async def lag() -> float:
-        return await metrics.lag(materializer.position)
+        return await metrics.lag(materializer().position)
 
     runtime.gauge(
         "turnstile_materializer_position",
         "the log position folded (the checkpoint)",
-        lambda: materializer.position,
+        lambda: materializer().position,
     )
     runtime.counter(
         "turnstile_materializer_quarantined_total",
         "events that could not be folded and were skipped (SELECT * FROM skipped_events)",
-        lambda: materializer.skipped,
+        lambda: materializer().skipped,
     )
     runtime.poll(
         "turnstile_materializer_lag_events", "events in the log not folded yet (head - checkpoint)", 5.0, lag

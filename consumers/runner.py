@@ -78,6 +78,8 @@ async def run_task_file(
                     result.outcomes = await work
                 except asyncio.CancelledError:
                     result.cancelled = True
+        if result.cancelled:  # the summary counts what the log holds, not the outcomes returned
+            await runner.count_cancelled()
     return result
 
 

@@ -27,8 +27,10 @@ import contextlib
 import gc
 import json
 import logging
+import random
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -48,6 +50,8 @@ from pipeline.log import EventStore, is_connection_error
 from pipeline.settings import nats_inbox_prefix, nats_servers
 
 log = logging.getLogger(__name__)
+# stamina logs a bare "stamina.retry_scheduled" per retry; _retrying's own line names the server instead.
+stamina.instrumentation.set_on_retry_hooks([])
 
 LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 """Seconds: from a millisecond (an instant backend) to the minutes of a long generation."""
@@ -311,20 +315,38 @@ async def connect_nats(
     url: str, *, stop: asyncio.Event | None = None, connect_for: float = CONNECT_FOR
 ) -> NatsConnection | None:
     """A NATS connection that reconnects forever once made. The first connect is retried with jittered
-    backoff for ``connect_for`` seconds (then ``ConfigError``); None if ``stop`` is set first."""
+    backoff for ``connect_for`` seconds (0: one attempt; then ``ConfigError``, one line); None if ``stop``
+    is set first."""
+
+    connected = False
+    last_error: list[Exception] = []
+
+    async def log_error(error: Exception) -> None:
+        # before the first connect, a failed attempt is told once by _retrying, not by nats-py per server
+        if connected:
+            await _log_nats_error(error)
+        else:
+            last_error[:] = [error]
 
     async def attempt() -> NatsConnection:
+        nonlocal connected
         # nats-py's own first connect never gives up when reconnects are unlimited (and has no jitter), so
         # each attempt allows one reconnect only; once connected, reconnecting is unlimited.
-        connection = await nats.connect(
-            nats_servers(url),
-            max_reconnect_attempts=1,
-            reconnect_time_wait=0.1,
-            error_cb=_log_nats_error,
-            inbox_prefix=nats_inbox_prefix(url),
-        )
+        try:
+            connection = await nats.connect(
+                nats_servers(url),
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0.1,
+                error_cb=log_error,
+                inbox_prefix=nats_inbox_prefix(url),
+            )
+        except nats.errors.NoServersError as error:
+            if last_error:  # "no servers available" says less than why the last one failed
+                raise ConnectionError(str(last_error[-1])) from error
+            raise
         connection.options["max_reconnect_attempts"] = -1
         connection.options["reconnect_time_wait"] = 0.5
+        connected = True
         return connection
 
     return await _first_connect(attempt, f"NATS at {url}", "TURNSTILE_NATS_URL", stop, connect_for)
@@ -382,7 +404,11 @@ def _unreachable(error: Exception) -> bool:
 async def _retrying(
     attempt: Callable[[], Awaitable[_Connection]], what: str, setting: str, connect_for: float
 ) -> _Connection:
+    """``attempt()`` until it connects, for ``connect_for`` seconds (0 or less: once): a command run by hand
+    fails at once on "connection refused"; a service started before its servers waits for them."""
     try:
+        if connect_for <= 0:
+            return await attempt()
         async for retry in stamina.retry_context(
             on=_unreachable, attempts=None, timeout=connect_for, wait_initial=0.2, wait_max=5.0
         ):
@@ -394,11 +420,77 @@ async def _retrying(
         if not _unreachable(error):
             raise
         reason = (str(error) or type(error).__name__).splitlines()[0]
+        tried = f"after {connect_for:g} s" if connect_for > 0 else "(tried once: --connect-timeout waits)"
         raise ConfigError(
-            f"cannot reach {what} after {connect_for:g} s ({reason}); check that it runs and that {setting} "
-            "points at it"
+            f"cannot reach {what} {tried} ({reason}); check that it runs and that {setting} points at it"
         ) from error
     raise AssertionError("unreachable: the retry loop returns or raises")
+
+
+DISK_FULL: Final = "53100"
+"""PostgreSQL's SQLSTATE for "could not extend file: No space left on device"."""
+OUTAGE_WAIT_MAX: Final = 30.0
+"""Seconds, at most, between a service's attempts to start again while PostgreSQL is away."""
+
+
+def database_outage(error: BaseException) -> str | None:
+    """One line saying why PostgreSQL cannot serve now (gone away, restarting, its disk full), or None when
+    ``error`` is something else (a refused statement, a bug: those still end the service)."""
+    original = getattr(error, "orig", None) or error
+    first_line = (str(original) or type(original).__name__).splitlines()[0]
+    if getattr(original, "sqlstate", None) == DISK_FULL:
+        return f"PostgreSQL's disk is full ({first_line}): free space on the disk of its data directory"
+    if is_connection_error(error):
+        return f"PostgreSQL unreachable ({first_line})"
+    return None
+
+
+async def serve_through_outages(
+    runtime: Runtime,
+    serve: Callable[[Callable[[], None]], Awaitable[None]],
+    *,
+    wait_max: float = OUTAGE_WAIT_MAX,
+) -> None:
+    """Run ``serve`` until the service stops, starting it again whenever it ends with a database outage
+    (a PostgreSQL restart, fast or kill -9, a lost connection, a full disk), so the service stays up and
+    resumes from its checkpoint. ``serve(connected)`` calls ``connected()`` once it has reached the
+    database: an outage is the time from a failure after that call to the next such call, logged once as it
+    begins and once as it ends and counted in ``turnstile_database_outages_total``; the attempts between
+    wait with jittered exponential backoff up to ``wait_max`` seconds (or until the service is stopped)."""
+    state = {"outages": 0, "attempts": 0}
+    began: list[float] = []
+    runtime.counter(
+        "turnstile_database_outages_total",
+        "times PostgreSQL went away (or its disk filled) under this service, which then started again",
+        lambda: state["outages"],
+    )
+
+    def connected() -> None:
+        if began:
+            log.warning(
+                "%s: PostgreSQL is back after %.1f s; going on from the checkpoint",
+                runtime.name, time.monotonic() - began.pop(),
+            )  # fmt: skip
+        state["attempts"] = 0
+
+    while not runtime.stop.is_set():
+        try:
+            await serve(connected)
+            return
+        except Exception as error:
+            reason = database_outage(error)
+            if reason is None:
+                raise
+        if not began:
+            began.append(time.monotonic())
+            state["outages"] += 1
+            log.warning("%s: %s; starting again once it answers", runtime.name, reason)
+        else:
+            log.info("%s: still waiting for PostgreSQL: %s", runtime.name, reason)
+        delay = min(wait_max, 0.2 * 2 ** state["attempts"]) * random.uniform(0.5, 1.0)
+        state["attempts"] += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(runtime.stop.wait(), delay)
 
 
 # ---- what a service that records episodes needs (the runner and the gateway) ---------------------------
@@ -412,6 +504,8 @@ class Connections:
     nats_url: str
     heartbeat_timeout: float = 15.0
     lease_timeout: float = 30.0
+    connect_for: float = CONNECT_FOR
+    """Seconds to keep trying to reach each server at start (0: once, as a command run by hand does)."""
 
 
 @dataclass(frozen=True)
@@ -430,10 +524,10 @@ async def episode_services(
 ) -> AsyncIterator[EpisodeServices]:
     """The store, a NATS connection, an LLM client and a runner lease. Episodes left open by dead runners
     are closed first (``aborted``); with ``recover``, again every ``lease_timeout`` while the block runs."""
-    store = await connect_store(connections.database_url)
+    store = await connect_store(connections.database_url, connect_for=connections.connect_for)
     assert store is not None  # None only when stopped, and no stop event was given
     try:
-        connection = await connect_nats(connections.nats_url)
+        connection = await connect_nats(connections.nats_url, connect_for=connections.connect_for)
         assert connection is not None
         llm = NatsLLMClient(connection, heartbeat_timeout=connections.heartbeat_timeout)
         try:

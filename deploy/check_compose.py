@@ -96,8 +96,34 @@ def as_list(value: Any) -> list[str]:
 
 
 def runs_turnstile_image(service: Mapping[str, Any]) -> bool:
-    """Built from this repository's Dockerfile (whose ENTRYPOINT is ``turnstile``)."""
-    return "build" in service
+    """Runs an image built from this repository (whose ENTRYPOINT is ``turnstile``): the service that builds
+    it, or one that runs its tag and is never pulled (``pull_policy: never``)."""
+    return "build" in service or service.get("pull_policy") == "never"
+
+
+def image_problems(services: Mapping[str, Any]) -> list[str]:
+    """One build per image: a tag is built by one service (``pull_policy: build``: never looked for on a
+    registry), and a service that runs a tag without building it never pulls it and runs a built one."""
+    found: list[str] = []
+    built: dict[str, str] = {}
+    for name, service in services.items():
+        if "build" in service:
+            image = service.get("image")
+            if image in built:
+                found.append(f"service {name}: builds {image} again (built by {built[image]})")
+            built[str(image)] = name
+            if service.get("pull_policy") != "build":
+                found.append(
+                    f"service {name}: builds {image} without pull_policy: build (a registry is asked first)"
+                )
+    for name, service in services.items():
+        if (
+            "build" not in service
+            and service.get("pull_policy") == "never"
+            and service.get("image") not in built
+        ):
+            found.append(f"service {name}: runs {service.get('image')}, which no service builds")
+    return found
 
 
 def turnstile_invocations(service: Mapping[str, Any]) -> list[list[str]]:
@@ -187,6 +213,7 @@ def problems(compose: Mapping[str, Any]) -> list[str]:
     services: dict[str, Any] = compose["services"]
     volumes = set((compose.get("volumes") or {}).keys())
     nats_users, postgres_users = _nats_users(), _postgres_users()
+    found.extend(image_problems(services))
     for name, service in services.items():
         for args in turnstile_invocations(service):
             if (refused := check_invocation(args)) is not None:

@@ -49,5 +49,6 @@ def main() -> None:
     try:
         app()
     except TurnstileError as error:
-        console.print(f"[red]error:[/red] {error}")
+        # soft_wrap: one line whatever the terminal's width (a script greps it; a log keeps it whole)
+        console.print(f"[red]error:[/red] {error}", soft_wrap=True, highlight=False)
         raise SystemExit(2) from None

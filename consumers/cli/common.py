@@ -122,6 +122,13 @@ Reward = Annotated[
 Temperature = Annotated[float, typer.Option(help="sampling temperature")]
 MaxTokens = Annotated[int, typer.Option(help="completion tokens per turn at most")]
 HeartbeatTimeout = Annotated[float, typer.Option(help="seconds an LLM call waits for a silent consumer")]
+ConnectTimeout = Annotated[
+    float,
+    typer.Option(
+        help="seconds to keep trying to reach the servers (for scripts started before them; 0: one attempt, "
+        "so a server that is not there is said at once)"
+    ),
+]
 
 # -- every `turnstile serve ...` service --
 

@@ -10,6 +10,7 @@ from rich.console import Console
 from consumers.cli.common import (
     Agent,
     Concurrency,
+    ConnectTimeout,
     EpisodeTimeout,
     MaxTokens,
     MaxTurns,
@@ -38,6 +39,7 @@ def run(
     max_tokens: MaxTokens = 256,
     seed: int = typer.Option(None, help="sampling seed"),
     tag: list[str] = typer.Option([], help="key=value recorded with every episode (repeatable)"),
+    connect_timeout: ConnectTimeout = 0.0,
 ) -> None:
     """Run AGENT on every task of a file, recording every episode; Ctrl-C cancels cleanly."""
     import asyncio
@@ -54,7 +56,11 @@ def run(
     )
 
     settings = Settings()
-    connections = Connections(settings.require_database_url(), settings.require_nats_url())
+    if connect_timeout < 0:
+        raise ConfigError(f"--connect-timeout must be 0 (one attempt) or more, got {connect_timeout:g}")
+    connections = Connections(
+        settings.require_database_url(), settings.require_nats_url(), connect_for=connect_timeout
+    )
     loaded = load_agent(agent)
     reward_fn = load_reward_function(reward) if reward else None
     if not tasks.is_file():
@@ -86,7 +92,7 @@ def submit(
     tasks: Path = typer.Argument(..., help="a JSONL file, one task object per line"),
     policy: str = typer.Option(..., help="tasks go to the work queue subject tasks.<policy>"),
     group_size: int = typer.Option(1, help="episodes per task"),
-    connect_timeout: float = typer.Option(60.0, help="seconds to keep trying to reach NATS"),
+    connect_timeout: ConnectTimeout = 0.0,
 ) -> None:
     """Put every task of a file on the JetStream work queue TASKS for `turnstile serve runner`."""
     import asyncio
@@ -96,8 +102,8 @@ def submit(
 
     if group_size < 1:
         raise ConfigError(f"--group-size must be at least 1, got {group_size}")
-    if connect_timeout <= 0:
-        raise ConfigError(f"--connect-timeout must be more than 0 seconds, got {connect_timeout:g}")
+    if connect_timeout < 0:
+        raise ConfigError(f"--connect-timeout must be 0 (one attempt) or more, got {connect_timeout:g}")
     specs: list[TaskSpec] = []
     for item in read_tasks(tasks):
         if isinstance(item, TaskLineError):

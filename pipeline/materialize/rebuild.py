@@ -11,7 +11,6 @@ import psycopg
 from psycopg import sql
 
 from pipeline.errors import ConfigError
-from pipeline.materialize.config import rebuild_schema
 from pipeline.settings import libpq_url
 
 READ_MODEL_TABLES: Final = (
@@ -26,13 +25,11 @@ async def drop_rebuild(database_url: str, name: str) -> None:
     """Drop the rebuild ``name``: its schema, its recorded configuration and its checkpoint."""
     if name == "main":
         raise ConfigError("the live materializer 'main' is not a rebuild; it cannot be replaced")
+    # A function owned by the tables' owner (migration 0020): the services' login may not delete those rows
+    # itself, and through it can drop a rebuild only, never reset the live materializer.
     connection = await psycopg.AsyncConnection.connect(libpq_url(database_url), autocommit=True)
-    async with connection, connection.transaction():
-        await connection.execute(
-            sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(rebuild_schema(name)))
-        )
-        await connection.execute("DELETE FROM materializers WHERE name = %s", (name,))
-        await connection.execute("DELETE FROM checkpoints WHERE name = %s", (f"materializer:{name}",))
+    async with connection:
+        await connection.execute("SELECT turnstile_drop_rebuild(%s)", (name,))
 
 
 async def create_rebuild_schema(connection: psycopg.AsyncConnection[Any], schema: str) -> None:

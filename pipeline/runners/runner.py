@@ -186,6 +186,9 @@ class Runner:
         self.runner_id = runner_id
         self.stats = stats or RunStats()
         self._slots = asyncio.Semaphore(config.concurrency)
+        self.open_episodes: set[str] = set()
+        """Episodes started and not yet counted: when the run is cancelled, those it recorded cancelled
+        (``count_cancelled``)."""
 
     async def run_group(
         self,
@@ -240,12 +243,14 @@ class Runner:
             )
             async with self._slots:
                 self.stats.running += 1
+                self.open_episodes.add(session.episode_id)
                 try:
                     outcome = await run_episode(
                         self.agent, session, reward_fn=self.reward_fn, timeout=self.config.timeout
                     )
                 finally:
                     self.stats.running -= 1
+                self.open_episodes.discard(session.episode_id)  # kept if cancelled: count_cancelled reads it
             if outcome.termination not in FAILED or retries_left == 0:
                 self.stats.count(outcome)
                 return outcome
@@ -253,6 +258,20 @@ class Runner:
             self.stats.turns += outcome.turns
             retries_left -= 1
             retry_of, attempt = outcome.episode_id, attempt + 1
+
+    async def count_cancelled(self) -> int:
+        """After a cancelled run: count in ``stats.cancelled`` the episodes open at the cancel that the log
+        holds as ``cancelled`` (each cancelled episode ends with a CancelledError, never with an outcome, so
+        only the log knows), and forget them. The number counted."""
+        counted = 0
+        for episode_id in sorted(self.open_episodes):
+            recorded = await self.store.read_stream(episode_stream(episode_id))
+            ends = [r.event for r in recorded if isinstance(r.event, EpisodeFinished)]
+            if ends and ends[-1].termination == "cancelled":
+                counted += 1
+        self.stats.cancelled += counted
+        self.open_episodes.clear()
+        return counted
 
     async def _recorded_attempt(self, group_id: str, slot: int, attempt: int) -> EpisodeOutcome | None:
         """What an earlier runner recorded for this attempt; an open episode is closed ``aborted`` first."""

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CPU = ROOT / "Dockerfile"
 GPU = ROOT / "deploy" / "gpu.Dockerfile"
 PIP_ARGS = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST")
+TORCH_ARGS = ("TORCH_INDEX_URL", "TORCH_TRUSTED_HOST")
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
@@ -47,10 +48,52 @@ def test_the_cpu_dockerfile_never_reaches_a_gpu_stage() -> None:
         body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
         assert word not in body, word
     compose = check_compose.load_compose(env={})
-    assert compose["services"]["inference"]["build"].get("dockerfile") is None  # the default: Dockerfile
+    assert compose["services"]["migrate"]["build"].get("dockerfile") is None  # the default: Dockerfile
     assert compose["services"]["inference-gpu"]["build"]["dockerfile"] == "deploy/gpu.Dockerfile"
-    for name in ("inference", "inference-gpu"):
-        assert set(compose["services"][name]["build"]["args"]) == set(PIP_ARGS)
+    assert set(compose["services"]["migrate"]["build"]["args"]) == {*PIP_ARGS, *TORCH_ARGS}
+    assert set(compose["services"]["inference-gpu"]["build"]["args"]) == set(PIP_ARGS)
+
+
+def test_one_build_one_tag_and_no_pull_of_it() -> None:
+    """Each image is built by one service and run by the rest under the same tag, never pulled: before, all
+    ten services built it (nine dangling tags) and compose asked Docker Hub for turnstile:latest first."""
+    services = check_compose.load_compose(env={})["services"]
+    builders = {name for name, service in services.items() if "build" in service}
+    assert builders == {"migrate", "inference-gpu"}
+    assert all(services[name]["pull_policy"] == "build" for name in builders)
+    runners = [name for name, service in services.items() if check_compose.runs_turnstile_image(service)]
+    assert len(runners) >= 9
+    cpu = [name for name in runners if name != "inference-gpu"]
+    assert {services[name]["image"] for name in cpu} == {"turnstile:latest"}
+    assert all(services[name]["pull_policy"] == "never" for name in cpu if name != "migrate")
+    assert check_compose.image_problems(services) == []
+    broken = {**services, "inference": {**services["inference"], "build": {"context": "."}}}
+    assert check_compose.image_problems(broken)  # a second build of the same tag is found
+    renamed = {**services, "runner": {**services["runner"], "image": "turnstile:other"}}
+    assert check_compose.image_problems(renamed) == [
+        "service runner: runs turnstile:other, which no service builds"
+    ]
+
+
+def test_the_torch_index_is_a_build_argument() -> None:
+    """A private mirror can serve torch: the torch step's own --index-url comes from TORCH_INDEX_URL (empty:
+    PyPI's torch would be a CUDA build, so the default is torch's CPU index) and its host may be trusted."""
+    args = {rest.split("=")[0] for word, rest in instructions(CPU) if word == "ARG"}
+    assert set(TORCH_ARGS) <= args
+    torch_step = next(rest for word, rest in instructions(CPU) if word == "RUN" and '"torch==' in rest)
+    assert '--index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"' in torch_step
+    assert '${TORCH_TRUSTED_HOST:+--trusted-host "${TORCH_TRUSTED_HOST}"}' in torch_step
+    script = 'pip(){ echo "$@"; }; ' + torch_step.split("pip-env ", 1)[1].split("&&")[0]
+    for env, expected in (
+        ({}, "--index-url https://download.pytorch.org/whl/cpu"),
+        (
+            {"TORCH_INDEX_URL": "https://m/simple", "TORCH_TRUSTED_HOST": "m"},
+            "--index-url https://m/simple --trusted-host m",
+        ),
+    ):
+        done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30,
+                              env={"PATH": "/usr/bin:/bin", "TORCH_VERSION": "2.13.0", **env})  # fmt: skip
+        assert done.stdout.strip() == f"install torch==2.13.0 {expected}", done.stdout
 
 
 @pytest.mark.parametrize("path", [CPU, GPU], ids=["cpu", "gpu"])

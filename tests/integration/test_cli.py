@@ -263,6 +263,36 @@ def test_plot_writes_into_the_data_directory_by_default(
     assert not (tmp_path / "plots").exists()
 
 
+def test_a_command_that_cannot_reach_its_servers_says_so_in_one_line_at_once(tmp_path: Path) -> None:
+    """By hand, "connection refused" is the answer: one line naming the server, the refusal and the setting
+    (it printed 69 lines over 60 s: nats-py's two lines and stamina's per attempt). ``--connect-timeout``
+    still waits, for scripts started before their servers."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": 1}\n')
+    closed = free_port()
+    commands = {
+        "submit": ["submit", str(tasks), "--policy", "p"],
+        "run": ["run", "--agent", "pipeline.examples.digits_or_capitals:DigitsOrCapitalsAgent",
+                "--tasks", str(tasks), "--policy", "p"],
+    }  # fmt: skip
+    env = clean_env(
+        TURNSTILE_NATS_URL=f"nats://127.0.0.1:{closed}",
+        TURNSTILE_DATABASE_URL=f"postgresql://postgres@127.0.0.1:{closed}/turnstile",
+        COLUMNS="60",  # a narrow terminal: the line is not wrapped either
+    )
+    for name, args in commands.items():
+        started = time.monotonic()
+        result = subprocess.run([*TURNSTILE, *args], capture_output=True, text=True, timeout=120, env=env)
+        took = time.monotonic() - started
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        assert result.returncode != 0, name
+        assert len(lines) == 1, (name, lines)
+        assert lines[0].startswith("error: cannot reach "), lines
+        assert "(tried once: --connect-timeout waits)" in lines[0]
+        assert "refused" in lines[0] or "Connect call failed" in lines[0], lines
+        assert took < 60, f"{name} took {took:.0f} s: it retried for the services' 60 s window"
+
+
 def test_submit_to_an_unreachable_nats_ends_in_one_clear_error(tmp_path: Path) -> None:
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"id": 1}\n')

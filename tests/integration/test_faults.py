@@ -6,20 +6,28 @@ Each test owns the server it restarts (embedded, on a port of its own) and share
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import psycopg
+import pytest
+
 from consumers.inference import InferenceConfig
+from consumers.materializer import rematerialize, serve_materializer
+from consumers.runtime import database_outage
 from pipeline.dev.embedded import EmbeddedNats, EmbeddedPostgres
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.db import migrate
+from pipeline.materialize import MaterializerConfig
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
-from schemas import EpisodeFinished, TurnCompleted
+from schemas import EpisodeFinished, RewardAssigned, TurnCompleted
 from tests.conftest import Servers
+from tests.integration.test_materializer import read_models, rows, started, turn
 from tests.support.agents import SlowAgent
 from tests.support.backends import RuleBackend, echo_rule
 from tests.support.serving import serving
@@ -96,3 +104,99 @@ async def test_postgresql_restarted_mid_run(servers: Servers, server_dir: Path) 
         await store.close()
     finally:
         postgres.stop()
+
+
+async def record_episodes(store: EventStore, tag: str, groups: int) -> None:
+    """``groups`` groups of four two-turn episodes, recorded one event at a time, interleaved."""
+    pending = {}
+    for g in range(groups):
+        for slot in range(4):
+            episode_id = f"{tag}-{g}-{slot}"
+            first = turn([1, g, slot, 2], [5 + slot, 2])
+            pending[episode_id] = [
+                started(episode_id, group=f"{tag}-{g}", size=4),
+                first,
+                turn([1, g, slot, 2, 5 + slot, 2, 1, 7, 2], [9, g % 50, 2]),
+                RewardAssigned(value=slot / 4),
+                EpisodeFinished(termination="done"),
+            ]
+    written = dict.fromkeys(pending, 0)
+    while pending:
+        for episode_id in sorted(pending):
+            events = pending[episode_id]
+            await store.append(f"episode-{episode_id}", [events[written[episode_id]]], written[episode_id])
+            written[episode_id] += 1
+            if written[episode_id] == len(events):
+                del pending[episode_id]
+
+
+async def caught_up(database_url: str, serving: asyncio.Task[object]) -> None:
+    """Until the materializer's checkpoint is the log's head (failing at once if the service ended)."""
+    deadline = time.monotonic() + 120
+    while True:
+        if serving.done():
+            raise AssertionError(f"the materializer ended: {serving.exception()!r}")
+        head, checkpoint = rows(
+            database_url,
+            "SELECT (SELECT max(position) FROM events), "
+            "(SELECT position FROM checkpoints WHERE name = 'materializer:main')",
+        )[0]
+        if checkpoint is not None and checkpoint == head:
+            return
+        assert time.monotonic() < deadline, f"checkpoint {checkpoint}, head {head}"
+        await asyncio.sleep(0.05)
+
+
+async def test_the_materializer_rides_out_postgresql_restarts(
+    server_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``turnstile serve materializer`` exited 1 on any PostgreSQL restart; now it waits for the server, goes
+    on from its checkpoint, and ends with exactly what one uninterrupted fold of the same log gives."""
+    caplog.set_level(logging.INFO, logger="consumers")
+    postgres = EmbeddedPostgres(server_dir / "pg")
+    postgres.start()
+    stop = asyncio.Event()
+    try:
+        migrate(postgres.url)
+        store = await EventStore.connect(postgres.url, retry_for=60)
+        config = MaterializerConfig(discount=0.9, batch_samples=8, step_events=4)
+        serving = asyncio.create_task(serve_materializer(postgres.url, config, stop=stop))
+        try:
+            for tag, restart in (("fast", postgres.stop), ("killed", postgres.kill)):
+                await record_episodes(store, tag, groups=6)
+                await caught_up(postgres.url, serving)
+
+                def restart_now(down: Callable[[], None] = restart) -> None:
+                    down()  # a fast shutdown, then a kill -9 (the restart recovers from the WAL)
+                    postgres.start()
+
+                await asyncio.to_thread(restart_now)
+                await record_episodes(store, f"{tag}-after", groups=2)  # while it reconnects
+                await caught_up(postgres.url, serving)
+        finally:
+            stop.set()
+            await asyncio.wait_for(serving, 60)
+            await store.close()
+        await rematerialize(postgres.url, MaterializerConfig(name="reference", discount=0.9, batch_samples=8))
+        live, reference = read_models(postgres.url, "public"), read_models(postgres.url, "rm_reference")
+    finally:
+        postgres.stop()
+    assert len(live["turns"]) == 2 * (6 + 2) * 4 * 2
+    assert len(live["batches"]) == len(live["turns"]) // 8  # a sample per turn, eight a batch
+    assert live == reference  # nothing lost, nothing folded twice
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("PostgreSQL unreachable" in m and "starting again" in m for m in messages) == 2, messages
+    assert sum("PostgreSQL is back" in m for m in messages) == 2, messages
+
+
+def test_an_outage_is_told_from_other_errors_and_a_full_disk_is_named() -> None:
+    full = psycopg.errors.DiskFull('could not extend file "base/5/16384": No space left on device')
+    assert database_outage(full) == (
+        'PostgreSQL\'s disk is full (could not extend file "base/5/16384": No space left on device): free '
+        "space on the disk of its data directory"
+    )
+    assert database_outage(psycopg.errors.AdminShutdown("terminating connection")) == (
+        "PostgreSQL unreachable (terminating connection)"
+    )
+    assert database_outage(psycopg.errors.InsufficientPrivilege("permission denied")) is None
+    assert database_outage(ValueError("a bug")) is None

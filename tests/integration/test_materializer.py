@@ -801,3 +801,27 @@ async def test_the_lineage_rules_version_is_part_of_the_configuration_hash(
         await materialize(database_url, config)
     monkeypatch.setattr(lineages, "RULE", 1)
     await materialize(database_url, config)
+
+
+def test_replace_works_with_the_login_turnstile_up_prints(database_url: str) -> None:
+    """``rematerialize --replace`` as the services' login (``make_logins``, what ``turnstile up`` exports as
+    TURNSTILE_DATABASE_URL) failed with "permission denied for table materializers"; it goes through
+    ``turnstile_drop_rebuild``, which drops a rebuild and refuses the live materializer."""
+    import subprocess
+
+    from pipeline.log.db import make_logins
+
+    services = make_logins(database_url, services="ops_services", reader="ops_reader").services
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    env["TURNSTILE_DATABASE_URL"] = services
+    command = [*TURNSTILE, "rematerialize", "--name", "asup"]
+    for extra in ([], ["--replace"], ["--replace"]):
+        done = subprocess.run([*command, *extra], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr
+    assert rows(database_url, "SELECT count(*) FROM materializers WHERE name = 'asup'") == [(1,)]
+    with psycopg.connect(libpq_url(services), autocommit=True) as connection:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="live materializer 'main'"):
+            connection.execute("SELECT turnstile_drop_rebuild('main')")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):  # nor directly, the live one's checkpoint
+            connection.execute("DELETE FROM checkpoints WHERE name = 'materializer:main'")

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import uuid
@@ -264,6 +265,8 @@ async def test_turnstile_run_ctrl_c_cancels_open_episodes_cleanly(
     assert "line 7: not JSON" in output
     assert terminations(database_url) == Counter({"cancelled": 6})
     assert open_episodes(database_url) == 0
+    # the summary says what the log holds (it said "cancelled 0": cancelled episodes return no outcome)
+    assert re.search(r"cancelled\s*│\s*6\s*│", output), output
 
 
 async def test_runner_killed_mid_run_its_tasks_are_redelivered_none_lost_none_counted_twice(
