@@ -25,6 +25,7 @@ trl, datasets and transformers are imported inside the functions that need them:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -70,10 +71,12 @@ class StreamFeed:
         self.policy, self.durable, self.ack_wait = policy, durable, ack_wait
         self._batches: queue.Queue[DeliveredBatch | BaseException] = queue.Queue(maxsize=1)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="turnstile batch feed", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="turnstile batch feed", daemon=True
+        )
         self._thread.start()
         self._stack = contextlib.AsyncExitStack()
-        self._feeding: asyncio.Future[None] | None = None
+        self._feeding: concurrent.futures.Future[None] | None = None
         try:
             self._call(self._open())
         except BaseException:
@@ -180,7 +183,11 @@ def write_checkpoint(
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     for entry in base.iterdir():
-        if entry.is_file() and not entry.name.endswith(WEIGHT_FILES) and not entry.name.endswith(".index.json"):
+        if (
+            entry.is_file()
+            and not entry.name.endswith(WEIGHT_FILES)
+            and not entry.name.endswith(".index.json")
+        ):
             shutil.copy2(entry, partial / entry.name)
     if model is not None:
         model.save_pretrained(partial)
@@ -190,7 +197,9 @@ def write_checkpoint(
             tensors.update(load_file(shard))
         unknown = sorted(set(weights or {}) - set(tensors))
         if unknown:
-            raise ConfigError(f"weights not in the model at {base}: {unknown[:5]}; send the model's own names")
+            raise ConfigError(
+                f"weights not in the model at {base}: {unknown[:5]}; send the model's own names"
+            )
         tensors.update(weights or {})
         save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(directory, ignore_errors=True)
@@ -528,7 +537,7 @@ class StreamRollouts:
 
         rollouts = self
 
-        class PublishVersions(TrainerCallback):  # type: ignore[misc]
+        class PublishVersions(TrainerCallback):
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 if state.global_step % rollouts.version_every == 0:
                     rollouts.publish_version(kwargs["model"])

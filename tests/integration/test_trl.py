@@ -1,7 +1,7 @@
-"""TRL on the batch stream (marker ``trl``: ``pip install -e '.[dev,trl]'``, then ``pytest -m trl``): GRPOTrainer
-trained for real on CPU from a stream made by the real materializer and relay, and AsyncGRPOTrainer's rollout
-worker and weight transfer (its trainer needs CUDA: ``tests/e2e/test_gpu_trl.py``) read through trl's own
-queue dataset, against the real stream and log."""
+"""TRL on the batch stream (marker ``trl``: ``pip install -e '.[dev,trl]'``, then ``pytest -m trl``):
+GRPOTrainer trained for real on CPU from a stream made by the real materializer and relay, and
+AsyncGRPOTrainer's rollout worker and weight transfer (its trainer needs CUDA: ``tests/e2e/test_gpu_trl.py``)
+read through trl's own queue dataset, against the real stream and log."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.batches import BATCHES_STREAM, TrainingBatch, batch_subject, fetch_training_batch
 from pipeline.log import EventStore
-from pipeline.training import published_version
-from pipeline.training.trl_adapters import (
+from pipeline.training import (
     StreamFeed,
-    StreamRolloutWorker,
     StreamRollouts,
+    StreamRolloutWorker,
     placeholder_prompts,
+    published_version,
     reward_turnstile,
 )
 from schemas import PolicyVersionPublished
@@ -41,7 +41,9 @@ async def batch_files(servers: Servers, policy: str, count: int) -> list[Trainin
     """The batches on ``batches.<policy>`` as the relay published them, read with a consumer of their own."""
     connection = await nats.connect(servers.nats_url)
     try:
-        subscription = await connection.jetstream().pull_subscribe(batch_subject(policy), stream=BATCHES_STREAM)
+        subscription = await connection.jetstream().pull_subscribe(
+            batch_subject(policy), stream=BATCHES_STREAM
+        )
         batches: list[TrainingBatch] = []
         while len(batches) < count:
             for message in await subscription.fetch(count - len(batches), timeout=10):
@@ -89,9 +91,9 @@ async def test_grpo_trainer_trains_on_the_stream_publishes_versions_and_acks(
                 return output
 
             config = GRPOConfig(
-                output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4, num_generations=4,
-                learning_rate=1e-2, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
-                max_completion_length=64, seed=0,
+                output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                num_generations=4, learning_rate=1e-2, use_cpu=True, report_to=[], save_strategy="no",
+                logging_steps=1, max_completion_length=64, seed=0,
             )  # fmt: skip
             trainer = GRPOTrainer(
                 model=str(rollouts.start_weights),
@@ -116,14 +118,17 @@ async def test_grpo_trainer_trains_on_the_stream_publishes_versions_and_acks(
     after = parameters(Path(newest.checkpoint))
     assert any(not torch.equal(before[name], after[name]) for name in before)
     # batches whose samples were all trained are recorded into a version and acked; the rest are not
-    trained = dict(rows(database_url, "SELECT batch_id, policy_version FROM trained_batches WHERE trainer = %s", durable))
+    trained = dict(
+        rows(database_url, "SELECT batch_id, policy_version FROM trained_batches WHERE trainer = %s", durable)
+    )
     whole = []
     seen = 0
     for batch in files:
         seen += len(batch.samples)
         if seen <= len(handed):
             whole.append(batch.batch_id)
-    assert sorted(trained) == sorted(whole) and whole
+    assert whole
+    assert sorted(trained) == sorted(whole)
     consumed = {
         event.version: set(event.batches_consumed)
         for event in [r.event for r in await store.read_stream(f"policy-{policy}")]
@@ -131,7 +136,7 @@ async def test_grpo_trainer_trains_on_the_stream_publishes_versions_and_acks(
     }
     assert {b for batch_ids in consumed.values() for b in batch_ids} == set(whole)
     assert all(batch_id in consumed[version] for batch_id, version in trained.items())
-    acked, waiting = await consumer_state(servers, durable)
+    acked, _ = await consumer_state(servers, durable)
     assert acked >= len(whole)
 
 
@@ -189,11 +194,12 @@ async def test_async_grpo_worker_queues_the_stream_and_acks_only_after_publicati
     assert rows(database_url, "SELECT count(*) FROM trained_batches WHERE trainer = %s", durable)[0][0] == 0
     assert (await consumer_state(servers, durable))[0] == 0  # nothing acked: it comes again
 
-    def second_run() -> tuple[StreamRolloutWorker, list[dict[str, Any]], list[list[str]]]:
+    def second_run() -> tuple[list[dict[str, Any]], list[list[str]]]:
         worker = StreamRolloutWorker(servers.nats_url, database_url, **options)
         transfer = worker.weight_transfer()
         version = [0]
         acked_after: list[list[str]] = []
+        trained_query = "SELECT batch_id FROM trained_batches WHERE trainer = %s AND outcome = 'trained'"
         try:
             worker.start()
             samples = rollout_dataset(worker, version, 1)
@@ -206,20 +212,22 @@ async def test_async_grpo_worker_queues_the_stream_and_acks_only_after_publicati
                 transfer.resume()
                 version[0] = sync
                 worker.update_model_version(sync)
-                acked_after.append(
-                    sorted(r[0] for r in rows(database_url, "SELECT batch_id FROM trained_batches WHERE trainer = %s "
-                                              "AND outcome = 'trained'", durable))  # fmt: skip
-                )
-            return worker, got, acked_after
+                acked_after.append(sorted(r[0] for r in rows(database_url, trained_query, durable)))
+            return got, acked_after
         finally:
             worker.stop()
 
-    worker, got, acked_after = await asyncio.to_thread(second_run)
+    got, acked_after = await asyncio.to_thread(second_run)
     # token for token the batch files, the first batch delivered again
     # (redelivered after ack_wait, the first run's batches may come in another order than the stream's)
     expected = [s for batch in files for s in batch.samples]
     assert sorted(row(s) for s in got) == sorted(
-        (tuple(s.input_ids), tuple(s.loss_mask), tuple(round(p, 4) for p in s.logprobs), round(s.advantage, 6))
+        (
+            tuple(s.input_ids),
+            tuple(s.loss_mask),
+            tuple(round(p, 4) for p in s.logprobs),
+            round(s.advantage, 6),
+        )
         for s in expected
     )
     groups = [s["group_id"] for s in got]
@@ -227,11 +235,14 @@ async def test_async_grpo_worker_queues_the_stream_and_acks_only_after_publicati
     # acked only at the third sync after the samples were taken, into the version published then
     batch_ids = sorted(b.batch_id for b in files)
     assert acked_after == [[], [], batch_ids]
-    recorded = rows(database_url, "SELECT DISTINCT policy_version FROM trained_batches WHERE trainer = %s", durable)
+    recorded = rows(
+        database_url, "SELECT DISTINCT policy_version FROM trained_batches WHERE trainer = %s", durable
+    )
     assert recorded == [(3,)]
     newest = await published_version(store, policy)
     assert isinstance(newest, PolicyVersionPublished)
-    assert newest.version == 3 and sorted(newest.batches_consumed) == batch_ids
+    assert newest.version == 3
+    assert sorted(newest.batches_consumed) == batch_ids
     loaded = parameters(Path(newest.checkpoint))
     assert all(torch.equal(loaded[name], p.detach()) for name, p in model.named_parameters())
 
@@ -248,12 +259,13 @@ async def test_async_grpo_worker_queues_the_stream_and_acks_only_after_publicati
             while worker.stale < late:
                 assert time.monotonic() - start < 60, "the late batches were not skipped"
                 time.sleep(0.05)
-            assert worker.rollout_buffer.qsize() == 0 and worker.queued == 0
+            assert worker.rollout_buffer.qsize() == 0
+            assert worker.queued == 0
             return worker
         finally:
             worker.stop()
 
     await asyncio.to_thread(third_run)
-    outcomes = dict(rows(database_url, "SELECT outcome, count(*) FROM trained_batches WHERE trainer = %s "
-                                       "GROUP BY outcome", durable))  # fmt: skip
+    query = "SELECT outcome, count(*) FROM trained_batches WHERE trainer = %s GROUP BY outcome"
+    outcomes = dict(rows(database_url, query, durable))
     assert outcomes == {"trained": 3, "stale": late}
