@@ -165,7 +165,7 @@ def rollout_dataset(worker: StreamRolloutWorker, version: list[int], max_stalene
 async def test_async_grpo_worker_queues_the_stream_and_acks_only_after_publication(
     servers: Servers, store: EventStore, database_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    # Three batches reach the stream first; the others come once three versions are out, too old for
+    # Three batches reach the stream first; the others come once four versions are out, too old for
     # max_staleness 1 then.
     policy, made = await batches_on_the_stream(
         servers, store, database_url, groups=6, batch_samples=4, relay_first=3
@@ -201,10 +201,15 @@ async def test_async_grpo_worker_queues_the_stream_and_acks_only_after_publicati
         acked_after: list[list[str]] = []
         trained_query = "SELECT batch_id FROM trained_batches WHERE trainer = %s AND outcome = 'trained'"
         try:
+            # as AsyncGRPOTrainer begins: transfer set up, a cold sync (version 1), then the worker started
+            transfer.init_weight_transfer()
+            transfer.send_weights(iter(model.named_parameters()))
+            version[0] = 1
+            worker.update_model_version(1)
             worker.start()
             samples = rollout_dataset(worker, version, 1)
             got = [next(samples) for batch in files for _ in batch.samples]
-            for sync in (1, 2, 3):
+            for sync in (2, 3, 4):
                 with torch.no_grad():
                     next(model.parameters()).add_(0.5)  # a "step": the weights sent differ from the last
                 transfer.pause()
@@ -238,22 +243,22 @@ async def test_async_grpo_worker_queues_the_stream_and_acks_only_after_publicati
     recorded = rows(
         database_url, "SELECT DISTINCT policy_version FROM trained_batches WHERE trainer = %s", durable
     )
-    assert recorded == [(3,)]
+    assert recorded == [(4,)]
     newest = await published_version(store, policy)
     assert isinstance(newest, PolicyVersionPublished)
-    assert newest.version == 3
+    assert newest.version == 4
     assert sorted(newest.batches_consumed) == batch_ids
     loaded = parameters(Path(newest.checkpoint))
     assert all(torch.equal(loaded[name], p.detach()) for name, p in model.named_parameters())
 
-    # the other batches arrive three versions after their samples' version 0: skipped as stale, never queued
+    # the other batches arrive four versions after their samples' version 0: skipped as stale, never queued
     late = await relay_batches(servers, database_url)
     assert late == made - 3
 
     def third_run() -> StreamRolloutWorker:
         worker = StreamRolloutWorker(servers.nats_url, database_url, **options)
         try:
-            assert worker.start_version == 3
+            assert worker.start_version == 4
             worker.start()
             start = time.monotonic()
             while worker.stale < late:
