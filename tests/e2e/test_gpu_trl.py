@@ -8,8 +8,10 @@ local Hugging Face cache. Without either the test is skipped and says which. It 
 are a training batch built here (the batch format's own types), turned into ``RolloutSample``s by the same
 ``rollout_samples`` that ``StreamRolloutWorker`` uses, and the weight transfer writes checkpoints with
 ``write_checkpoint``, as ``CheckpointWeightTransfer`` does (the stream and the log are covered on CPU by
-``tests/integration/test_trl.py``). Besides torch, transformers and the project it needs the wheels of
-trl==1.16.0, accelerate, datasets (with pyarrow, pandas, dill, xxhash, multiprocess), kernels and numpy.
+``tests/integration/test_trl.py``). Besides torch, transformers and numpy it needs the wheels of
+trl==1.16.0, accelerate, datasets (with pyarrow, pandas, dill, xxhash, multiprocess) and kernels (all pure
+Python but pyarrow, pandas and xxhash), and the project's own dependencies that ``pipeline.training``
+imports (pydantic, pydantic-settings, sqlalchemy, psycopg, nats-py, safetensors).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections import defaultdict
@@ -34,6 +36,7 @@ from tests.conftest import Servers
 from tests.integration.test_trainer import batches_on_the_stream, relay_batches, rows
 
 pytestmark = pytest.mark.trl
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
@@ -274,3 +277,37 @@ async def test_async_grpo_worker_queues_the_stream_and_acks_only_after_publicati
     query = "SELECT outcome, count(*) FROM trained_batches WHERE trainer = %s GROUP BY outcome"
     outcomes = dict(rows(database_url, query, durable))
     assert outcomes == {"trained": 3, "stale": late}
+
+
+async def test_the_grpo_example_trains_and_a_second_run_goes_on_from_its_version(
+    servers: Servers, store: EventStore, database_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    policy, made = await batches_on_the_stream(servers, store, database_url, groups=6, batch_samples=4)
+    durable = f"ex{uuid.uuid4().hex[:8]}"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")},
+        "TURNSTILE_NATS_URL": servers.nats_url,
+        "TURNSTILE_DATABASE_URL": database_url,
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+    }
+    argv = [
+        sys.executable, str(EXAMPLES / "train_with_trl_grpo.py"), "--policy", policy, "--durable", durable,
+        "--model", str(tiny_model_dir), "--checkpoints", str(tmp_path / "ck"), "--steps", "2",
+    ]  # fmt: skip
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+    first = await asyncio.to_thread(run)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "published up to version 2;" in first.stdout
+    trained = rows(database_url, "SELECT count(*) FROM trained_batches WHERE trainer = %s", durable)[0][0]
+    assert 0 < trained < made
+    # the second run starts from version 2's checkpoint and numbers on from there
+    second = await asyncio.to_thread(run)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "published up to version 4;" in second.stdout
+    newest = await published_version(store, policy)
+    assert isinstance(newest, PolicyVersionPublished)
+    assert newest.version == 4
+    assert newest.checkpoint == str((tmp_path / "ck" / "v000004").absolute())
