@@ -32,6 +32,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -69,7 +70,8 @@ class StreamFeed:
     ) -> None:
         self.nats_url, self.database_url = nats_url, database_url
         self.policy, self.durable, self.ack_wait = policy, durable, ack_wait
-        self._batches: queue.Queue[DeliveredBatch | BaseException] = queue.Queue(maxsize=1)
+        self._batches: queue.Queue[DeliveredBatch] = queue.Queue(maxsize=1)
+        self._failure: BaseException | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="turnstile batch feed", daemon=True
@@ -101,13 +103,15 @@ class StreamFeed:
         """The next untrained batch, or None after ``timeout`` seconds without one."""
         if self._feeding is None:
             self._feeding = asyncio.run_coroutine_threadsafe(self._feed(), self._loop)
-        try:
-            item = self._batches.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._failure is not None:
+                raise self._failure
+            left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+            if left <= 0:
+                return None
+            with contextlib.suppress(queue.Empty):
+                return self._batches.get(timeout=left)
 
     async def _feed(self) -> None:
         try:
@@ -119,8 +123,8 @@ class StreamFeed:
                         break
                     except queue.Full:
                         await asyncio.sleep(0.02)
-        except Exception as error:  # the taking thread raises it
-            self._batches.put(error)
+        except Exception as error:  # the taking thread raises it (never block this loop on the queue)
+            self._failure = error
 
     def trained_version(self) -> int:
         """The newest version this durable recorded batches into (0: none)."""
@@ -145,11 +149,14 @@ class StreamFeed:
             self._call(self._close(), timeout=60)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=60)
-        self._loop.close()
+        if not self._loop.is_running():
+            self._loop.close()
 
     async def _close(self) -> None:
         if self._feeding is not None:
             self._feeding.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wrap_future(self._feeding)
         await self._stack.aclose()
 
     def __enter__(self) -> StreamFeed:
@@ -295,6 +302,10 @@ class StreamRolloutWorker:
         max_queued: int = 256,
         ack_wait: float = 120.0,
     ) -> None:
+        # imported here, before the filling thread starts: two threads importing trl's modules at once can
+        # deadlock on Python's import locks (the trainer imports them on its own thread)
+        import trl.experimental.async_grpo.async_rollout_worker  # noqa: F401
+
         self.feed = StreamFeed(nats_url, database_url, policy=policy, durable=durable, ack_wait=ack_wait)
         self.checkpoints, self.max_staleness, self.ack_lag = checkpoints, max_staleness, ack_lag
         self.max_queued = max_queued

@@ -6,6 +6,7 @@ read through trl's own queue dataset, against the real stream and log."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -143,6 +144,30 @@ async def test_grpo_trainer_trains_on_the_stream_publishes_versions_and_acks(
     assert acked >= len(whole)
 
 
+TAKER = """
+import json, sys, threading
+from collections import defaultdict
+from pathlib import Path
+from accelerate import PartialState
+from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
+from pipeline.training import StreamRolloutWorker
+
+PartialState()
+
+nats_url, database_url, policy, durable, model, checkpoints, count = sys.argv[1:]
+worker = StreamRolloutWorker(nats_url, database_url, policy=policy, durable=durable, model=Path(model),
+                             checkpoints=Path(checkpoints), max_staleness=1, ack_wait=3.0)
+worker.start()
+queued = RolloutQueueDataset(worker.rollout_buffer, lambda: 0, worker.check_health, 60, defaultdict(list),
+                             max_staleness=1, poll_interval_s=0.5)
+samples = iter(queued)
+for _ in range(int(count)):
+    print(json.dumps([int(t) for t in next(samples)["input_ids"]]), flush=True)
+threading.Event().wait()  # held here, samples taken and untrained, until killed
+"""
+"""A trainer process that takes ``count`` samples off a worker's queue (trl's own dataset) and waits."""
+
+
 def row(sample: dict[str, Any]) -> tuple[Any, ...]:
     """A queued sample's token arrays and advantage, comparable with a batch file's sample."""
     return (
@@ -154,8 +179,12 @@ def row(sample: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def rollout_dataset(worker: StreamRolloutWorker, version: list[int], max_staleness: int) -> Iterator[Any]:
-    """trl's own queue dataset over the worker's buffer, as AsyncGRPOTrainer builds it."""
+    """trl's own queue dataset over the worker's buffer, as AsyncGRPOTrainer builds it (in a process where
+    accelerate's state is made, as the trainer makes it: the dataset logs through accelerate)."""
+    from accelerate import PartialState
     from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
+
+    PartialState()
 
     dataset = RolloutQueueDataset(
         rollout_queue=worker.rollout_buffer, model_version_fn=lambda: version[0],
@@ -182,18 +211,25 @@ async def test_async_grpo_worker_queues_the_stream_and_acks_only_after_publicati
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
 
-    def first_run() -> list[Any]:
-        """Take the first batch's samples and stop before any version: nothing may be acked."""
-        worker = StreamRolloutWorker(servers.nats_url, database_url, **options)
-        try:
-            worker.start()
-            samples = rollout_dataset(worker, [0], 1)
-            return [next(samples) for _ in files[0].samples]
-        finally:
-            worker.stop()
+    # A trainer process takes the first batch's samples and is killed (-9) before any version: nothing may
+    # be acked, and the batches come again.
+    taker = subprocess.Popen(  # noqa: ASYNC220 (read and waited for in threads below)
+        [sys.executable, "-c", TAKER, servers.nats_url, database_url, policy, durable, str(tiny_model_dir),
+         str(tmp_path / "ck"), str(len(files[0].samples))],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"},
+    )  # fmt: skip
 
-    taken = await asyncio.to_thread(first_run)
-    assert [list(s["input_ids"]) for s in taken] == [list(s.input_ids) for s in files[0].samples]
+    def read_taken() -> list[list[int]]:
+        assert taker.stdout is not None
+        return [json.loads(taker.stdout.readline()) for _ in files[0].samples]
+
+    try:
+        lines = await asyncio.to_thread(read_taken)
+        assert (await consumer_state(servers, durable))[1] >= 1  # delivered, waiting for an ack
+    finally:
+        taker.kill()
+        await asyncio.to_thread(taker.wait)
+    assert lines == [list(s.input_ids) for s in files[0].samples]
     assert rows(database_url, "SELECT count(*) FROM trained_batches WHERE trainer = %s", durable)[0][0] == 0
     assert (await consumer_state(servers, durable))[0] == 0  # nothing acked: it comes again
 
