@@ -47,6 +47,7 @@ from pipeline.log import EventStore
 from pipeline.settings import nats_inbox_prefix
 from pipeline.training.ppo import checkpoint_dir
 from pipeline.training.subscription import BatchSubscription, DeliveredBatch, publish_policy_version
+from pipeline.training.trainer import prune_checkpoints
 
 if TYPE_CHECKING:
     import torch
@@ -186,28 +187,23 @@ def write_checkpoint(
     send, frozen ones, keep their values)."""
     from safetensors.torch import load_file, save_file
 
-    partial = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    for entry in base.iterdir():
-        if (
-            entry.is_file()
-            and not entry.name.endswith(WEIGHT_FILES)
-            and not entry.name.endswith(".index.json")
-        ):
-            shutil.copy2(entry, partial / entry.name)
-    if model is not None:
-        model.save_pretrained(partial)
-    else:
-        tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    if model is None:
         for shard in sorted(base.glob("*.safetensors")):
             tensors.update(load_file(shard))
         unknown = sorted(set(weights or {}) - set(tensors))
         if unknown:
-            raise ConfigError(
-                f"weights not in the model at {base}: {unknown[:5]}; send the model's own names"
-            )
+            raise ConfigError(f"weights not in the model at {base}: {unknown[:5]}; send its own names")
         tensors.update(weights or {})
+    partial = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for entry in base.iterdir():
+        if entry.is_file() and not entry.name.endswith((*WEIGHT_FILES, ".index.json")):
+            shutil.copy2(entry, partial / entry.name)
+    if model is not None:
+        model.save_pretrained(partial)
+    else:
         save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(partial, directory)
@@ -301,6 +297,7 @@ class StreamRolloutWorker:
         ack_lag: int = 3,
         max_queued: int = 256,
         ack_wait: float = 120.0,
+        keep_checkpoints: int = 3,
     ) -> None:
         # imported here, before the filling thread starts: two threads importing trl's modules at once can
         # deadlock on Python's import locks (the trainer imports them on its own thread)
@@ -308,9 +305,10 @@ class StreamRolloutWorker:
 
         self.feed = StreamFeed(nats_url, database_url, policy=policy, durable=durable, ack_wait=ack_wait)
         self.checkpoints, self.max_staleness, self.ack_lag = checkpoints, max_staleness, ack_lag
-        self.max_queued = max_queued
+        self.max_queued, self.keep_checkpoints = max_queued, keep_checkpoints
         self.start_version = self.feed.trained_version()
         self.start_weights = start_weights(model, checkpoints, self.start_version)
+        self.weights = self.start_weights  # the newest checkpoint: the next one's base
         self.published = self.start_version  # the newest version published by this trainer
         self.stale = 0  # batches skipped as too old
         self.queued = 0  # samples put on the rollout buffer
@@ -438,9 +436,11 @@ class CheckpointWeightTransfer:
         weights = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in iterator}
         version, ready = self.worker.next_version()
         directory = checkpoint_dir(self.worker.checkpoints, version)
-        write_checkpoint(directory, self.worker.start_weights, weights)
+        # over the newest checkpoint: parameters not sent (frozen ones) keep their values
+        write_checkpoint(directory, self.worker.weights, weights)
         self.worker.feed.publish(version, directory, [d.batch_id for d in ready])
-        self.worker.published = version
+        self.worker.published, self.worker.weights = version, directory
+        prune_checkpoints(self.worker.checkpoints, self.worker.keep_checkpoints)
         log.info("policy version %d published (%d batches in it)", version, len(ready))
 
 
@@ -476,11 +476,13 @@ class StreamRollouts:
         version_every: int = 1,
         max_staleness: int | None = None,
         wait: float | None = None,
+        keep_checkpoints: int = 3,
     ) -> None:
         self.feed, self.checkpoints, self.version_every = feed, checkpoints, version_every
-        self.max_staleness, self.wait = max_staleness, wait
+        self.max_staleness, self.wait, self.keep_checkpoints = max_staleness, wait, keep_checkpoints
         self.start_version = feed.trained_version()
         self.start_weights = start_weights(model, checkpoints, self.start_version)
+        self.weights = self.start_weights  # the newest checkpoint: its tokenizer files go into the next
         self.published = self.start_version
         self.stale = 0
         self._held: deque[tuple[BatchSample, DeliveredBatch]] = deque()
@@ -533,12 +535,11 @@ class StreamRollouts:
         """Save ``model`` as the next version, publish it, then commit the batches trained into it."""
         version = self.published + 1
         ready = self.trained_batches(self._trainer._step if self._trainer is not None else 0)
-        directory = write_checkpoint(
-            checkpoint_dir(self.checkpoints, version), self.start_weights, model=model
-        )
+        directory = write_checkpoint(checkpoint_dir(self.checkpoints, version), self.weights, model=model)
         self.feed.publish(version, directory, [d.batch_id for d in ready])
-        self.published = version
+        self.published, self.weights = version, directory
         self.feed.commit(ready, version)
+        prune_checkpoints(self.checkpoints, self.keep_checkpoints)
         log.info("policy version %d published (%d batches in it)", version, len(ready))
         return version
 

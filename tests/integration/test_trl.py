@@ -287,6 +287,8 @@ async def test_async_grpo_worker_queues_the_stream_and_acks_only_after_publicati
     assert isinstance(newest, PolicyVersionPublished)
     assert newest.version == 4
     assert sorted(newest.batches_consumed) == batch_ids
+    # the newest three versions are kept (keep_checkpoints), each written over the one before
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["v000002", "v000003", "v000004"]
     loaded = parameters(Path(newest.checkpoint))
     assert all(torch.equal(loaded[name], p.detach()) for name, p in model.named_parameters())
 
