@@ -349,3 +349,111 @@ async def test_the_grpo_example_trains_and_a_second_run_goes_on_from_its_version
     assert isinstance(newest, PolicyVersionPublished)
     assert newest.version == 4
     assert newest.checkpoint == str((tmp_path / "ck" / "v000004").absolute())
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+    max_q: Any, max_k: Any, *, softmax_scale: float | None = None, causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1), **_: Any,
+) -> torch.Tensor:  # fmt: skip
+    """FlashAttention's ``flash_attn_varlen_func`` in plain torch (causal aligned bottom-right, as FA does
+    when a segment has fewer queries than keys): what AsyncGRPOTrainer's tree attention calls, for CPU."""
+    assert causal
+    assert window_size == (-1, -1)
+    out = torch.empty_like(q)
+    for s in range(len(cu_q) - 1):
+        qs, qe, ks, ke = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        query, key, value = q[qs:qe], k[ks:ke], v[ks:ke]  # [tokens, heads, dim]
+        repeat = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        scale = softmax_scale if softmax_scale is not None else query.shape[-1] ** -0.5
+        scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * scale
+        rows, cols = torch.arange(qe - qs).unsqueeze(1), torch.arange(ke - ks).unsqueeze(0)
+        scores = scores.masked_fill(cols > rows + (ke - ks) - (qe - qs), float("-inf"))
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), value.float()).to(q.dtype)
+    return out
+
+
+async def test_async_grpo_trainer_trains_on_the_stream_on_cpu(
+    servers: Servers,
+    store: EventStore,
+    database_url: str,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """AsyncGRPOTrainer itself, with its FlashAttention kernel (CUDA, from the Hub) replaced by
+    ``varlen_attention``: the worker's samples trained, versions published, batches acked."""
+    import types
+
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer, packing
+
+    # the two CUDA-only calls: the attention kernel, and the GPU's peak FLOP/s (for its MFU metric only)
+    monkeypatch.setattr(async_grpo_trainer, "get_peak_flops_per_device", lambda *_: 1e12)
+
+    monkeypatch.setattr(
+        packing, "_flash_attn", lambda: types.SimpleNamespace(flash_attn_varlen_func=varlen_attention)
+    )
+    policy, _ = await batches_on_the_stream(servers, store, database_url, groups=6, batch_samples=4)
+    durable = f"agrpo{uuid.uuid4().hex[:8]}"
+    before = parameters(tiny_model_dir)
+
+    def train() -> StreamRolloutWorker:
+        worker = StreamRolloutWorker(
+            servers.nats_url, database_url, policy=policy, durable=durable, model=tiny_model_dir,
+            checkpoints=tmp_path / "ck", max_staleness=8,
+        )  # fmt: skip
+        try:
+            config = AsyncGRPOConfig(
+                output_dir=str(tmp_path / "out"), max_steps=5, per_device_train_batch_size=4, token_budget=0,
+                learning_rate=1e-2, weight_sync_steps=1, max_staleness=8, report_to=[], save_strategy="no",
+                logging_steps=1, use_cpu=True, dtype="float32", bf16=False,
+            )  # fmt: skip
+            AsyncGRPOTrainer(
+                model=str(worker.start_weights), reward_funcs=reward_turnstile, args=config,
+                train_dataset=placeholder_prompts(32),
+                processing_class=AutoTokenizer.from_pretrained(worker.start_weights, padding_side="left"),
+                rollout_worker=worker, weight_transfer=worker.weight_transfer(),
+            ).train()  # fmt: skip
+            return worker
+        finally:
+            worker.stop()
+
+    worker = await asyncio.to_thread(train)
+    assert worker.published == 6  # the cold sync at train begin, then one a step
+    newest = await published_version(store, policy)
+    assert isinstance(newest, PolicyVersionPublished)
+    assert newest.version == 6
+    after = parameters(Path(newest.checkpoint))
+    assert any(not torch.equal(before[name], after[name]) for name in before)
+    trained = rows(
+        database_url, "SELECT batch_id, policy_version FROM trained_batches WHERE trainer = %s", durable
+    )
+    assert trained  # the batches whose samples were taken 3 syncs before a version are in it, and acked
+    consumed = {
+        b
+        for r in await store.read_stream(f"policy-{policy}")
+        if isinstance(r.event, PolicyVersionPublished)
+        for b in r.event.batches_consumed
+    }
+    assert {batch_id for batch_id, _ in trained} == consumed
+    assert (await consumer_state(servers, durable))[0] >= len(trained)
+
+
+def test_varlen_attention_is_causal_attention_per_segment() -> None:
+    """The stand-in kernel against torch's own: a segment of as many queries as keys is causal attention;
+    one of fewer queries is the last rows of it (the tree's new tokens over their whole path)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    heads = [x.repeat_interleave(2, 1).transpose(0, 1) for x in (k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), *heads, is_causal=True
+    ).transpose(0, 1)
+    whole = varlen_attention(q, k, v, torch.tensor([0, 9]), torch.tensor([0, 9]), 9, 9)
+    assert torch.allclose(whole, expected, atol=1e-5)
+    # two segments: queries 0-8 over keys 0-8, then the last 3 queries again over the same 9 keys
+    tail = varlen_attention(
+        torch.cat([q, q[6:]]), torch.cat([k, k]), torch.cat([v, v]), torch.tensor([0, 9, 12]),
+        torch.tensor([0, 9, 18]), 9, 9,
+    )  # fmt: skip
+    assert torch.allclose(tail[9:], expected[6:], atol=1e-5)
