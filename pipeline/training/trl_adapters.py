@@ -312,7 +312,7 @@ class StreamRolloutWorker:
         self.published = self.start_version  # the newest version published by this trainer
         self.stale = 0  # batches skipped as too old
         self.queued = 0  # samples put on the rollout buffer
-        self.rollout_buffer: queue.Queue[Any] = _LedgerQueue(self._taken)
+        self.rollout_buffer = _LedgerQueue(self._taken)  # trl reads it as a queue.Queue
         self.metrics_queue: queue.Queue[dict[str, Any]] = queue.Queue()
         self._syncs = 0
         self._pending: dict[str, _Pending] = {}
@@ -358,7 +358,7 @@ class StreamRolloutWorker:
         with self._lock:
             self._pending[delivered.batch_id] = _Pending(delivered, left=len(samples))
         for sample in samples:
-            self.rollout_buffer.put_sample(sample, delivered.batch_id)  # type: ignore[attr-defined]
+            self.rollout_buffer.put_sample(sample, delivered.batch_id)
         self.queued += len(samples)
 
     def _taken(self, batch_id: str) -> None:
