@@ -1,17 +1,18 @@
 """AsyncGRPOTrainer itself, on a CUDA device, training on Turnstile samples (marker ``gpu``):
 
-    python -m pytest -q -m gpu --noconftest tests/e2e/test_gpu_trl.py
+    python -m pytest -q -m gpu --noconftest tests/e2e/test_gpu_trl.py -s
 
 trl 1.16's AsyncGRPOTrainer packs samples into a tree and runs FlashAttention from a Hub kernel
-(``kernels-community/flash-attn3``, through the ``kernels`` package): it needs CUDA and that kernel in the
-local Hugging Face cache. Without either the test is skipped and says which. It needs no servers: the samples
-are a training batch built here (the batch format's own types), turned into ``RolloutSample``s by the same
-``rollout_samples`` that ``StreamRolloutWorker`` uses, and the weight transfer writes checkpoints with
-``write_checkpoint``, as ``CheckpointWeightTransfer`` does (the stream and the log are covered on CPU by
-``tests/integration/test_trl.py``). Besides torch, transformers and numpy it needs the wheels of
-trl==1.16.0, accelerate, datasets (with pyarrow, pandas, dill, xxhash, multiprocess) and kernels (all pure
-Python but pyarrow, pandas and xxhash), and the project's own dependencies that ``pipeline.training``
-imports (pydantic, pydantic-settings, sqlalchemy, psycopg, nats-py, safetensors).
+(``kernels-community/flash-attn3``, through the ``kernels`` package). Where that kernel is not in the local
+Hugging Face cache (a machine that cannot reach the Hub), the trainer runs with the same attention in plain
+torch (``tests/support/attention.py``) and the test prints which it used. It needs no servers: the samples
+are Turnstile samples built here, turned into ``RolloutSample``s by the same ``rollout_samples`` that
+``StreamRolloutWorker`` uses, and the weight transfer writes checkpoints with ``write_checkpoint``, as
+``CheckpointWeightTransfer`` does (the stream and the log are covered on CPU by
+``tests/integration/test_trl.py``). Besides torch, transformers, accelerate and numpy it needs the wheels
+of trl==1.16.0 and datasets (with pyarrow, pandas, dill, xxhash, multiprocess), and the project's own
+dependencies that ``pipeline.training`` imports (pydantic, pydantic-settings, sqlalchemy, psycopg,
+nats-py, alembic, stamina).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import queue
 import random
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,23 +31,19 @@ import torch
 from pipeline.batches import BatchSample
 from pipeline.training import placeholder_prompts, write_checkpoint
 from pipeline.training.trl_adapters import rollout_samples
+from tests.support.attention import varlen_attention
 from tests.support.models import built_model
 
 pytestmark = pytest.mark.gpu
+DEVICE = os.environ.get("TURNSTILE_GPU_TEST_DEVICE", "cuda")  # cpu: check the test itself where there is none
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Iterator[Path]:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: AsyncGRPOTrainer runs on a GPU machine")
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: run on a GPU machine (or set TURNSTILE_GPU_TEST_DEVICE=cpu)")
     pytest.importorskip("trl.experimental.async_grpo", reason="pip install -e '.[trl]'")
-    try:
-        from trl.experimental.async_grpo.packing import _flash_attn
-
-        _flash_attn()
-    except Exception as error:
-        pytest.skip(f"AsyncGRPOTrainer's FlashAttention kernel is not available here: {error!r}")
     from pipeline.inference.tinymodel import build_tiny_model
 
     with built_model(build_tiny_model, "tiny", "turnstile-gpu-trl-") as directory:
@@ -116,9 +114,31 @@ def reward_zero(completions: list[Any], **_: Any) -> list[float]:
     return [0.0] * len(completions)
 
 
-def test_async_grpo_trainer_trains_turnstile_samples_on_cuda(model_dir: Path, tmp_path: Path) -> None:
+def attention_kernel(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The trainer's FlashAttention kernel when it can be loaded, else the same attention in torch."""
+    from trl.experimental.async_grpo import packing
+
+    try:
+        packing._flash_attn()
+        return "kernels-community/flash-attn3"
+    except Exception as error:
+        kernel = types.SimpleNamespace(flash_attn_varlen_func=varlen_attention)
+        monkeypatch.setattr(packing, "_flash_attn", lambda: kernel)
+        return f"torch varlen attention (the kernel: {type(error).__name__})"
+
+
+def test_async_grpo_trainer_trains_turnstile_samples_on_cuda(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    used = attention_kernel(monkeypatch)
+    on_cpu = DEVICE == "cpu"
+    if on_cpu:  # the GPU's peak FLOP/s, asked for its MFU metric, has no CPU answer
+        from trl.experimental.async_grpo import async_grpo_trainer
+
+        monkeypatch.setattr(async_grpo_trainer, "get_peak_flops_per_device", lambda *_: 1e12)
 
     samples = rollout_samples(turnstile_samples(groups=6, size=4), version_offset=0, groups={})
     worker = QueueWorker(samples)
@@ -126,7 +146,8 @@ def test_async_grpo_trainer_trains_turnstile_samples_on_cuda(model_dir: Path, tm
     config = AsyncGRPOConfig(
         output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4, num_generations=4,
         token_budget=0, learning_rate=1e-2, weight_sync_steps=1, max_staleness=3, report_to=[],
-        save_strategy="no", logging_steps=1, bf16=True, dtype="bfloat16",
+        save_strategy="no", logging_steps=1, bf16=not on_cpu, dtype="float32" if on_cpu else "bfloat16",
+        use_cpu=on_cpu,
     )  # fmt: skip
     before = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     trainer = AsyncGRPOTrainer(
@@ -135,6 +156,9 @@ def test_async_grpo_trainer_trains_turnstile_samples_on_cuda(model_dir: Path, tm
         rollout_worker=worker, weight_transfer=transfer,
     )  # fmt: skip
     trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    card = "CPU" if on_cpu else torch.cuda.get_device_name()
+    print(f"AsyncGRPOTrainer on {card} with {used}: losses {losses}")
 
     # the trainer's cold sync at train begin, then one per step, each after its checkpoint was written
     assert worker.versions == [1, 2, 3, 4]

@@ -35,6 +35,7 @@ from pipeline.training import (
 from schemas import PolicyVersionPublished
 from tests.conftest import Servers
 from tests.integration.test_trainer import batches_on_the_stream, relay_batches, rows
+from tests.support.attention import varlen_attention
 
 pytestmark = pytest.mark.trl
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -349,29 +350,6 @@ async def test_the_grpo_example_trains_and_a_second_run_goes_on_from_its_version
     assert isinstance(newest, PolicyVersionPublished)
     assert newest.version == 4
     assert newest.checkpoint == str((tmp_path / "ck" / "v000004").absolute())
-
-
-def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-    max_q: Any, max_k: Any, *, softmax_scale: float | None = None, causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1), **_: Any,
-) -> torch.Tensor:  # fmt: skip
-    """FlashAttention's ``flash_attn_varlen_func`` in plain torch (causal aligned bottom-right, as FA does
-    when a segment has fewer queries than keys): what AsyncGRPOTrainer's tree attention calls, for CPU."""
-    assert causal
-    assert window_size == (-1, -1)
-    out = torch.empty_like(q)
-    for s in range(len(cu_q) - 1):
-        qs, qe, ks, ke = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
-        query, key, value = q[qs:qe], k[ks:ke], v[ks:ke]  # [tokens, heads, dim]
-        repeat = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-        scale = softmax_scale if softmax_scale is not None else query.shape[-1] ** -0.5
-        scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * scale
-        rows, cols = torch.arange(qe - qs).unsqueeze(1), torch.arange(ke - ks).unsqueeze(0)
-        scores = scores.masked_fill(cols > rows + (ke - ks) - (qe - qs), float("-inf"))
-        out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), value.float()).to(q.dtype)
-    return out
 
 
 async def test_async_grpo_trainer_trains_on_the_stream_on_cpu(
