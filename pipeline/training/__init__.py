@@ -1,7 +1,8 @@
 """The trainer's side: batches from JetStream as tensors, exactly once in effect (``subscription``), the
 reference PPO-clip learner (``ppo``: device, bf16, micro-batches, KL to a reference, LoRA), the training
 loop (``trainer``: checkpoints kept, a per-step logger hook, experiment trackers in ``tracking``), policy
-versions, and a torch ``Dataset`` of a batch's samples (``dataset``).
+versions, a torch ``Dataset`` of a batch's samples (``dataset``), and TRL's trainers on the stream
+(``trl_adapters``: needs the ``trl`` extra only when used).
 
 The names below are imported when first used (PEP 562 ``__getattr__``), not when the package is: the
 learner and the tensors need torch alone, and a GPU machine that only runs the learner (``pytest -m gpu
@@ -25,6 +26,15 @@ if TYPE_CHECKING:
     )
     from pipeline.training.tensors import BatchTensors, concat_tensors, payload_tensors, to_tensors
     from pipeline.training.tracking import TRACKERS, Tracker, open_tracker
+    from pipeline.training.trl_adapters import (
+        CheckpointWeightTransfer,
+        StreamFeed,
+        StreamRollouts,
+        StreamRolloutWorker,
+        placeholder_prompts,
+        reward_turnstile,
+        write_checkpoint,
+    )
     from pipeline.training.trainer import (
         JsonlStepLog,
         StepHook,
@@ -61,6 +71,13 @@ _HOME: dict[str, str] = {
     "prune_checkpoints": "trainer",
     "resume": "trainer",
     "train": "trainer",
+    "CheckpointWeightTransfer": "trl_adapters",
+    "StreamFeed": "trl_adapters",
+    "StreamRollouts": "trl_adapters",
+    "StreamRolloutWorker": "trl_adapters",
+    "placeholder_prompts": "trl_adapters",
+    "reward_turnstile": "trl_adapters",
+    "write_checkpoint": "trl_adapters",
 }
 
 __all__ = [
@@ -68,12 +85,16 @@ __all__ = [
     "BatchStream",
     "BatchSubscription",
     "BatchTensors",
+    "CheckpointWeightTransfer",
     "DeliveredBatch",
     "JsonlStepLog",
     "LearnerOptions",
     "PolicyGradient",
     "StepHook",
     "StepRecord",
+    "StreamFeed",
+    "StreamRolloutWorker",
+    "StreamRollouts",
     "Tracker",
     "TrainerStats",
     "TrainingPlan",
@@ -81,13 +102,16 @@ __all__ = [
     "concat_tensors",
     "open_tracker",
     "payload_tensors",
+    "placeholder_prompts",
     "prune_checkpoints",
     "publish_policy_version",
     "published_version",
     "resume",
+    "reward_turnstile",
     "to_tensors",
     "train",
     "version_event_id",
+    "write_checkpoint",
 ]
 
 
