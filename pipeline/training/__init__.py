@@ -26,15 +26,6 @@ if TYPE_CHECKING:
     )
     from pipeline.training.tensors import BatchTensors, concat_tensors, payload_tensors, to_tensors
     from pipeline.training.tracking import TRACKERS, Tracker, open_tracker
-    from pipeline.training.trl_adapters import (
-        CheckpointWeightTransfer,
-        StreamFeed,
-        StreamRollouts,
-        StreamRolloutWorker,
-        placeholder_prompts,
-        reward_turnstile,
-        write_checkpoint,
-    )
     from pipeline.training.trainer import (
         JsonlStepLog,
         StepHook,
@@ -44,6 +35,15 @@ if TYPE_CHECKING:
         prune_checkpoints,
         resume,
         train,
+    )
+    from pipeline.training.trl_adapters import (
+        CheckpointWeightTransfer,
+        StreamFeed,
+        StreamRollouts,
+        StreamRolloutWorker,
+        placeholder_prompts,
+        reward_turnstile,
+        write_checkpoint,
     )
 
 _HOME: dict[str, str] = {
