@@ -32,6 +32,7 @@ from pipeline.runners.taskqueue import TASKS_STREAM, ensure_tasks_stream, task_s
 from pipeline.settings import libpq_url
 from pipeline.sql import SqlError, run_readonly
 from pipeline.training import BatchSubscription
+from pipeline.training.subscription import publish_policy_version
 from pipeline.versions import versions_subject
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
 from tests.conftest import login_url
@@ -416,7 +417,9 @@ async def test_inference_loads_only_the_versions_the_trainers_role_wrote_to_the_
     ``inference``) loads a version only if the log holds it with that checkpoint, written by the trainer's
     role, and never moves backwards; it refuses, logs and counts everything else."""
     policy = new_policy()
-    admin = await connect("admin")  # may publish anywhere: stands for any way a message gets there
+    # The trainer's NATS user publishes the versions inference hears: here it stands for anything that gets
+    # a message there (a stolen password, a server misconfigured) without a version in the log.
+    trainer_nats = await connect("trainer")
     backend = RuleBackend(echo_rule)
     config = InferenceConfig(
         role_nats.url("inference"), policy, backend="scripted", consumer_id="c1",
@@ -424,8 +427,8 @@ async def test_inference_loads_only_the_versions_the_trainers_role_wrote_to_the_
     )  # fmt: skip
 
     async def ring(version: int, checkpoint: str) -> None:
-        await admin.nc.publish(versions_subject(policy), version_message(policy, version, checkpoint))
-        await admin.nc.flush()
+        await trainer_nats.nc.publish(versions_subject(policy), version_message(policy, version, checkpoint))
+        await trainer_nats.nc.flush()
 
     async with serving(config, backend) as service:
         await ring(2147483647, "/tmp/attacker")
@@ -577,3 +580,88 @@ def test_the_read_only_roles_hold_no_write_privilege_on_anything(
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             run_as(database_url, reader, statement)
         refused(f"reader: {statement[:50]}")
+
+
+async def pull_to(
+    runner: Connected, policy: str, reply: str, forged: bytes
+) -> nats.js.JetStreamContext.PullSubscription:
+    """The attack: the runner puts ``forged`` twice on its own task stream, pulls the first with the reply
+    subject ``reply`` (raw MSG.NEXT: the server checks the subject, not the reply) and the second the normal
+    way (a marker: once it has arrived, JetStream has answered the first)."""
+    js = runner.nc.jetstream()
+    for _ in range(2):
+        await js.publish(task_subject(policy), forged)  # its own stream: allowed
+    durable = f"runners-{policy}"
+    pulled = await js.pull_subscribe(task_subject(policy), durable=durable, stream=TASKS_STREAM)
+    await runner.nc.publish(
+        f"$JS.API.CONSUMER.MSG.NEXT.{TASKS_STREAM}.{durable}", b'{"batch": 1}', reply=reply
+    )
+    [second] = await pulled.fetch(1, timeout=30)
+    assert second.data == forged
+    await second.ack()
+    return pulled
+
+
+async def test_a_runners_forged_version_pulled_onto_the_versions_subject_is_never_loaded(
+    connect: Connect, role_nats: RoleNats, database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    """The attack of the report, with the runner's own credentials, against a consumer logged in as
+    ``inference`` to both servers: before, it loaded version 2147483647 from the runner's path and ignored
+    the trainer's real version 1 after it."""
+    policy = new_policy()
+    admin, runner = await connect("admin"), await connect("runner")
+    await ensure_tasks_stream(admin.nc)
+    backend = RuleBackend(echo_rule)
+    config = InferenceConfig(
+        role_nats.url("inference"), policy, backend="scripted", consumer_id="c1",
+        database_url=login_url(database_url, logins["turnstile_inference"]),
+    )  # fmt: skip
+    async with serving(config, backend) as service:
+        await pull_to(runner, policy, versions_subject(policy), version_message(policy, 2147483647, "/tmp/x"))
+        await wait_until(
+            lambda: service.versions_refused["not_in_log"] == 1, 30, "the forged version refused"
+        )
+        assert backend.loaded == []
+        refused("inference loading the version a runner pulled onto policy.<policy>.versions")
+        trainer = await EventStore.connect(login_url(database_url, logins["turnstile_trainer"]))
+        try:  # the trainer's real version 1 still loads (its own publish, as publish_policy_version does)
+            await publish_policy_version(trainer, (await connect("trainer")).nc, policy, 1, "/ckpt/v1")
+        finally:
+            await trainer.close()
+        await wait_until(lambda: backend.policy_version == 1, 30, "the trainer's version 1 loaded")
+        assert backend.loaded == [(1, "/ckpt/v1")]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: needs an account per role (JetStream in its own account, imported under an API prefix: "
+    "an unprefixed import of $JS.API.* is answered 'JetStream not enabled for account' by the importer's "
+    "own server-side responder) and every client's jetstream() given that prefix; inference refuses the "
+    "forged version meanwhile (the test above), the trainer quarantines what lands in BATCHES",
+)
+async def test_no_role_has_jetstream_deliver_to_a_subject_it_may_not_publish_to(
+    connect: Connect, role_nats: RoleNats
+) -> None:
+    """NATS checks the subject a client publishes to, not the reply subject it names, and JetStream sends a
+    pulled message or an API response to that reply subject. The attack found against per-user permissions:
+    a runner puts a forged version on its own task stream and pulls it with the reply subject
+    policy.<policy>.versions (every inference consumer would hear it), and asks for STREAM.INFO with the
+    reply subject batches.<policy> (stored in BATCHES). With an account per role a reply would land in the
+    requester's own account only (not done yet: see the mark)."""
+    policy = new_policy()
+    admin, runner = await connect("admin"), await connect("runner")
+    await ensure_tasks_stream(admin.nc)
+    await ensure_batches_stream(admin.nc)
+    versions = await admin.nc.subscribe(versions_subject(policy))
+    await admin.nc.flush()
+    js = runner.nc.jetstream()
+    await runner.nc.publish(f"$JS.API.STREAM.INFO.{TASKS_STREAM}", b"", reply=batch_subject(policy))
+    await pull_to(runner, policy, versions_subject(policy), version_message(policy, 2147483647, "/tmp/x"))
+    await js.stream_info(TASKS_STREAM)
+    await admin.nc.flush()
+    with pytest.raises(nats.errors.TimeoutError):
+        await versions.next_msg(timeout=0.5)
+    refused("a runner's pulled message delivered to policy.<policy>.versions")
+    assert await stored(admin, BATCHES_STREAM, batch_subject(policy)) == 0
+    refused("a JetStream API response delivered into BATCHES")
+    assert runner.errors == []
