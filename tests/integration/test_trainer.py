@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,26 +33,12 @@ from pipeline.training.subscription import publish_policy_version, published_ver
 from schemas import PolicyVersionPublished
 from tests.conftest import Servers
 from tests.integration.test_materializer import random_log
+from tests.support.processes import running
 from tests.support.serving import serving
 from tests.support.waiting import wait_until
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_with_pytorch.py"
-
-
-@contextlib.asynccontextmanager
-async def running(
-    command: list[str], env: dict[str, str], **options: Any
-) -> AsyncIterator[asyncio.subprocess.Process]:
-    """``command`` as a process of its own, killed on the way out whatever happens (a failed or timed-out
-    wait must not leave a `serve trainer` running)."""
-    process = await asyncio.create_subprocess_exec(*command, env=env, **options)
-    try:
-        yield process
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 def rows(database_url: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -219,7 +204,7 @@ async def test_a_trainer_killed_mid_batch_trains_each_batch_once(
             return trained() == 3 and info.num_pending == 0 and info.num_ack_pending == 1
         return False
 
-    async with running(command, env, stderr=asyncio.subprocess.DEVNULL) as first:
+    async with running(*command, env=env, stderr=asyncio.subprocess.DEVNULL) as first:
         await wait_until(holding_the_fourth, 120, "the trainer holding batch 4 after version 1")
         first.send_signal(signal.SIGKILL)
         await first.wait()
@@ -228,7 +213,7 @@ async def test_a_trainer_killed_mid_batch_trains_each_batch_once(
     await connection.drain()
 
     target = made - made % 3  # whole versions only: the rest waits for more batches
-    async with running(command, env, stderr=asyncio.subprocess.PIPE) as second:
+    async with running(*command, env=env, stderr=asyncio.subprocess.PIPE) as second:
         await wait_until(lambda: trained() >= target, 120, "the restarted trainer to catch up")
         second.send_signal(signal.SIGTERM)
         _, log = await asyncio.wait_for(second.communicate(), 60)
@@ -272,7 +257,7 @@ async def test_a_trainer_that_dies_before_its_checkpoint_is_on_disk_has_acked_no
     def trained() -> int:
         return int(rows(database_url, "SELECT count(*) FROM trained_batches")[0][0])
 
-    async with running(command, env, stderr=asyncio.subprocess.PIPE) as first:
+    async with running(*command, env=env, stderr=asyncio.subprocess.PIPE) as first:
         _, log = await asyncio.wait_for(first.communicate(), 180)
     assert first.returncode not in (0, None), log.decode()[-2000:]
     assert trained() == 0
@@ -285,7 +270,7 @@ async def test_a_trainer_that_dies_before_its_checkpoint_is_on_disk_has_acked_no
     assert info.ack_floor.consumer_seq == 0  # ... and acked none: each comes again
 
     blocker.unlink()
-    async with running(command, env, stderr=asyncio.subprocess.PIPE) as second:
+    async with running(*command, env=env, stderr=asyncio.subprocess.PIPE) as second:
         await wait_until(lambda: trained() >= made, 120, "the restarted trainer to train every batch")
         second.send_signal(signal.SIGTERM)
         _, log = await asyncio.wait_for(second.communicate(), 60)
