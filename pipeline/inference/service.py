@@ -46,6 +46,15 @@ log = logging.getLogger(__name__)
 
 Publish = Callable[[str, bytes, dict[str, str]], Awaitable[None]]
 RECENT_REPLIES: Final = 4096
+VERSION_REFUSALS: Final = (
+    "not_in_log",
+    "checkpoint_mismatch",
+    "log_unreachable",
+    "no_log",
+    "other_policy",
+    "unreadable",
+)
+"""Why a policy version message was not loaded (each counted from 0: a rate sees the first one)."""
 
 
 def printable(text: str) -> str:
@@ -73,7 +82,7 @@ class InferenceService:
         self.backend = backend
         self.versions = versions
         """Where versions are checked before loading (None: none is loaded, each refused as ``no_log``)."""
-        self.versions_refused: Counter[str] = Counter()
+        self.versions_refused: Counter[str] = Counter(dict.fromkeys(VERSION_REFUSALS, 0))
         self.held = HeldPrefixes(held_tokens)
         """Recent turns' tokens, messages and tools, by the key each reply names (``tokens_key``)."""
         self.on_reply = on_reply  # metrics: each reply sent (timings, tokens), each error by its code
