@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -41,8 +40,7 @@ def start_up(data_dir: Path) -> tuple[subprocess.Popen[str], dict[str, str]]:
     exports: dict[str, str] = {}
     deadline = time.monotonic() + 120
     assert process.stdout is not None
-    with contextlib.ExitStack() as on_failure:
-        on_failure.enter_context(stopping(process))  # stopped unless it printed its exports
+    try:
         while len(exports) < 4:
             line = process.stdout.readline()
             assert line, f"`turnstile up` ended before printing its exports (exit {process.poll()})"
@@ -50,7 +48,10 @@ def start_up(data_dir: Path) -> tuple[subprocess.Popen[str], dict[str, str]]:
             if line.startswith("export "):
                 name, _, value = line.removeprefix("export ").strip().partition("=")
                 exports[name] = value
-        on_failure.pop_all()
+    except BaseException:  # stopped unless it printed its exports (then the caller stops it)
+        process.kill()
+        process.wait()
+        raise
     return process, exports
 
 
