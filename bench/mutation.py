@@ -85,6 +85,8 @@ SUITES: dict[str, Suite] = {
             "pipeline.episodes.session.xǁEpisodeSessionǁ*",
             "pipeline.inference.service.xǁInferenceServiceǁhandle__*",
             "pipeline.inference.service.xǁInferenceServiceǁ_answer__*",
+            "pipeline.inference.service.xǁInferenceServiceǁon_version__*",
+            "pipeline.inference.service.xǁInferenceServiceǁcatch_up__*",
             "pipeline.materialize.fold.xǁFoldǁ*",
             "pipeline.batches.relay.xǁOutboxRelayǁ_publish*",
             "pipeline.batches.relay.x_read_batch_message__*",

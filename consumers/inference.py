@@ -1,6 +1,7 @@
 """Inference consumer: answers ``llm.<policy>.requests`` (queue group ``inference``) and its own
-sticky subject ``llm.<policy>.requests.<consumer_id>``; loads new weights from ``policy.<policy>.versions``,
-and at start (and after a reconnect) the newest version kept by stream ``POLICY_VERSIONS``.
+sticky subject ``llm.<policy>.requests.<consumer_id>``; loads a new version when ``policy.<policy>.versions``
+names one that the log holds (checked through the inference login: ``pipeline.versions.VersionLog``), and at
+start (and after a reconnect) the newest version in the log.
 
 Run it with ``turnstile serve inference --policy NAME --backend torch --model DIR``.
 """
@@ -28,7 +29,7 @@ from consumers.runtime import LATENCY_BUCKETS, Runtime, serve_metrics, tune_gc
 from pipeline.errors import ConfigError
 from pipeline.inference import DEFAULT_BUDGET_TOKENS, QUEUE_GROUP, Backend, InferenceService, request_subject
 from pipeline.settings import nats_inbox_prefix
-from pipeline.versions import latest_version, versions_subject
+from pipeline.versions import VersionLog, versions_subject
 from schemas import LLMResponse
 
 BackendName = Literal["torch", "vllm", "scripted"]
@@ -49,6 +50,9 @@ class InferenceConfig:
     script: Path | None = (
         None  # torch backend: answer with this script's replies (pipeline/inference/script.py)
     )
+    database_url: str | None = None
+    """The log, where versions are checked before loading (the inference login reads only the view
+    ``policy_versions``); None: the consumer serves its first weights and refuses every version."""
 
 
 def default_consumer_id() -> str:
@@ -131,10 +135,9 @@ def create_app(
 
     async def catch_up() -> None:
         # Called once the versions subscription is confirmed (a flush): a version published before it is in
-        # the stream, one published after it arrives on the subscription; on_version keeps the newer.
-        newest = await latest_version(broker.connection, config.policy)
-        if newest is not None and service is not None:
-            await service.on_version(newest)
+        # the log, one published after it arrives on the subscription; the service keeps the newer.
+        if service is not None:
+            await service.catch_up()
 
     async def reconnected() -> None:
         # Versions published while disconnected were not heard. A task, not awaited: this runs on nats-py's
@@ -164,7 +167,13 @@ def create_app(
         publish=publish,
         heartbeat_interval=config.heartbeat_interval,
         held_tokens=config.held_tokens,
+        versions=VersionLog(config.database_url) if config.database_url else None,
     )
+    if config.database_url is None:
+        logging.getLogger(__name__).warning(
+            "no database URL: serving the first weights only (every published version is refused until "
+            "TURNSTILE_DATABASE_URL names the inference login, which checks versions against the log)"
+        )
     instrument(runtime, service)
     runtime.check("nats", lambda: broker._connection is not None and broker._connection.is_connected)
     metrics = contextlib.ExitStack()
@@ -240,6 +249,13 @@ def instrument(runtime: Runtime, service: InferenceService) -> None:
         "requests answered with an error, by code (invalid_request, engine_error, payload_too_large ...)",
         lambda: {(code,): float(n) for code, n in errors.items()},
         ["code"],
+    )
+    runtime.counter(
+        "turnstile_inference_versions_refused_total",
+        "policy version messages not loaded, by reason (not_in_log, checkpoint_mismatch, log_unreachable, "
+        "no_log, other_policy, unreadable)",
+        lambda: {(reason,): float(n) for reason, n in service.versions_refused.items()},
+        ["reason"],
     )
     runtime.gauge("turnstile_inference_in_flight", "requests being generated now", lambda: service.in_flight)
     runtime.gauge(

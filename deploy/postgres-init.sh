@@ -10,4 +10,5 @@ psql -v ON_ERROR_STOP=1 --no-psqlrc --username "${POSTGRES_USER:-postgres}" --db
     -v materializer_password="${TURNSTILE_MATERIALIZER_PASSWORD:?set TURNSTILE_MATERIALIZER_PASSWORD}" \
     -v relay_password="${TURNSTILE_RELAY_PASSWORD:?set TURNSTILE_RELAY_PASSWORD}" \
     -v analyst_password="${TURNSTILE_ANALYST_PASSWORD:?set TURNSTILE_ANALYST_PASSWORD}" \
+    -v inference_password="${TURNSTILE_INFERENCE_PASSWORD:?set TURNSTILE_INFERENCE_PASSWORD}" \
     --file "${TURNSTILE_POSTGRES_INIT_SQL:-/etc/turnstile/postgres-init.sql}"

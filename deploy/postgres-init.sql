@@ -4,6 +4,8 @@
 -- (users are made once, passwords set every time).
 --
 --   runner, gateway, trainer  turnstile_writer        append events (never UPDATE/DELETE), leases, trained batches
+--   trainer                   turnstile_trainer       also: append policy versions (PolicyVersionPublished)
+--   inference                 turnstile_inference     reads the view policy_versions, nothing else
 --   materializer, relay       turnstile_materializer  read models, batch outbox, checkpoints
 --   analyst                   turnstile_reader        `turnstile sql` (reads only)
 --
@@ -13,12 +15,13 @@
 -- The group roles, made here the way the migrations make them (if missing), so the users can join them before
 -- the first migration has run.
 SELECT format('CREATE ROLE %I NOLOGIN', role)
-FROM (VALUES ('turnstile_writer'), ('turnstile_materializer'), ('turnstile_reader')) AS groups(role)
+FROM (VALUES ('turnstile_writer'), ('turnstile_materializer'), ('turnstile_reader'), ('turnstile_trainer'),
+             ('turnstile_inference')) AS groups(role)
 WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = role)
 \gexec
 
 SELECT format('CREATE ROLE %I LOGIN', name)
-FROM (VALUES ('runner'), ('gateway'), ('trainer'), ('materializer'), ('relay'), ('analyst')) AS users(name)
+FROM (VALUES ('runner'), ('gateway'), ('trainer'), ('materializer'), ('relay'), ('analyst'), ('inference')) AS users(name)
 WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = name)
 \gexec
 
@@ -29,10 +32,13 @@ FROM (VALUES
     ('trainer', :'trainer_password'),
     ('materializer', :'materializer_password'),
     ('relay', :'relay_password'),
-    ('analyst', :'analyst_password')
+    ('analyst', :'analyst_password'),
+    ('inference', :'inference_password')
 ) AS users(name, password)
 \gexec
 
 GRANT turnstile_writer TO runner, gateway, trainer;
 GRANT turnstile_materializer TO materializer, relay;
 GRANT turnstile_reader TO analyst;
+GRANT turnstile_trainer TO trainer;
+GRANT turnstile_inference TO inference;

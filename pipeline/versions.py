@@ -1,10 +1,15 @@
-"""Policy versions on NATS, where the two stacks meet: the subject trainers publish on, and the stream that
-keeps the newest version of each policy for consumers that were not listening.
+"""Policy versions, where the two stacks meet: the subject trainers publish on, the stream that keeps the
+newest of each policy, and the log that decides which versions exist.
 
-Trainers publish ``PolicyVersionPublished`` on core NATS (``policy.<policy>.versions``); an inference consumer
-that subscribes after a publish would never hear of it. The JetStream stream ``POLICY_VERSIONS`` captures
-those subjects and keeps the last message of each (derived, like every stream: the log in Postgres is the
-record), so a consumer reads it once its subscription is confirmed and loses nothing in between.
+Trainers append ``PolicyVersionPublished`` to the log (``policy-<policy>``; only the trainer's role may,
+migration 0018) and then publish it on core NATS (``policy.<policy>.versions``). The JetStream stream
+``POLICY_VERSIONS`` keeps the last message of each subject (derived, like every stream).
+
+What arrives on NATS is a doorbell, not an order: anyone who can make a message appear on the subject (a
+forged reply subject, a misconfigured server) could otherwise choose the weights every engine serves. An
+inference consumer asks the log (``VersionLog``, through the view ``policy_versions``, which is all the
+inference login may read) whether that version with that checkpoint was published, and at start and after a
+reconnect it loads the newest version the log holds.
 """
 
 from __future__ import annotations
@@ -12,10 +17,14 @@ from __future__ import annotations
 import logging
 from typing import Final
 
+import psycopg
 from nats.aio.client import Client as NatsConnection
 from nats.errors import Error as NatsError
 from nats.js.api import RetentionPolicy, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError
+
+from pipeline.errors import StoreUnavailable
+from pipeline.settings import libpq_url
 
 VERSIONS_STREAM: Final = "POLICY_VERSIONS"
 LOOKUP_TIMEOUT: Final = 5.0
@@ -49,14 +58,41 @@ async def ensure_versions_stream(connection: NatsConnection, *, replicas: int = 
     return True
 
 
-async def latest_version(connection: NatsConnection, policy: str) -> bytes | None:
-    """The newest ``PolicyVersionPublished`` of ``policy`` kept by ``POLICY_VERSIONS`` (its JSON), or None."""
-    js = connection.jetstream(timeout=LOOKUP_TIMEOUT)
-    try:
-        message = await js.get_last_msg(VERSIONS_STREAM, versions_subject(policy))
-    except NotFoundError:
-        return None  # no stream yet, or no version of this policy
-    except NatsError as error:
-        log.warning("could not read the newest version of %s from %s: %s", policy, VERSIONS_STREAM, error)
-        return None
-    return message.data
+class VersionLog:
+    """The policy versions the log holds, read through the view ``policy_versions`` (migration 0018).
+
+    A connection per look-up: versions arrive minutes apart, so holding one open would only add a reconnect
+    path to get wrong; a PostgreSQL restart between two versions costs nothing. ``StoreUnavailable`` when
+    the log cannot be read (the caller keeps its version and asks again at the next doorbell).
+    """
+
+    def __init__(self, database_url: str, *, timeout: float = LOOKUP_TIMEOUT) -> None:
+        self.conninfo = libpq_url(database_url)
+        self.timeout = timeout
+
+    async def checkpoint(self, policy: str, version: int) -> str | None:
+        """The checkpoint the log records for ``version`` of ``policy`` (None: no such version in it)."""
+        row = await self._one(
+            "SELECT checkpoint FROM policy_versions WHERE stream = %s AND version = %s "
+            "ORDER BY position LIMIT 1",
+            (f"policy-{policy}", version),
+        )
+        return None if row is None else str(row[0])
+
+    async def newest(self, policy: str) -> tuple[int, str] | None:
+        """The newest version of ``policy`` in the log and its checkpoint, or None before the first."""
+        row = await self._one(
+            "SELECT version, checkpoint FROM policy_versions WHERE stream = %s ORDER BY version DESC LIMIT 1",
+            (f"policy-{policy}",),
+        )
+        return None if row is None else (int(str(row[0])), str(row[1]))
+
+    async def _one(self, query: str, params: tuple[object, ...]) -> tuple[object, ...] | None:
+        try:
+            async with await psycopg.AsyncConnection.connect(
+                self.conninfo, autocommit=True, connect_timeout=max(1, round(self.timeout))
+            ) as connection:
+                cursor = await connection.execute(query, params)
+                return await cursor.fetchone()
+        except psycopg.Error as error:
+            raise StoreUnavailable(f"could not read policy versions from the log: {error}".strip()) from error

@@ -104,7 +104,10 @@ def logins(servers: Servers) -> Iterator[dict[str, tuple[str, str]]]:
     password, member of the group role, not a superuser), under names of this session's own:
     (user, password) by group role. Tests that act as a role log in as its user (no ``SET ROLE``)."""
     suffix = uuid.uuid4().hex[:8]
-    roles = ("turnstile_writer", "turnstile_materializer", "turnstile_reader")
+    roles = (
+        "turnstile_writer", "turnstile_materializer", "turnstile_reader",
+        "turnstile_trainer", "turnstile_inference",
+    )  # fmt: skip
     made = {role: (f"{role.removeprefix('turnstile_')}_{suffix}", uuid.uuid4().hex) for role in roles}
     with psycopg.connect(libpq_url(servers.database_url), autocommit=True) as admin:
         for role in roles:  # the template's migration made them; a fresh server may not have them yet
@@ -113,6 +116,8 @@ def logins(servers: Servers) -> Iterator[dict[str, tuple[str, str]]]:
             )
         for role, (user, password) in made.items():
             admin.execute(f"CREATE ROLE \"{user}\" LOGIN PASSWORD '{password}' IN ROLE {role}")
+        # the trainer's login is a writer too, as deploy/postgres-init.sql makes it
+        admin.execute(f'GRANT turnstile_writer TO "{made["turnstile_trainer"][0]}"')
     yield made
     with psycopg.connect(libpq_url(servers.database_url), autocommit=True) as admin:
         for user, _ in made.values():

@@ -31,6 +31,15 @@ if TYPE_CHECKING:
     from pipeline.materialize import MaterializerConfig
 
 
+def optional_database_url() -> str | None:
+    """The log's URL if one is set (or `turnstile up` runs here), else None: an inference consumer without one
+    serves its first weights and refuses every version (it cannot check them against the log)."""
+    try:
+        return Settings().require_database_url()
+    except ConfigError:
+        return None
+
+
 def inference(
     policy: str = typer.Option(..., help="the policy served: requests arrive on llm.<policy>.requests"),
     backend: Backend = typer.Option(
@@ -70,6 +79,7 @@ def inference(
         held_tokens=held_tokens,
         metrics_port=metrics_port,
         script=script,
+        database_url=optional_database_url(),
     )
     application, service = create_app(config)
     console.print(

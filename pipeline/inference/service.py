@@ -16,18 +16,19 @@ import hashlib
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from pydantic import ValidationError
 
-from pipeline.errors import describe_validation_error, field_path
+from pipeline.errors import StoreUnavailable, describe_validation_error, field_path
 from pipeline.inference.backends import Backend, Generation
 from pipeline.inference.chain import Chain, as_list
 from pipeline.inference.chat import REASONING_MARKERS, split_reasoning, split_tool_calls
 from pipeline.inference.client import CONSUMER_HEADER, HEARTBEAT_HEADER, RequestRejected
 from pipeline.inference.held import DEFAULT_BUDGET_TOKENS, HeldPrefixes, HeldTurn
+from pipeline.versions import VersionLog
 from schemas import (
     IGNORE,
     TOLERANT,
@@ -45,6 +46,15 @@ log = logging.getLogger(__name__)
 
 Publish = Callable[[str, bytes, dict[str, str]], Awaitable[None]]
 RECENT_REPLIES: Final = 4096
+VERSION_REFUSALS: Final = (
+    "not_in_log",
+    "checkpoint_mismatch",
+    "log_unreachable",
+    "no_log",
+    "other_policy",
+    "unreadable",
+)
+"""Why a policy version message was not loaded (each counted from 0: a rate sees the first one)."""
 
 
 def printable(text: str) -> str:
@@ -67,8 +77,12 @@ class InferenceService:
         held_tokens: int = DEFAULT_BUDGET_TOKENS,
         on_reply: Callable[[LLMResponse], None] | None = None,
         on_error: Callable[[str], None] | None = None,
+        versions: VersionLog | None = None,
     ) -> None:
         self.backend = backend
+        self.versions = versions
+        """Where versions are checked before loading (None: none is loaded, each refused as ``no_log``)."""
+        self.versions_refused: Counter[str] = Counter(dict.fromkeys(VERSION_REFUSALS, 0))
         self.held = HeldPrefixes(held_tokens)
         """Recent turns' tokens, messages and tools, by the key each reply names (``tokens_key``)."""
         self.on_reply = on_reply  # metrics: each reply sent (timings, tokens), each error by its code
@@ -141,24 +155,84 @@ class InferenceService:
         return body
 
     async def on_version(self, data: bytes) -> None:
-        """A trainer published a new policy version: load it unless we already have it (or newer)."""
+        """A message on ``policy.<policy>.versions``: load the version it names if the log holds it.
+
+        The message alone is never enough (anyone who can make one appear there would choose the weights):
+        the version must be in the log with the same checkpoint, where only the trainer's role can write one
+        (``VersionLog``). Never backwards: a version at or below the one served is left alone. A message
+        that fails the check is refused, logged and counted (``versions_refused``, by reason).
+        """
         try:
             published = PolicyVersionPublished.model_validate_json(data, context=TOLERANT, extra=IGNORE)
         except ValidationError as error:
-            log.error("ignoring an unreadable policy version message: %s", describe_validation_error(error))
+            self._refuse(
+                "unreadable", "an unreadable policy version message: %s", describe_validation_error(error)
+            )
+            return
+        if published.policy != self.policy:
+            self._refuse(
+                "other_policy", "a version of policy %r on policy %r's subject", published.policy, self.policy
+            )
             return
         async with self._reload:
-            if published.policy != self.policy or published.version <= self.backend.policy_version:
+            if published.version <= self.backend.policy_version:
+                return  # heard again (the stream at start, a reconnect) or older: nothing to do
+            if self.versions is None:
+                self._refuse(
+                    "no_log", "version %d: this consumer has no database login to check versions against the "
+                    "log (set TURNSTILE_DATABASE_URL to the inference login)", published.version,
+                )  # fmt: skip
                 return
             try:
-                await self.backend.load_version(published.version, published.checkpoint)
-            except Exception:
-                log.exception(
-                    "could not load policy version %d from %s; keeping version %d",
-                    published.version,
-                    published.checkpoint,
-                    self.backend.policy_version,
-                )
+                recorded = await self.versions.checkpoint(self.policy, published.version)
+            except StoreUnavailable as error:
+                self._refuse("log_unreachable", "version %d not loaded: %s", published.version, error)
+                return
+            if recorded is None:
+                self._refuse(
+                    "not_in_log", "version %d (checkpoint %s) is not in the log: forged or misrouted",
+                    published.version, published.checkpoint,
+                )  # fmt: skip
+                return
+            if recorded != published.checkpoint:
+                self._refuse(
+                    "checkpoint_mismatch", "version %d names checkpoint %s, the log records %s",
+                    published.version, published.checkpoint, recorded,
+                )  # fmt: skip
+                return
+            await self._load(published.version, recorded)
+
+    async def catch_up(self) -> None:
+        """Load the newest version the log holds, if newer than the one served (at start, after a reconnect:
+        versions published meanwhile were not heard)."""
+        if self.versions is None:
+            return
+        try:
+            newest = await self.versions.newest(self.policy)
+        except StoreUnavailable as error:
+            log.warning("could not read the newest policy version from the log: %s", error)
+            return
+        if newest is None:
+            return
+        async with self._reload:
+            if newest[0] > self.backend.policy_version:
+                await self._load(*newest)
+
+    async def _load(self, version: int, checkpoint: str) -> None:
+        try:
+            await self.backend.load_version(version, checkpoint)
+        except Exception:
+            log.exception(
+                "could not load policy version %d from %s; keeping version %d",
+                version,
+                checkpoint,
+                self.backend.policy_version,
+            )
+
+    def _refuse(self, reason: str, message: str, *args: object) -> None:
+        self.versions_refused[reason] += 1
+        log.warning("refused a policy version message: " + message + "; keeping version %d", *args,
+                    self.backend.policy_version)  # fmt: skip
 
     async def _answer(self, request: LLMRequest, received: float, digest: bytes) -> bytes:
         held: HeldTurn | None = None

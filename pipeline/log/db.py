@@ -19,6 +19,8 @@ from pipeline.settings import libpq_url, sqlalchemy_url
 WRITER_ROLE = "turnstile_writer"
 MATERIALIZER_ROLE = "turnstile_materializer"
 READER_ROLE = "turnstile_reader"
+TRAINER_ROLE = "turnstile_trainer"
+"""Appends policy versions (migration 0018); its login joins turnstile_writer too."""
 
 
 def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
@@ -63,13 +65,17 @@ def make_logins(owner_url: str, *, services: str = "turnstile", reader: str = "t
     """Make (or keep) two logins that are not superusers on a migrated database, for `turnstile up`: the
     superuser that made the database stays for migrations only.
 
-    ``services`` joins turnstile_writer and turnstile_materializer and may create schemas (rebuilds);
+    ``services`` joins turnstile_writer, turnstile_materializer and turnstile_trainer (the demo's trainer
+    publishes versions with it) and may create schemas (rebuilds);
     ``reader`` joins turnstile_reader only. Without passwords: for servers that trust local logins (the
     embedded PostgreSQL); a deployment makes its logins with passwords (deploy/postgres-init.sql).
     """
     with psycopg.connect(libpq_url(owner_url), autocommit=True) as connection:
         database = connection.info.dbname
-        for user, roles in ((services, [WRITER_ROLE, MATERIALIZER_ROLE]), (reader, [READER_ROLE])):
+        for user, roles in (
+            (services, [WRITER_ROLE, MATERIALIZER_ROLE, TRAINER_ROLE]),
+            (reader, [READER_ROLE]),
+        ):
             exists = connection.execute("SELECT FROM pg_roles WHERE rolname = %s", (user,)).fetchone()
             if exists is None:
                 connection.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(user)))

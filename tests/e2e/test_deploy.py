@@ -41,6 +41,7 @@ from pipeline.batches.relay import (
 )
 from pipeline.dev.embedded import EmbeddedPostgres, free_port
 from pipeline.inference.client import NatsLLMClient
+from pipeline.log import EventStore
 from pipeline.log.db import create_engine
 from pipeline.log.store import APPEND_LOCK
 from pipeline.runners.taskqueue import ensure_tasks_stream
@@ -222,7 +223,10 @@ async def test_a_runner_request_is_answered_by_an_inference_consumer_with_heartb
 
 
 async def test_the_relay_publishes_batches_and_the_trainer_reads_them_and_publishes_versions(
-    connect: Callable[[str], Awaitable[Connected]], role_nats: RoleNats, database_url: str
+    connect: Callable[[str], Awaitable[Connected]],
+    role_nats: RoleNats,
+    database_url: str,
+    logins: dict[str, tuple[str, str]],
 ) -> None:
     policy = new_policy()
     relay, trainer = await connect("relay"), await connect("trainer")
@@ -251,22 +255,32 @@ async def test_the_relay_publishes_batches_and_the_trainer_reads_them_and_publis
     for message in messages:
         await message.ack_sync(timeout=5.0)
 
+    # As publish_policy_version does it, each with its role's own login: the log first (the trainer's
+    # PostgreSQL login), then the stream and the publish it keeps.
+    store = await EventStore.connect(login_url(database_url, logins["turnstile_trainer"]))
+
     async def publish_version(number: int) -> None:
         version = PolicyVersionPublished(
             policy=policy, version=number, checkpoint=f"/checkpoints/v{number:06}"
         )
+        await store.append(f"policy-{policy}", [version])
         await trainer.nc.publish(f"policy.{policy}.versions", version.model_dump_json().encode())
         await trainer.nc.flush()
 
-    # As publish_policy_version does it: the stream first, then the publish it keeps.
-    assert await ensure_versions_stream(trainer.nc)
-    await publish_version(1)  # before any inference consumer runs: nobody hears it live
-    backend = RuleBackend(echo_rule)
-    config = InferenceConfig(role_nats.url("inference"), policy, backend="scripted", consumer_id="c2")
-    async with serving(config, backend):
-        assert backend.policy_version == 1  # loaded from the stream at start, before serving a request
-        await publish_version(2)
-        await wait_until(lambda: backend.policy_version == 2, 30, "the consumer to load version 2")
+    try:
+        assert await ensure_versions_stream(trainer.nc)
+        await publish_version(1)  # before any inference consumer runs: nobody hears it live
+        backend = RuleBackend(echo_rule)
+        config = InferenceConfig(
+            role_nats.url("inference"), policy, backend="scripted", consumer_id="c2",
+            database_url=login_url(database_url, logins["turnstile_inference"]),
+        )  # fmt: skip
+        async with serving(config, backend):
+            assert backend.policy_version == 1  # loaded from the log at start, before serving a request
+            await publish_version(2)
+            await wait_until(lambda: backend.policy_version == 2, 30, "the consumer to load version 2")
+    finally:
+        await store.close()
     assert trainer.errors == []
 
     await trainer.nc.publish(f"tasks.{policy}", b"{}")

@@ -19,6 +19,7 @@ from pipeline.dev.embedded import free_port
 from pipeline.inference.client import NatsLLMClient
 from schemas import ChatMessage, LLMRequest, LLMResponse
 from tests.conftest import Servers, login_url
+from tests.support.processes import stopping
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 
@@ -39,19 +40,26 @@ def start_up(data_dir: Path) -> tuple[subprocess.Popen[str], dict[str, str]]:
     exports: dict[str, str] = {}
     deadline = time.monotonic() + 120
     assert process.stdout is not None
-    while len(exports) < 4:
-        line = process.stdout.readline()
-        assert line, f"`turnstile up` ended before printing its exports (exit {process.poll()})"
-        assert time.monotonic() < deadline
-        if line.startswith("export "):
-            name, _, value = line.removeprefix("export ").strip().partition("=")
-            exports[name] = value
+    try:
+        while len(exports) < 4:
+            line = process.stdout.readline()
+            assert line, f"`turnstile up` ended before printing its exports (exit {process.poll()})"
+            assert time.monotonic() < deadline
+            if line.startswith("export "):
+                name, _, value = line.removeprefix("export ").strip().partition("=")
+                exports[name] = value
+    except BaseException:  # stopped unless it printed its exports (then the caller stops it)
+        process.kill()
+        process.wait()
+        raise
     return process, exports
 
 
 def stop(process: subprocess.Popen[str]) -> int:
+    """SIGTERM and its exit status; killed if it has not exited within 60 s (then the wait fails)."""
     process.send_signal(signal.SIGTERM)
-    return process.wait(60)
+    with stopping(process):
+        return process.wait(60)
 
 
 async def nats_has_jetstream(url: str) -> bool:
@@ -164,8 +172,7 @@ def test_model_init_tiny_and_serve_inference_answer_over_nats(tmp_path: Path, se
         assert response.consumer_id == "cli-1"
         assert len(response.completion_token_ids) == len(response.completion_logprobs) > 0
     finally:
-        consumer.send_signal(signal.SIGTERM)
-        assert consumer.wait(60) == 0, consumer.stderr.read() if consumer.stderr else ""
+        assert stop(consumer) == 0, consumer.stderr.read() if consumer.stderr else ""
 
 
 def test_model_init_long_and_serve_inference_with_a_script_answer_the_scripted_reply(
@@ -203,8 +210,7 @@ def test_model_init_long_and_serve_inference_with_a_script_answer_the_scripted_r
         assert (response.text, response.finish_reason) == ("Scripted.", "stop")
         assert len(response.completion_token_ids) == len(response.completion_logprobs) > 1
     finally:
-        consumer.send_signal(signal.SIGTERM)
-        assert consumer.wait(60) == 0, consumer.stderr.read() if consumer.stderr else ""
+        assert stop(consumer) == 0, consumer.stderr.read() if consumer.stderr else ""
 
 
 async def ask_when_ready(nats_url: str, policy: str) -> LLMResponse:

@@ -51,6 +51,7 @@ from schemas import (
 )
 from tests.conftest import Servers
 from tests.support.backends import RuleBackend, calculator_rule
+from tests.support.processes import running
 from tests.support.serving import serving
 from tests.support.waiting import wait_until
 
@@ -913,14 +914,14 @@ async def test_turnstile_run_drives_a_proxy_agent_through_the_gateway(
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
     env |= {"TURNSTILE_DATABASE_URL": database_url, "TURNSTILE_NATS_URL": servers.nats_url}
-    process = await asyncio.create_subprocess_exec(
+    async with running(
         *TURNSTILE, "run", "--agent", "tests.integration.test_gateway:OpenAIProxyAgent",
         "--tasks", str(ARITHMETIC_TASKS), "--policy", calculator_policy, "--group-size", "2",
         "--max-tokens", "64",
         env=env, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    _, stderr = await asyncio.wait_for(process.communicate(), 180)
-    assert process.returncode == 0, stderr.decode()
+    ) as process:  # fmt: skip
+        _, stderr = await asyncio.wait_for(process.communicate(), 180)
+        assert process.returncode == 0, stderr.decode()
     events = [r.event for r in await store.read_all(0, 10_000) if r.event is not None]
     finished = Counter(e.termination for e in events if isinstance(e, EpisodeFinished))
     rewards = [e.value for e in events if isinstance(e, RewardAssigned)]

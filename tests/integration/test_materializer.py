@@ -46,6 +46,7 @@ from schemas import (
     TurnRequest,
 )
 from tests.conftest import Servers
+from tests.support.processes import running
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 
@@ -416,19 +417,19 @@ async def test_a_materializer_killed_20_times_ends_with_the_batches_of_an_uninte
     rng = random.Random(3)
     kills, positions = 0, []
     while kills < 20 and checkpoint() < head:
-        process = await asyncio.create_subprocess_exec(
+        async with running(
             *TURNSTILE, "serve", "materializer", *options, env=env,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        commits, seen = rng.randint(1, 3), [checkpoint()]
-        deadline = asyncio.get_running_loop().time() + 120
-        while len(seen) <= commits and seen[-1] < head:
-            assert asyncio.get_running_loop().time() < deadline, "the materializer made no progress"
-            await asyncio.sleep(0.005)
-            if (now := checkpoint()) != seen[-1]:
-                seen.append(now)
-        process.send_signal(signal.SIGKILL)
-        await process.wait()
+        ) as process:  # fmt: skip
+            commits, seen = rng.randint(1, 3), [checkpoint()]
+            deadline = asyncio.get_running_loop().time() + 120
+            while len(seen) <= commits and seen[-1] < head:
+                assert asyncio.get_running_loop().time() < deadline, "the materializer made no progress"
+                await asyncio.sleep(0.005)
+                if (now := checkpoint()) != seen[-1]:
+                    seen.append(now)
+            process.send_signal(signal.SIGKILL)
+            await process.wait()
         kills += 1
         positions.append(checkpoint())
     assert kills >= 10, f"the log ended after {kills} kills: make it longer"
@@ -481,11 +482,11 @@ async def test_a_rebuild_in_another_process_gives_the_same_batch_ids_and_bytes(
     await materialize(database_url, MaterializerConfig(name="here", batch_samples=4), create=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
     env.update(TURNSTILE_DATABASE_URL=database_url, PYTHONHASHSEED="12345")
-    elsewhere = await asyncio.create_subprocess_exec(
+    async with running(
         *TURNSTILE, "rematerialize", "--name", "elsewhere", "--batch-samples", "4", env=env,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    _, stderr = await elsewhere.communicate()
+    ) as elsewhere:  # fmt: skip
+        _, stderr = await asyncio.wait_for(elsewhere.communicate(), 300)
     assert elsewhere.returncode == 0, stderr.decode()
     here, there = read_models(database_url, "rm_here"), read_models(database_url, "rm_elsewhere")
     assert here["outbox"]

@@ -54,7 +54,12 @@ from schemas import (
 )
 from tests.conftest import Servers
 from tests.support.backends import RuleBackend, calculator_rule, echo_rule
-from tests.support.replay_agents import CountingAgent, LongAgent, RewordedCountingAgent
+from tests.support.replay_agents import (
+    CountingAgent,
+    ListeningCountingAgent,
+    LongAgent,
+    RewordedCountingAgent,
+)
 from tests.support.serving import serving
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
@@ -306,6 +311,34 @@ async def test_rerun_of_an_agent_with_a_changed_prompt_diverges_at_turn_2_with_a
     assert "-  now say 2" in out
     assert "+  now please say 2" in out
     assert "role: user" in out
+
+
+async def test_rerun_hands_the_agent_every_character_of_each_recorded_reply_and_sees_one_changed(
+    store: EventStore, llm: NatsLLMClient, policy: str, database_url: str
+) -> None:
+    """The README's promise: a rerun answers with the recording exactly and reports a change in substance.
+    A reply sent back with only its last character changed diverges at turn 2; the unchanged agent hears
+    every recorded reply to its last character."""
+    episode_id = await record(store, llm, policy, CountingAgent(), agent_name=COUNTING, task={"id": "c"})
+    recorded = [turn.reply.text for turn in (await load_episode(store, episode_id)).episode.turns]
+    assert len(recorded) == 3
+    assert all(recorded), recorded  # replies with a last character to change
+
+    ListeningCountingAgent.heard.clear()
+    same = await rerun_by_id(store, episode_id, agent="tests.support.replay_agents:ListeningCountingAgent")
+    assert same.identical
+    assert ListeningCountingAgent.heard == recorded
+
+    rerun = turnstile(
+        database_url, "replay", episode_id, "--rerun", "--agent",
+        "tests.support.replay_agents:EditedReplyCountingAgent",
+    )  # fmt: skip
+    assert rerun.returncode == 1, rerun.stdout + rerun.stderr
+    out = rerun.stdout
+    assert f"diverged  {episode_id}  at turn 2 (messages): message 2 of 3 (assistant) differs" in out
+    edited = recorded[0][:-1] + ("?" if recorded[0].endswith("!") else "!")
+    assert f"+  {edited.splitlines()[-1]}" in out
+    assert f"-  {recorded[0].splitlines()[-1]}" in out
 
 
 async def test_rerun_reports_too_few_and_too_many_turns(

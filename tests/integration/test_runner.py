@@ -37,6 +37,7 @@ from schemas import LLMRequest, SamplingParams, TurnCompleted
 from tests.conftest import Servers
 from tests.support.agents import ThreeTurnAgent
 from tests.support.backends import Rule, RuleBackend, calculator_rule, echo_rule
+from tests.support.processes import running
 from tests.support.serving import serving
 from tests.support.waiting import wait_until
 
@@ -180,12 +181,11 @@ async def test_turnstile_run_with_the_calculator_agent_records_every_task(
 ) -> None:
     policy = new_policy()
     config = InferenceConfig(servers.nats_url, policy, backend="scripted", heartbeat_interval=0.5)
-    async with serving(config, RuleBackend(calculator_rule)):
-        process = await asyncio.create_subprocess_exec(
-            *TURNSTILE, "run", "--agent", "pipeline.examples.calculator:CalculatorAgent",
-            "--tasks", str(ARITHMETIC_TASKS), "--policy", policy, "--group-size", "2",
-            env=env_for(servers, database_url), stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+    async with serving(config, RuleBackend(calculator_rule)), running(
+        *TURNSTILE, "run", "--agent", "pipeline.examples.calculator:CalculatorAgent",
+        "--tasks", str(ARITHMETIC_TASKS), "--policy", policy, "--group-size", "2",
+        env=env_for(servers, database_url), stderr=asyncio.subprocess.PIPE,
+    ) as process:  # fmt: skip
         _, stderr = await asyncio.wait_for(process.communicate(), 120)
     output = stderr.decode()
     assert process.returncode == 0, output
@@ -202,12 +202,12 @@ async def test_turnstile_run_with_no_inference_consumer_says_why_and_exits_non_z
 ) -> None:
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"id": 1}\n{"id": 2}\n')
-    process = await asyncio.create_subprocess_exec(
+    async with running(
         *TURNSTILE, "run", "--agent", "tests.support.agents:ThreeTurnAgent", "--tasks", str(tasks),
         "--policy", new_policy(), "--retries", "0",
         env=env_for(servers, database_url), stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    _, stderr = await asyncio.wait_for(process.communicate(), 120)
+    ) as process:  # fmt: skip
+        _, stderr = await asyncio.wait_for(process.communicate(), 120)
     output = stderr.decode()
     assert process.returncode == 1, output
     assert "2 episode(s) failed; causes:" in output
@@ -244,13 +244,12 @@ async def test_turnstile_run_ctrl_c_cancels_open_episodes_cleanly(
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": n}) + "\n" for n in range(6)) + "{broken\n")
     config = InferenceConfig(servers.nats_url, policy, backend="scripted", heartbeat_interval=0.5)
-    async with serving(config, RuleBackend(echo_rule)):
-        process = await asyncio.create_subprocess_exec(
-            *TURNSTILE, "run", "--agent", "tests.support.agents:SlowAgent", "--tasks", str(tasks),
-            "--policy", policy,
-            env=env_for(servers, database_url, TURNSTILE_TEST_AGENT_SLEEP="30"),
-            stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+    async with serving(config, RuleBackend(echo_rule)), running(
+        *TURNSTILE, "run", "--agent", "tests.support.agents:SlowAgent", "--tasks", str(tasks),
+        "--policy", policy,
+        env=env_for(servers, database_url, TURNSTILE_TEST_AGENT_SLEEP="30"),
+        stderr=asyncio.subprocess.PIPE,
+    ) as process:  # fmt: skip
         await wait_until(
             lambda: (
                 query(database_url, "SELECT count(*) FROM events WHERE type = 'TurnCompleted'")[0][0] == 6
@@ -285,36 +284,36 @@ async def test_runner_killed_mid_run_its_tasks_are_redelivered_none_lost_none_co
     # runner is killed with at least 4 episodes done and the ones waiting at the gate open.
     backend = Gated(echo_rule, free=30)
     async with serving(config, backend):
-        submit = await asyncio.create_subprocess_exec(
+        async with running(
             *TURNSTILE, "submit", str(tasks), "--policy", policy, "--group-size", "2", env=env,
             stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        _, submitted = await asyncio.wait_for(submit.communicate(), 60)
+        ) as submit:  # fmt: skip
+            _, submitted = await asyncio.wait_for(submit.communicate(), 60)
         assert submit.returncode == 0, submitted.decode()
         assert "submitted 12 tasks" in submitted.decode()
 
-        first = await asyncio.create_subprocess_exec(*serve, env=env, stderr=asyncio.subprocess.DEVNULL)
-        await wait_until(lambda: backend.held >= 1, 120, "a request waiting at the gate")
-        assert terminations(database_url)["done"] >= 4
-        first.kill()  # SIGKILL: no cleanup at all
-        await first.wait()
+        async with running(*serve, env=env, stderr=asyncio.subprocess.DEVNULL) as first:
+            await wait_until(lambda: backend.held >= 1, 120, "a request waiting at the gate")
+            assert terminations(database_url)["done"] >= 4
+            first.kill()  # SIGKILL: no cleanup at all
+            await first.wait()
         killed_with_open = open_episodes(database_url)
         backend.gate.set()
 
-        second = await asyncio.create_subprocess_exec(*serve, env=env, stderr=asyncio.subprocess.PIPE)
-        connection = await nats.connect(servers.nats_url)
-        try:
+        async with running(*serve, env=env, stderr=asyncio.subprocess.PIPE) as second:
+            connection = await nats.connect(servers.nats_url)
+            try:
 
-            async def queue_drained() -> bool:
-                info = await connection.jetstream().consumer_info(TASKS_STREAM, runner_durable(policy))
-                return info.num_pending == 0 and info.num_ack_pending == 0
+                async def queue_drained() -> bool:
+                    info = await connection.jetstream().consumer_info(TASKS_STREAM, runner_durable(policy))
+                    return info.num_pending == 0 and info.num_ack_pending == 0
 
-            await wait_until(queue_drained, 90, "every task acked")
-        finally:
-            await connection.drain()
-        second.send_signal(signal.SIGTERM)
-        _, log = await asyncio.wait_for(second.communicate(), 60)
-        assert second.returncode == 0, log.decode()
+                await wait_until(queue_drained, 90, "every task acked")
+            finally:
+                await connection.drain()
+            second.send_signal(signal.SIGTERM)
+            _, log = await asyncio.wait_for(second.communicate(), 60)
+            assert second.returncode == 0, log.decode()
 
     assert killed_with_open > 0  # the kill did leave episodes open
     done = query(

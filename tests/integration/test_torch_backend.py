@@ -17,6 +17,7 @@ from consumers.inference import InferenceConfig
 from pipeline.inference.backends.torch_backend import TorchBackend
 from pipeline.inference.client import NatsLLMClient
 from pipeline.inference.service import InferenceService
+from pipeline.log import EventStore
 from pipeline.versions import versions_subject
 from schemas import (
     ChatMessage,
@@ -93,9 +94,16 @@ async def test_a_prompt_longer_than_the_context_is_rejected(backend: TorchBacken
 
 
 def torch_consumer(
-    servers: Servers, policy: str, model_dir: Path, consumer_id: str
+    servers: Servers, policy: str, model_dir: Path, consumer_id: str, database_url: str | None = None
 ) -> AbstractAsyncContextManager[InferenceService]:
-    config = InferenceConfig(servers.nats_url, policy, model=model_dir, consumer_id=consumer_id, max_batch=8)
+    config = InferenceConfig(
+        servers.nats_url,
+        policy,
+        model=model_dir,
+        consumer_id=consumer_id,
+        max_batch=8,
+        database_url=database_url,
+    )
     return serving(config)
 
 
@@ -139,7 +147,7 @@ async def test_concurrent_episodes_over_two_torch_consumers_continue_token_exact
 
 
 async def test_each_reply_comes_from_the_weights_of_the_version_it_is_tagged_with_across_a_reload(
-    servers: Servers, tiny_model_dir: Path, tmp_path: Path
+    servers: Servers, tiny_model_dir: Path, tmp_path: Path, store: EventStore, database_url: str
 ) -> None:
     checkpoint = tmp_path / "v1"
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
@@ -164,10 +172,11 @@ async def test_each_reply_comes_from_the_weights_of_the_version_it_is_tagged_wit
             answered += 1
         return answered
 
-    async with torch_consumer(servers, policy, tiny_model_dir, "t1") as service:
+    async with torch_consumer(servers, policy, tiny_model_dir, "t1", database_url) as service:
         senders = [asyncio.create_task(sender(i)) for i in range(4)]
         await wait_until(lambda: len(replies) >= 4, 120, "the first replies")
         announced = PolicyVersionPublished(policy=policy, version=1, checkpoint=str(checkpoint))
+        await store.append(f"policy-{policy}", [announced])  # as the trainer does: the log first
         await publisher.publish(versions_subject(policy), announced.model_dump_json().encode())
         assert in_flight == {0, 1, 2, 3}  # and so they stay while the consumer loads and swaps the weights
         await wait_until(

@@ -41,6 +41,7 @@ from pipeline.training.tracking import local_store
 from schemas import PolicyVersionPublished
 from tests.conftest import Servers
 from tests.integration.test_materializer import random_log
+from tests.support.processes import running
 from tests.support.serving import serving
 from tests.support.waiting import wait_until
 
@@ -135,7 +136,9 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
         keep_checkpoints=2, log_steps=tmp_path / "steps.jsonl", track="mlflow", track_dir=tmp_path / "mlflow",
         learner=LearnerOptions(micro_batch_tokens=64, kl_coef=0.01), merge_waiting=1,
     )  # fmt: skip
-    inference = InferenceConfig(servers.nats_url, policy, backend="torch", model=tiny_model_dir)
+    inference = InferenceConfig(
+        servers.nats_url, policy, backend="torch", model=tiny_model_dir, database_url=database_url
+    )
     async with serving(inference) as service:
         stop = asyncio.Event()
         training = asyncio.create_task(serve_trainer(config, stop=stop))
@@ -258,23 +261,20 @@ async def test_a_trainer_killed_mid_batch_trains_each_batch_once(
             return trained() == 3 and info.num_pending == 0 and info.num_ack_pending == 1
         return False
 
-    first = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.DEVNULL)
-    await wait_until(holding_the_fourth, 120, "the trainer holding batch 4 after version 1")
-    first.send_signal(signal.SIGKILL)
-    await first.wait()
+    async with running(*command, env=env, stderr=asyncio.subprocess.DEVNULL) as first:
+        await wait_until(holding_the_fourth, 120, "the trainer holding batch 4 after version 1")
+        first.send_signal(signal.SIGKILL)
+        await first.wait()
     assert trained() == 3  # version 1 only: the fourth batch was never recorded
     assert await relay_batches(servers, database_url) == made - 4
     await connection.drain()
 
-    second = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
     target = made - made % 3  # whole versions only: the rest waits for more batches
-    deadline = asyncio.get_running_loop().time() + 120
-    while trained() < target:
-        assert asyncio.get_running_loop().time() < deadline, "the restarted trainer did not catch up"
-        await asyncio.sleep(0.1)
-    second.send_signal(signal.SIGTERM)
-    _, log = await asyncio.wait_for(second.communicate(), 60)
-    assert second.returncode == 0, log.decode()
+    async with running(*command, env=env, stderr=asyncio.subprocess.PIPE) as second:
+        await wait_until(lambda: trained() >= target, 120, "the restarted trainer to catch up")
+        second.send_signal(signal.SIGTERM)
+        _, log = await asyncio.wait_for(second.communicate(), 60)
+        assert second.returncode == 0, log.decode()
     assert trained() == target  # nothing more after the last whole version
 
     recorded = rows(
@@ -289,6 +289,54 @@ async def test_a_trainer_killed_mid_batch_trains_each_batch_once(
         f"policy-{policy}",
     )
     assert sorted({v for (v,) in versions}) == list(range(1, target // 3 + 1))
+
+
+async def test_a_trainer_that_dies_before_its_checkpoint_is_on_disk_has_acked_nothing_and_loses_nothing(
+    servers: Servers, store: EventStore, database_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The README's order (checkpoint on disk, then the batches recorded, then acked): a trainer that dies
+    writing its first checkpoint (here: a file where the checkpoint's partial directory goes, so the save
+    fails after the learner step) has acked no batch, and a restarted trainer trains every one of them."""
+    policy, made = await batches_on_the_stream(servers, store, database_url, groups=4, batch_samples=6)
+    assert made >= 2
+    durable = f"t{uuid.uuid4().hex[:8]}"
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    blocker = checkpoint_dir(checkpoints, 1).with_name("v000001.partial")
+    blocker.write_text("not a directory: the save of version 1 fails here")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    env.update(TURNSTILE_DATABASE_URL=database_url, TURNSTILE_NATS_URL=servers.nats_url)
+    command = [
+        *TURNSTILE, "serve", "trainer", "--policy", policy, "--model", str(tiny_model_dir), "--durable",
+        durable, "--checkpoints", str(checkpoints), "--version-every", "1", "--ack-wait", "2",
+    ]  # fmt: skip
+
+    def trained() -> int:
+        return int(rows(database_url, "SELECT count(*) FROM trained_batches")[0][0])
+
+    async with running(*command, env=env, stderr=asyncio.subprocess.PIPE) as first:
+        _, log = await asyncio.wait_for(first.communicate(), 180)
+    assert first.returncode not in (0, None), log.decode()[-2000:]
+    assert trained() == 0
+    connection = await nats.connect(servers.nats_url)
+    try:
+        info = await connection.jetstream().consumer_info(BATCHES_STREAM, durable)
+    finally:
+        await connection.drain()
+    assert info.delivered.consumer_seq >= 1  # it had taken a batch and trained on it ...
+    assert info.ack_floor.consumer_seq == 0  # ... and acked none: each comes again
+
+    blocker.unlink()
+    async with running(*command, env=env, stderr=asyncio.subprocess.PIPE) as second:
+        await wait_until(lambda: trained() >= made, 120, "the restarted trainer to train every batch")
+        second.send_signal(signal.SIGTERM)
+        _, log = await asyncio.wait_for(second.communicate(), 60)
+        assert second.returncode == 0, log.decode()[-2000:]
+    recorded = rows(
+        database_url, "SELECT batch_id, policy_version FROM trained_batches ORDER BY policy_version"
+    )
+    assert len({batch for batch, _ in recorded}) == len(recorded) == made  # each batch once, none lost
+    assert [version for _, version in recorded] == list(range(1, made + 1))
 
 
 @pytest.mark.parametrize("bad", [["--version-every", "0"], ["--model", "/nonexistent"]])

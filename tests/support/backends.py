@@ -39,6 +39,7 @@ class RuleBackend:
         self.delay = delay
         self.policy_version = 0
         self.requests_seen = 0
+        self.loaded: list[tuple[int, str]] = []  # (version, checkpoint) of every load, in order
 
     async def generate(self, request: LLMRequest) -> Generation:
         self.requests_seen += 1
@@ -60,6 +61,7 @@ class RuleBackend:
 
     async def load_version(self, version: int, checkpoint: str) -> None:
         self.policy_version = version
+        self.loaded.append((version, checkpoint))
 
     async def close(self) -> None:
         pass

@@ -73,3 +73,34 @@ class LongAgent:
             follow = f"observation {n}: " + "the build log says nothing new; " * 8
             messages += [reply.message, ChatMessage(role="user", content=follow)]
         return 1.0
+
+
+class EditedReplyCountingAgent(CountingAgent):
+    """The counting agent, but it sends each reply back with its last character changed: a change in
+    substance (one character is enough), which a rerun must report at turn 2."""
+
+    async def run(self, task: dict[str, Any], llm: EpisodeLLM) -> float:
+        messages = [ChatMessage(role="user", content=f"task {task.get('id', '?')}: count to three")]
+        for n in range(self.turns):
+            reply = await llm.chat(messages, max_tokens=8)
+            content = reply.message.content or ""
+            edited = content[:-1] + ("?" if content.endswith("!") else "!")
+            messages += [
+                reply.message.model_copy(update={"content": edited}),
+                ChatMessage(role="user", content=self.follow_up.format(n=n + 2)),
+            ]
+        return float(task.get("reward", 1.0))
+
+
+class ListeningCountingAgent(CountingAgent):
+    """The counting agent, keeping every reply text it was handed (in this process: for in-process reruns)."""
+
+    heard: list[str] = []
+
+    async def run(self, task: dict[str, Any], llm: EpisodeLLM) -> float:
+        messages = [ChatMessage(role="user", content=f"task {task.get('id', '?')}: count to three")]
+        for n in range(self.turns):
+            reply = await llm.chat(messages, max_tokens=8)
+            ListeningCountingAgent.heard.append(reply.message.content or "")
+            messages += [reply.message, ChatMessage(role="user", content=self.follow_up.format(n=n + 2))]
+        return float(task.get("reward", 1.0))
