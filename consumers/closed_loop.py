@@ -50,6 +50,7 @@ from pipeline.inference import NatsLLMClient
 from pipeline.log import EventStore, make_logins, migrate
 from pipeline.runners import Runner, RunnerConfig, TaskSpec, run_tasks
 from pipeline.settings import SERVERS_FILE
+from pipeline.training import TrainerBacklog
 from schemas import SamplingParams
 
 
@@ -65,6 +66,7 @@ class DemoConfig:
     batch_samples: int = 64
     lr: float = 3e-3
     max_staleness: int = 4
+    max_batches_ahead: int | None = 2  # rollouts paced to the learner (TrainerBacklog); None: never wait
     window: int = 200
 
 
@@ -117,6 +119,10 @@ async def _run_loop(config: DemoConfig, database_url: str, nats_url: str, stop: 
                 ),
                 runner_id=lease.runner_id,
             )
+            if config.max_batches_ahead is not None:
+                runner.pace = TrainerBacklog(
+                    llm.connection, "trainer", config.max_batches_ahead, wait_for_trainer=True
+                )
             # the same task stream for the same seed; sampling and the trainer take their own seeds
             stream = demo_tasks(config.seed)
             tasks: Iterator[TaskSpec] = (TaskSpec(task=task, task_id=task["id"]) for task in stream)

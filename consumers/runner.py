@@ -26,6 +26,7 @@ from pipeline.runners import (
     stats_line,
     stats_table,
 )
+from pipeline.training import TrainerBacklog
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,12 @@ async def serve_runner(
     stop: asyncio.Event | None = None,
     console: Console | None = None,
     metrics_port: int | None = None,
+    max_batches_ahead: int | None = None,
+    trainer: str = "trainer",
 ) -> TaskWorker:
     """``turnstile serve runner``: take tasks from ``tasks.<policy>`` until stopped (Ctrl-C, SIGTERM or
-    ``stop``); every ``lease_timeout`` close episodes that dead runners left open."""
+    ``stop``); every ``lease_timeout`` close episodes that dead runners left open. ``max_batches_ahead``:
+    no new task while the trainer ``trainer`` has more batches than that waiting (``TrainerBacklog``)."""
     console = console or Console(stderr=True)
     async with (
         running("runner", stop=stop, metrics_port=metrics_port) as runtime,
@@ -109,6 +113,8 @@ async def serve_runner(
             reward_fn=reward_fn,
             runner_id=services.lease.runner_id,
         )
+        if max_batches_ahead is not None:
+            runner.pace = TrainerBacklog(services.connection, trainer, max_batches_ahead)
         worker = TaskWorker(runner, services.connection, ack_wait=ack_wait)
         runtime.check("nats", lambda: services.connection.is_connected)
         instrument(runtime, runner.stats, worker)

@@ -133,6 +133,10 @@ def demo(
     ),
     seed: int = typer.Option(0, help="trainer seed"),
     concurrency: int = typer.Option(64, help="episodes in flight"),
+    max_batches_ahead: int = typer.Option(
+        2, help="start no new group while the trainer has more batches than this waiting (pacing)"
+    ),
+    pace: bool = typer.Option(True, help="pace rollouts to the learner (--no-pace: as fast as they come)"),
 ) -> None:
     """The closed loop on this machine: embedded servers, tiny model, inference, materializer, relay,
     trainer and a runner on a task the model learns; live progress, then a summary and a reward curve."""
@@ -142,12 +146,15 @@ def demo(
         raise ConfigError(f"--minutes must be positive, got {minutes}")
     if until_batches is not None and until_batches < 1:
         raise ConfigError(f"--until-batches must be at least 1, got {until_batches}")
+    if max_batches_ahead < 0:
+        raise ConfigError(f"--max-batches-ahead must be 0 or more, got {max_batches_ahead}")
     config = DemoConfig(
         data_dir=data_dir or Settings().data_dir,
         minutes=minutes,
         until_batches=until_batches,
         seed=seed,
         concurrency=concurrency,
+        max_batches_ahead=max_batches_ahead if pace else None,
     )
     summary = run_demo(config, console)
     report(summary, config, Console())

@@ -105,6 +105,13 @@ def runner(
         30.0, help="seconds after which a silent runner's episodes are aborted"
     ),
     heartbeat_timeout: HeartbeatTimeout = 15.0,
+    max_batches_ahead: int | None = typer.Option(
+        None,
+        help="take no new task while the trainer (--trainer) has more than this many batches of the policy "
+        r"waiting: rollouts paced to the learner, so fewer are skipped as stale \[default: never wait]",
+        show_default=False,
+    ),
+    trainer: str = typer.Option("trainer", help="the trainer whose backlog --max-batches-ahead watches"),
     metrics_port: MetricsPort = None,
 ) -> None:
     """Take tasks from the TASKS work queue and run AGENT on them, on as many machines as you like."""
@@ -114,6 +121,8 @@ def runner(
     from pipeline.runners import RunnerConfig, load_agent, load_reward_function
 
     setup_logging()
+    if max_batches_ahead is not None and max_batches_ahead < 0:
+        raise ConfigError(f"--max-batches-ahead must be 0 or more, got {max_batches_ahead}")
     settings = Settings()
     connections = Connections(
         settings.require_database_url(),
@@ -141,6 +150,8 @@ def runner(
             ack_wait=ack_wait,
             console=console,
             metrics_port=metrics_port,
+            max_batches_ahead=max_batches_ahead,
+            trainer=trainer,
         )
     )
     console.print("runner stopped")

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -177,6 +177,7 @@ class Runner:
         reward_fn: RewardFunction | None = None,
         runner_id: str | None = None,
         stats: RunStats | None = None,
+        pace: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -185,6 +186,8 @@ class Runner:
         self.reward_fn = reward_fn
         self.runner_id = runner_id
         self.stats = stats or RunStats()
+        self.pace = pace
+        """Awaited before each new group (``pipeline.training.TrainerBacklog``: paced to the learner)."""
         self._slots = asyncio.Semaphore(config.concurrency)
         self.open_episodes: set[str] = set()
         """Episodes started and not yet counted: when the run is cancelled, those it recorded cancelled
@@ -319,6 +322,8 @@ async def run_tasks(
             while len(pending) >= limit:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 collect(done)
+            if runner.pace is not None:
+                await runner.pace()
             pending.add(asyncio.create_task(runner.run_group(item)))
         if pending:
             collect((await asyncio.wait(pending))[0])

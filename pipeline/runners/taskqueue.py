@@ -131,6 +131,12 @@ class TaskWorker:
                     # full: wait for a task to finish (or for the stop)
                     await asyncio.wait(self._working | {stopping}, return_when=asyncio.FIRST_COMPLETED)
                     continue
+                if self.runner.pace is not None:  # the learner's backlog full: no new task yet
+                    pacing = asyncio.ensure_future(self.runner.pace())
+                    await asyncio.wait({pacing, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                    if not pacing.done():
+                        pacing.cancel()
+                        continue
                 try:
                     messages = await subscription.fetch(
                         max(1, room // self.runner.config.group_size), timeout=self.fetch_timeout

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipeline.training.dataset import BatchStream
+    from pipeline.training.pacing import TrainerBacklog
     from pipeline.training.ppo import LearnerOptions, PolicyGradient, checkpoint_dir
     from pipeline.training.subscription import (
         BatchSubscription,
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 
 _HOME: dict[str, str] = {
     "BatchStream": "dataset",
+    "TrainerBacklog": "pacing",
     "LearnerOptions": "ppo",
     "PolicyGradient": "ppo",
     "checkpoint_dir": "ppo",
@@ -96,6 +98,7 @@ __all__ = [
     "StreamRolloutWorker",
     "StreamRollouts",
     "Tracker",
+    "TrainerBacklog",
     "TrainerStats",
     "TrainingPlan",
     "checkpoint_dir",
