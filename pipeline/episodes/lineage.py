@@ -103,7 +103,8 @@ def argument_changes(sent: str, recorded: str, schema: object, where: str) -> li
         return [f"{where}: arguments {_shown(recorded)} -> {_shown(sent)}"]
     sent_value = with_defaults(sent_value, schema)
     recorded_value = with_defaults(recorded_value, schema)
-    assert isinstance(sent_value, dict) and isinstance(recorded_value, dict)
+    assert isinstance(sent_value, dict)
+    assert isinstance(recorded_value, dict)
     changes = []
     for key in sorted(recorded_value.keys() | sent_value.keys()):
         if key not in sent_value:

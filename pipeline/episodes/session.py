@@ -41,8 +41,8 @@ from schemas import (
     SamplingParams,
     Termination,
     TokenPrefix,
-    ToolChoice,
     ToolCall,
+    ToolChoice,
     ToolSpec,
     TurnCompleted,
     TurnDelivered,
@@ -161,7 +161,7 @@ class EpisodeSession:
         self._awaiting: set[uuid.UUID] = set()
         """Turns recorded as not yet delivered (``TurnCompleted.delivered`` False)."""
         self._delivered: list[uuid.UUID] = []
-        """Turns handed to a live client since the last append: recorded with the next one (``TurnDelivered``)."""
+        """Turns handed to a live client since the last append, recorded with the next (``TurnDelivered``)."""
 
     @property
     def policy(self) -> str:
@@ -507,7 +507,9 @@ class EpisodeSession:
             if (
                 len(sent) > count
                 and sent[count].role == "assistant"
-                and (sent[:count] == context.messages or all(map(same_message, sent[:count], context.messages)))
+                and (
+                    sent[:count] == context.messages or all(map(same_message, sent[:count], context.messages))
+                )
             ):
                 changes = reply_changes(sent[count], context.reply, schemas)
                 if changes:
@@ -518,11 +520,13 @@ class EpisodeSession:
         for message in sent:
             for call in message.tool_calls or []:
                 known = self._minted.get(call.id)
-                if known is not None and (found := reply_changes(
-                    message.model_copy(update={"content": None, "tool_calls": [call]}),
-                    ChatMessage(role="assistant", tool_calls=[known[1]]),
-                    schemas,
-                )):
+                if known is not None and (
+                    found := reply_changes(
+                        message.model_copy(update={"content": None, "tool_calls": [call]}),
+                        ChatMessage(role="assistant", tool_calls=[known[1]]),
+                        schemas,
+                    )
+                ):
                     edited = edited or known[0]
                     changes += found
         return TurnEdit(turn_id=edited, changes=changes) if edited is not None else None

@@ -324,9 +324,9 @@ class Gateway:
         turn_ids = (result.extra or {}).get("turn_ids") or []
         entry.session.mark_delivered([uuid.UUID(turn_id) for turn_id in turn_ids])
         for answer in entry.answers.values():
-            if answer.task.done() and not answer.task.cancelled() and answer.task.exception() is None:
-                if answer.task.result() is result:
-                    answer.delivered = True
+            done = answer.task.done() and not answer.task.cancelled() and answer.task.exception() is None
+            if done and answer.task.result() is result:
+                answer.delivered = True
 
     async def close_all(self, termination: Termination = "cancelled") -> None:
         """End every open session the gateway started (when it stops)."""
@@ -437,9 +437,9 @@ def continued(call: ChatCall, history: list[ChatMessage] | None) -> ChatCall:
             code="previous_response_not_found",
         )
     messages = call.messages
-    if messages and messages[0].role == "system" and history and history[0].role == "system":
-        if (messages[0].content or "") == (history[0].content or ""):
-            messages = messages[1:]
+    leading = messages and messages[0].role == "system" and history and history[0].role == "system"
+    if leading and (messages[0].content or "") == (history[0].content or ""):
+        messages = messages[1:]
     return dataclasses.replace(call, messages=[*history, *messages], previous_turn=None)
 
 

@@ -302,7 +302,12 @@ async def test_side_calls_are_marked_not_for_training_by_header_or_by_the_sessio
     # None: the materializer's lineage rule decides; True: asked for; the bad call: not recorded
     assert [t.train for t in turns] == [None, False, False, None, False, True]
     assert [t.model for t in turns] == [
-        "claude-sonnet-4-5", "claude-haiku-4-5-20251001", "title-1", "title-10", "main", "claude-haiku-4-5"
+        "claude-sonnet-4-5",
+        "claude-haiku-4-5-20251001",
+        "title-1",
+        "title-10",
+        "main",
+        "claude-haiku-4-5",
     ]
 
 
