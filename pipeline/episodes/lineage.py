@@ -39,8 +39,14 @@ def same_json(first: object, second: object) -> bool:
 
 def with_defaults(value: object, schema: object) -> object:
     """``value`` with the ``default`` of every property ``schema`` declares and ``value`` lacks, nested
-    objects included (what a client that validates arguments against the schema sends back)."""
-    if not isinstance(value, dict) or not isinstance(schema, dict):
+    objects and the items of arrays included (what a client that validates arguments against the schema
+    sends back: Claude Code's ``MultiEdit`` edits each get ``"replace_all": false``)."""
+    if not isinstance(schema, dict):
+        return value
+    if isinstance(value, list):
+        items = schema.get("items")
+        return [with_defaults(item, items) for item in value] if isinstance(items, dict) else value
+    if not isinstance(value, dict):
         return value
     properties = schema.get("properties")
     if not isinstance(properties, dict):

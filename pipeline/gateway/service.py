@@ -321,7 +321,7 @@ class Gateway:
             entry.disconnected_at = time.monotonic()
             return
         entry.disconnected_at = None
-        turn_ids = (result.extra or {}).get("turn_ids") or []
+        turn_ids = ((result.extra or {}).get("turnstile") or {}).get("turn_ids") or []
         entry.session.mark_delivered([uuid.UUID(turn_id) for turn_id in turn_ids])
         for answer in entry.answers.values():
             done = answer.task.done() and not answer.task.cancelled() and answer.task.exception() is None

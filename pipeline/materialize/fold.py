@@ -12,7 +12,7 @@ from typing import Any
 
 from pipeline.batches.format import encode_packed
 from pipeline.log.json_text import JsonText
-from pipeline.materialize import packed
+from pipeline.materialize import lineages, packed
 from pipeline.materialize.columns import FINISHED_INDEXES, S_ADVANTAGE, S_ARRAYS, S_BATCH, S_READY, S_STALE
 from pipeline.materialize.config import MaterializerConfig, batch_id_for
 from pipeline.materialize.fields import (
@@ -593,3 +593,63 @@ def _never_delivered(
     that has a child was seen after all."""
     marked = {t.turn_id for t, e in zip(turns, completed, strict=True) if e.data.get("delivered") is False}
     return marked - set(tree.values()) - set(delivered) if marked else marked
+
+
+@dataclass(frozen=True)
+class TurnLineage:
+    """One turn of an episode as the lineage rule sees it (``episode_lineages``)."""
+
+    index: int
+    turn_id: str
+    parent_turn_id: str | None
+    lineage: str
+    """The id of the root of its conversation (its lineage) in the whole turn tree."""
+    root_reason: str | None
+    """On a root: why it started (``lineages.FIRST_CALL`` ... ``lineages.NEW_CONVERSATION``)."""
+    trained: bool
+    why_not: str | None
+    """Why it makes no sample: ``marked`` (train false), ``side call``, ``not delivered``."""
+    delivered: bool
+    model: str | None
+    edit: list[str]
+    """What changed, on a turn that sent back an earlier reply changed in substance."""
+
+
+def episode_lineages(events: list[LogRow], config: MaterializerConfig) -> list[TurnLineage]:
+    """Each turn of an episode (its events, ``EpisodeStarted`` first) with its lineage, why that lineage
+    started and whether it is trained, by the materializer's own rule (``turnstile episodes --lineages``).
+    ``Unfoldable`` when a turn cannot be folded."""
+    fold = Fold(config)
+    episode_id = str(events[0].data.get("episode_id", ""))
+    turns, _, view = fold._turns(episode_id, events)
+    completed = [e for e in events if e.type == "TurnCompleted"]
+    facts = [turn_facts(t, e) for t, e in zip(turns, completed, strict=True)]
+    side = side_turns(facts, view.whole_tree) if config.side_calls == "skip" else set()
+    report = []
+    for turn, event, fact in zip(turns, completed, facts, strict=True):
+        trained = turn.turn_id in view.tree
+        why_not = None
+        if not trained:
+            if fact.train is False:
+                why_not = "marked"
+            elif turn.turn_id in side:
+                why_not = lineages.SIDE_CALL
+            else:
+                why_not = "not delivered"
+        edit = event.data.get("edit")
+        changes = edit.get("changes") if isinstance(edit, dict) else None
+        report.append(
+            TurnLineage(
+                index=turn.index,
+                turn_id=turn.turn_id,
+                parent_turn_id=view.whole_tree[turn.turn_id],
+                lineage=view.whole_lineage[turn.turn_id],
+                root_reason=view.reasons.get(turn.turn_id),
+                trained=trained,
+                why_not=why_not,
+                delivered=turn.turn_id not in view.undelivered,
+                model=fact.model,
+                edit=[str(change) for change in changes] if isinstance(changes, list) else [],
+            )
+        )
+    return report

@@ -109,21 +109,23 @@ def side_turns(facts: Sequence[TurnFacts], tree: Tree[str]) -> set[str]:
 
 
 def root_reasons(facts: Sequence[TurnFacts], tree: Tree[str], side: Collection[str]) -> dict[str, str]:
-    """Why each root of ``tree`` started (``FIRST_CALL`` ... ``NEW_CONVERSATION``), by its turn id."""
+    """Why each root of ``tree`` started (``FIRST_CALL`` ... ``NEW_CONVERSATION``), by its turn id. The first
+    call is the episode's first root that is no side call (Claude Code's topic check may come before it)."""
     reasons = {}
+    first = True
     for turn in sorted(facts, key=lambda turn: turn.index):
         if tree[turn.turn_id] is not None:
             continue
         if turn.turn_id in side or turn.train is False:
             reasons[turn.turn_id] = SIDE_CALL
-        elif turn.edited:
+            continue
+        if turn.edited:
             reasons[turn.turn_id] = EDIT
         elif turn.prefix_break:
             reasons[turn.turn_id] = TEMPLATE_BREAK
-        elif turn.index == 0:
-            reasons[turn.turn_id] = FIRST_CALL
         else:
-            reasons[turn.turn_id] = NEW_CONVERSATION
+            reasons[turn.turn_id] = FIRST_CALL if first else NEW_CONVERSATION
+        first = False
     return reasons
 
 
