@@ -577,7 +577,9 @@ def turn_facts(turn: PackedTurn, event: LogRow) -> TurnFacts:
     return TurnFacts(
         turn_id=turn.turn_id,
         index=turn.index,
-        offers_tools=bool(request.get("tools")) or data.get("tools_from_parent") is True,
+        offers_tools=bool(request.get("tools"))
+        or data.get("offers_tools") is True  # the request left in PostgreSQL: records.FOLDED_DATA
+        or data.get("tools_from_parent") is True,
         model=model if isinstance(model, str) else None,
         train=train if isinstance(train, bool) else None,
         edited=isinstance(data.get("edit"), dict),

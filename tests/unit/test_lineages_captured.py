@@ -4,6 +4,8 @@ lineages of their own, side calls are not trained, and a real edit is recorded w
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from pipeline.materialize import MaterializerConfig
@@ -40,7 +42,7 @@ async def test_claude_codes_tool_calls_sent_back_with_schema_defaults_continue_t
     for turn in replayed.turns:
         taken = whole[turn.parent_turn_id][: turn.prefix_tokens] if turn.prefix_tokens else []
         whole[turn.turn_id] = [*taken, *turn.prompt_token_ids, *turn.completion_token_ids]
-    for parent, child in zip(main, main[1:], strict=False):
+    for parent, child in itertools.pairwise(main):
         assert child.parent_turn_id == parent.turn_id
         assert child.edit is None
         # the child's prompt is the parent's prompt and completion, then what it adds (token-exact)
