@@ -158,6 +158,8 @@ class EpisodeSession:
         self._minted: dict[str, tuple[uuid.UUID, ToolCall]] = {}
         """Tool call id -> the turn that made it and the call as recorded (``pipeline.episodes.lineage``)."""
         self._restored: OrderedDict[int, tuple[ChatMessage, ChatMessage]] = OrderedDict()
+        self._last_restore: tuple[list[ChatMessage], list[ChatMessage]] = ([], [])
+        """The messages the latest call sent, and as restored (the next call's history, mostly)."""
         self._awaiting: set[uuid.UUID] = set()
         """Turns recorded as not yet delivered (``TurnCompleted.delivered`` False)."""
         self._delivered: list[uuid.UUID] = []
@@ -467,7 +469,16 @@ class EpisodeSession:
             return request
         schemas: dict[str, Any] | None = None
         changed: list[ChatMessage] | None = None
-        for index, message in enumerate(request.messages):
+        sent, restored_before = self._last_restore
+        start = 0
+        # The history the previous call sent (the same objects, mostly: compared in C) was restored then:
+        # only what this call adds is looked at in Python.
+        if sent and len(request.messages) >= len(sent) and request.messages[: len(sent)] == sent:
+            start = len(sent)
+            if restored_before is not sent:
+                changed = [*restored_before, *request.messages[start:]]
+        for index in range(start, len(request.messages)):
+            message = request.messages[index]
             if not message.tool_calls:
                 continue
             known = self._restored.get(id(message))
@@ -483,6 +494,7 @@ class EpisodeSession:
             if restored is not message:
                 changed = changed if changed is not None else list(request.messages)
                 changed[index] = restored
+        self._last_restore = (request.messages, changed if changed is not None else request.messages)
         return request if changed is None else request.model_copy(update={"messages": changed})
 
     def _restored_message(self, message: ChatMessage, schemas: Mapping[str, Any]) -> ChatMessage:
