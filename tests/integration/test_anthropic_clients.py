@@ -106,7 +106,8 @@ def test_system_messages_inside_messages_keep_their_place() -> None:
             ]
         )
     )
-    assert call.messages[0] == ChatMessage(role="system", content="You are Claude Code.\nBe careful with files.")
+    leading = ChatMessage(role="system", content="You are Claude Code.\nBe careful with files.")
+    assert call.messages[0] == leading
     assert call.messages[2] == ChatMessage(role="system", content="Extra rules.")
     assert [m.role for m in call.messages] == ["system", "user", "system", "user"]
     assert [tool.function.name for tool in call.tools] == ["calculate", *(f"Tool{i}" for i in range(13))]
