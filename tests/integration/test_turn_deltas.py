@@ -298,7 +298,12 @@ async def test_a_log_mixing_version_1_and_version_2_materializes_each_episode_as
         wanted = sorted((s["input_ids"], s["loss_mask"]) for s in want[episode_id]["individual"])
         assert sorted((s[0], s[1]) for s in samples[episode_id]) == wanted
     again = MaterializerConfig(
-        name="again", discount=DISCOUNT, style="individual", batch_samples=4, step_events=3, side_calls="train"
+        name="again",
+        discount=DISCOUNT,
+        style="individual",
+        batch_samples=4,
+        step_events=3,
+        side_calls="train",
     )
     first = MaterializerConfig(
         name="first", discount=DISCOUNT, style="individual", batch_samples=4, side_calls="train"
