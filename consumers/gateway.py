@@ -32,6 +32,7 @@ class GatewayConfig:
     capacity: int | None = None
     max_staleness: int | None = None
     idle_timeout: float | None = 3600.0
+    gone_after: float | None = 30.0
     public_url: str | None = None
     heartbeat_timeout: float = 15.0
     lease_timeout: float = 30.0
@@ -49,6 +50,8 @@ class GatewayConfig:
             raise ConfigError(f"--max-staleness must be 0 or more, got {self.max_staleness}")
         if self.idle_timeout is not None and self.idle_timeout <= 0:
             raise ConfigError(f"--idle-timeout must be more than 0 seconds, got {self.idle_timeout:g}")
+        if self.gone_after is not None and self.gone_after <= 0:
+            raise ConfigError(f"--gone-after must be more than 0 seconds, got {self.gone_after:g}")
 
 
 def mount_browser(app: FastAPI, reader_url: str, admin_key: str) -> FastAPI:
@@ -90,6 +93,7 @@ async def serve_gateway(
             capacity=config.capacity,
             max_staleness=config.max_staleness,
             idle_timeout=config.idle_timeout,
+            gone_after=config.gone_after,
             runner_id=services.lease.runner_id,
             public_url=config.public_url,
         )

@@ -26,6 +26,8 @@ from schemas.episode import (
     RewardAssigned,
     Termination,
     TurnCompleted,
+    TurnDelivered,
+    TurnEdit,
     TurnReply,
     TurnRequest,
 )
@@ -34,19 +36,32 @@ from schemas.task import TaskSubmitted
 from schemas.wire import LLMError, LLMReply, LLMRequest, LLMResponse, TokenLogprob, TokenPrefix, WireMessage
 
 Event = Annotated[
-    EpisodeStarted | TurnCompleted | RewardAssigned | EpisodeFinished | PolicyVersionPublished,
+    EpisodeStarted
+    | TurnCompleted
+    | TurnDelivered
+    | RewardAssigned
+    | EpisodeFinished
+    | PolicyVersionPublished,
     Field(discriminator="type"),
 ]
 
 EVENT_TYPES: Final[dict[str, type[BaseModel]]] = {
     model.model_fields["type"].default: model
-    for model in (EpisodeStarted, TurnCompleted, RewardAssigned, EpisodeFinished, PolicyVersionPublished)
+    for model in (
+        EpisodeStarted,
+        TurnCompleted,
+        TurnDelivered,
+        RewardAssigned,
+        EpisodeFinished,
+        PolicyVersionPublished,
+    )
 }
 """Event type name -> model."""
 
 CATEGORY_OF: Final[dict[str, str]] = {
     "EpisodeStarted": "episode",
     "TurnCompleted": "episode",
+    "TurnDelivered": "episode",
     "RewardAssigned": "episode",
     "EpisodeFinished": "episode",
     "PolicyVersionPublished": "policy",
@@ -121,6 +136,8 @@ __all__ = [
     "ToolChoice",
     "ToolSpec",
     "TurnCompleted",
+    "TurnDelivered",
+    "TurnEdit",
     "TurnReply",
     "TurnRequest",
     "WireMessage",

@@ -59,6 +59,15 @@ class TurnReply(Contract):
     )
 
 
+class TurnEdit(Contract):
+    """What a client changed in substance in a reply it sent back (a different command, other text): the
+    turn that carries it does not continue the edited turn's tokens (the policy never wrote the edit), so it
+    starts a lineage of its own, and this says why."""
+
+    turn_id: uuid.UUID = Field(description="the recorded turn whose reply came back changed")
+    changes: list[str] = Field(min_length=1, description="what changed, one sentence each")
+
+
 class TurnCompleted(Contract):
     """One LLM call and its reply, with the engine's own tokens: what the turn adds to its parent.
 
@@ -112,14 +121,27 @@ class TurnCompleted(Contract):
     chat_template: str | None = Field(default=None, description="sha256 of the chat template, 12 hex digits")
     delivered: bool | None = Field(
         default=None,
-        description="False: the reply reached no client (it disconnected before the turn was recorded), so "
-        "the agent never saw it and it is no training sample; None: delivered, or not known (older turns)",
+        description="False: the reply had reached no client when the turn was recorded (a gateway records "
+        "every turn so and appends a TurnDelivered once the reply is handed to a live connection); without "
+        "that the agent never saw it and it is no training sample; None: delivered in process, or not known "
+        "(older turns)",
     )
     train: bool | None = Field(
         default=None,
         description="False: marked not for training (a side call such as a title or a small model's call, by "
         "the gateway's x-turnstile-train header or the session's untrained_models): recorded and shown, no "
-        "sample and no share of the episode's reward; None: trained (older turns too)",
+        "sample and no share of the episode's reward; True: asked for training (kept even when the lineage "
+        "rule would call it a side call); None: the materializer's lineage rule decides (older turns too)",
+    )
+    model: str | None = Field(
+        default=None,
+        max_length=1000,
+        description="the model name the client asked for (the request's model field); None: not given",
+    )
+    edit: TurnEdit | None = Field(
+        default=None,
+        description="set when the call sent back an earlier reply changed in substance: which turn, what "
+        "changed (the turn is then a root: see docs/lineages.md)",
     )
 
     @model_validator(mode="before")
@@ -154,6 +176,16 @@ class TurnCompleted(Contract):
         return self
 
 
+class TurnDelivered(Contract):
+    """Replies handed to a live client after their turns were recorded (``TurnCompleted.delivered`` False
+    until then). Appended with the session's next event, so it costs no append of its own."""
+
+    type: Literal["TurnDelivered"] = "TurnDelivered"
+    schema_version: Literal[1] = 1
+    event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    turn_ids: list[uuid.UUID] = Field(min_length=1)
+
+
 class RewardAssigned(Contract):
     type: Literal["RewardAssigned"] = "RewardAssigned"
     schema_version: Literal[1] = 1
@@ -173,5 +205,6 @@ class EpisodeFinished(Contract):
 
 
 EpisodeEvent = Annotated[
-    EpisodeStarted | TurnCompleted | RewardAssigned | EpisodeFinished, Field(discriminator="type")
+    EpisodeStarted | TurnCompleted | TurnDelivered | RewardAssigned | EpisodeFinished,
+    Field(discriminator="type"),
 ]

@@ -83,6 +83,11 @@ class Peers(enum.StrEnum):
     slot = "slot"
 
 
+class SideCalls(enum.StrEnum):
+    skip = "skip"
+    train = "train"
+
+
 class Stale(enum.StrEnum):
     drop = "drop"
     flag = "flag"
@@ -159,6 +164,13 @@ PeersOption = Annotated[
         "each episode weighing 1) | slot (the k-th sample of each episode: the rule before trees)"
     ),
 ]
+SideCallsOption = Annotated[
+    SideCalls,
+    typer.Option(
+        help="skip: side calls (a root without tools in an episode with tools, or another model than the "
+        "episode's main one) are not trained unless a call asked (x-turnstile-train: true) | train: they are"
+    ),
+]
 BatchSamples = Annotated[int, typer.Option(help="samples per batch (groups are kept whole)")]
 BatchTokens = Annotated[
     int | None, typer.Option(help="tokens per batch instead of a sample count", show_default=False)
@@ -185,6 +197,7 @@ MATERIALIZER_OPTIONS = [
     _keyword("style", StyleOption, Style.individual),
     _keyword("advantage", AdvantageOption, Advantage.grpo),
     _keyword("advantage_peers", PeersOption, Peers.depth),
+    _keyword("side_calls", SideCallsOption, SideCalls.skip),
     _keyword("batch_samples", BatchSamples, 64),
     _keyword("batch_tokens", BatchTokens, None),
     _keyword("max_staleness", SampleStaleness, None),
@@ -201,6 +214,7 @@ def materializer_config(
     style: Style,
     advantage: Advantage,
     advantage_peers: Peers,
+    side_calls: SideCalls,
     batch_samples: int,
     batch_tokens: int | None,
     max_staleness: int | None,
@@ -217,6 +231,7 @@ def materializer_config(
         style=style.value,
         advantage=advantage.value,
         advantage_peers=advantage_peers.value,
+        side_calls=side_calls.value,
         batch_samples=batch_samples,
         batch_tokens=batch_tokens,
         max_staleness=max_staleness,

@@ -326,17 +326,26 @@ def episodes(
     since: str = typer.Option(None, help="started since: 30m, 1h, 2d, 1w ago, or a date/time (local)"),
     limit: int = typer.Option(20, help="show at most N episodes"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON array with an object per episode"),
+    lineages: bool = typer.Option(
+        False,
+        "--lineages",
+        help="also each episode's lineages: their turns, which are trained, and why each root started "
+        "(first call, side call, edit, template break, new conversation), by the materializer's default rule",
+    ),
 ) -> None:
     """List recorded episodes, newest first, from the log itself (no materializer needed), as
     TURNSTILE_READER_URL (the reader login, or a read replica's URL) else TURNSTILE_DATABASE_URL."""
     import asyncio
 
     from pipeline.log import EventStore
+    from pipeline.materialize import MaterializerConfig, TurnLineage, lineages_of_records
     from pipeline.replay import (
         EpisodeFilter,
         EpisodeRow,
         episode_row_json,
         episodes_table,
+        lineages_json,
+        lineages_table,
         list_episodes,
         parse_since,
     )
@@ -355,18 +364,29 @@ def episodes(
     )
     database_url = Settings().require_reader_url()  # reads only: a read replica will do
 
-    async def fetch() -> tuple[list[EpisodeRow], bool]:
+    async def fetch() -> tuple[list[EpisodeRow], bool, dict[str, list[TurnLineage]]]:
         store = await EventStore.connect(database_url)
         try:
-            return await list_episodes(store, filters)
+            rows, more = await list_episodes(store, filters)
+            found: dict[str, list[TurnLineage]] = {}
+            for row in rows if lineages else []:
+                records = await store.read_stream(f"episode-{row.episode_id}")
+                found[row.episode_id] = lineages_of_records(records, MaterializerConfig())
+            return rows, more, found
         finally:
             await store.close()
 
-    rows, more = asyncio.run(fetch())
+    rows, more, found = asyncio.run(fetch())
+    wide = Console(width=None if sys.stdout.isatty() else 100_000)
     if as_json:
-        sys.stdout.write(json.dumps([episode_row_json(row) for row in rows], indent=2) + "\n")
+        objects = [episode_row_json(row) for row in rows]
+        for shown_row in objects if lineages else []:
+            shown_row["lineages"] = lineages_json(found[shown_row["episode_id"]])
+        sys.stdout.write(json.dumps(objects, indent=2) + "\n")
     elif rows:
-        Console(width=None if sys.stdout.isatty() else 100_000).print(episodes_table(rows))
+        wide.print(episodes_table(rows))
+        for row in rows if lineages else []:
+            wide.print(lineages_table(row.episode_id, found[row.episode_id]))
     shown = f"{len(rows)} episode{'' if len(rows) == 1 else 's'}, newest first"
     console.print(f"{shown} (more: --limit {limit * 2})" if more else shown)
 

@@ -315,6 +315,11 @@ def gateway(
     idle_timeout: float = typer.Option(
         3600.0, help="seconds without a call before a session ends as timeout (0: never)"
     ),
+    gone_after: float = typer.Option(
+        30.0,
+        help="seconds without a call, after a reply found its client gone, before a session ends as aborted "
+        "(0: only --idle-timeout ends it)",
+    ),
     public_url: str = typer.Option(
         None, help="the URL clients reach the gateway at, for the base_url it hands out \\[default: Host]"
     ),
@@ -352,6 +357,7 @@ def gateway(
         capacity=max_open_sessions,
         max_staleness=max_staleness,
         idle_timeout=idle_timeout or None,
+        gone_after=gone_after or None,
         public_url=public_url,
         heartbeat_timeout=heartbeat_timeout,
         ui_reader_url=settings.require_reader_url() if ui else None,

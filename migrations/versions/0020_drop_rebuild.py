@@ -9,7 +9,7 @@ checkpoint too; instead the one operation is a function owned by the tables' own
 granted to turnstile_materializer alone.
 
 Revision ID: 0020
-Revises: 0018
+Revises: 0019
 Create Date: 2026-11-27
 """
 
@@ -20,7 +20,7 @@ from alembic import op
 from migrations.objects import replace
 
 revision: str = "0020"
-down_revision: str | None = "0018"
+down_revision: str | None = "0019"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

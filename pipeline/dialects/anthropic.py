@@ -7,8 +7,9 @@ renders those events.
 
 How the two shapes meet:
 
-- ``system`` (a string or text blocks) and the text of any ``system``-role message inside ``messages`` (Claude
-  Code sends them) are joined with ``"\n"``, in that order, into one leading ``system`` message. A user
+- ``system`` (a string or text blocks) is the leading ``system`` message; a ``system``-role message inside
+  ``messages`` (Claude Code sends them mid-conversation) stays a ``system`` message where it stands, so a
+  later one extends the prompt instead of rewriting its start (docs/lineages.md). A user
   message's ``tool_result`` blocks become ``tool`` messages (``tool_call_id`` = ``tool_use_id``) and its text
   blocks a user message, in block order; an assistant message's text blocks are joined into its content and
   its ``tool_use`` blocks become tool calls whose id is the block's id, its ``thinking`` block its
@@ -204,7 +205,8 @@ def _text_of(raw: object, path: str) -> str:
 def _parse_messages(
     raw: object, known_arguments: Mapping[str, str] | None, memo: ParseMemo | None = None
 ) -> tuple[list[str], list[ChatMessage]]:
-    """The text of the ``system`` messages (merged into the system prompt), and the other messages."""
+    """The messages, ``system``-role ones where they stand (the first list is kept empty for callers that
+    took merged system texts from it)."""
     if not isinstance(raw, list) or not raw:
         raise _invalid("messages", "must be a non-empty list of message objects", raw)
 
@@ -219,10 +221,10 @@ def _parse_messages(
     messages: list[ChatMessage] = []
     for one in parsed:
         if isinstance(one, str):
-            system.append(one)
+            messages.append(ChatMessage(role="system", content=one))
         else:
             messages += one
-    if not messages:
+    if all(message.role == "system" for message in messages):
         raise _invalid("messages", "must hold a user or assistant message besides system ones", raw)
     return system, messages
 
@@ -236,8 +238,8 @@ def _parse_item(item: object, path: str, known_arguments: Mapping[str, str]) -> 
     if role not in ("user", "assistant", "system"):
         raise _invalid(f"{path}.role", "must be 'user', 'assistant' or 'system'", role)
     content = item.get("content")
-    if role == "system":
-        return _text_of(content, f"{path}.content")
+    if role == "system":  # where it stands (made here, so the parse memo hands back the same object)
+        return [ChatMessage(role="system", content=_text_of(content, f"{path}.content"))]
     if role == "user":
         return _user_messages(content, f"{path}.content")
     return [_assistant_message(content, f"{path}.content", known_arguments)]

@@ -52,8 +52,9 @@ class ChatCall:
     API's ``previous_response_id``); the gateway resolves it."""
     whole_prompt_ids: bool = False
     """The reply's ``turnstile`` field carries the whole prompt's ids (opt-in: see ``chat_result``)."""
-    train: bool = True
-    """False: the turns are recorded as not for training (a side call: ``TurnCompleted.train``)."""
+    train: bool | None = None
+    """False: the turns are recorded as not for training (a side call: ``TurnCompleted.train``); True: asked
+    for training; None: the materializer's lineage rule decides."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import jsonschema
 from pydantic import ValidationError
 
 from pipeline.episodes.fold import Episode, fold_episode
+from pipeline.episodes.lineage import reply_changes, restored_call, schemas_by_name
 from pipeline.episodes.openai_client import episode_openai_client
 from pipeline.episodes.refusals import InvalidLLMCall, MaxTurnsExceeded
 from pipeline.episodes.reply import ChatReply
@@ -40,9 +41,12 @@ from schemas import (
     SamplingParams,
     Termination,
     TokenPrefix,
+    ToolCall,
     ToolChoice,
     ToolSpec,
     TurnCompleted,
+    TurnDelivered,
+    TurnEdit,
     TurnReply,
     TurnRequest,
 )
@@ -52,6 +56,9 @@ if TYPE_CHECKING:
 
 EPISODE_NAMESPACE: Final = uuid.UUID("6c1f4a57-1d0e-4a8e-9f55-3b8f0f5a7e21")
 RUNNER_METADATA: Final = "runner"
+RESTORED_KEPT: Final = 4096
+"""Assistant messages whose form-restored copy is remembered (by identity: the gateway's parse memo hands
+back the same objects for the history a client sends again, so each is restored once)."""
 T = TypeVar("T")
 
 
@@ -148,6 +155,15 @@ class EpisodeSession:
         self._started_at = time.monotonic()
         self._calls = 0
         self._sampling_defaults = self.started.sampling.model_dump()
+        self._minted: dict[str, tuple[uuid.UUID, ToolCall]] = {}
+        """Tool call id -> the turn that made it and the call as recorded (``pipeline.episodes.lineage``)."""
+        self._restored: OrderedDict[int, tuple[ChatMessage, ChatMessage]] = OrderedDict()
+        self._last_restore: tuple[list[ChatMessage], list[ChatMessage]] = ([], [])
+        """The messages the latest call sent, and as restored (the next call's history, mostly)."""
+        self._awaiting: set[uuid.UUID] = set()
+        """Turns recorded as not yet delivered (``TurnCompleted.delivered`` False)."""
+        self._delivered: list[uuid.UUID] = []
+        """Turns handed to a live client since the last append, recorded with the next (``TurnDelivered``)."""
 
     @property
     def policy(self) -> str:
@@ -176,15 +192,20 @@ class EpisodeSession:
         tool_choice: ToolChoice | None = None,
         top_logprobs: int | None = None,
         listening: Callable[[], Awaitable[bool]] | None = None,
-        train: bool = True,
+        train: bool | None = None,
+        model: str | None = None,
+        confirm_delivery: bool = False,
     ) -> ChatReply:
         """One LLM turn: the request goes to inference, the turn is recorded, then the reply returns.
 
         ``top_logprobs`` (0-20): the reply carries each completion token's text and bytes and its most
         likely alternatives (``ChatReply.token_logprobs``, ``top_logprobs``); they are not recorded.
         ``listening``: asked once the reply is generated; False records the turn as never delivered (the
-        gateway's client disconnected). ``train`` False records the turn as not for training
-        (``TurnCompleted.train``: a side call; see ``pipeline.materialize.lineages``)."""
+        gateway's client disconnected). ``train`` False records the turn as not for training, True as asked
+        for training, None leaves it to the materializer's lineage rule (``TurnCompleted.train``: side calls;
+        see ``pipeline.materialize.lineages``). ``model``: the model name the client asked for, recorded.
+        ``confirm_delivery``: the turn is recorded as not delivered, until ``mark_delivered`` says the reply
+        reached a live client (the gateway: a reply is delivered only once it is handed over)."""
         if self.finished:
             raise TurnstileError(f"episode {self.episode_id} is finished; start a new episode")
         if self.max_turns is not None and self._calls >= self.max_turns:
@@ -192,6 +213,7 @@ class EpisodeSession:
             raise MaxTurnsExceeded(self.max_turns)
         self._calls += 1
         request, parent, shared = self._request(messages, tools, sampling, tool_choice, top_logprobs)
+        edit = self._edit_of(request) if parent is None and self._contexts else None
         began = time.monotonic()
         response = await self._call(request, parent)
         self.llm_seconds += time.monotonic() - began
@@ -202,10 +224,22 @@ class EpisodeSession:
                 f"the request's was {parent.length if parent is not None else 0}"
             )
         delivered = None if listening is None or await listening() else False
+        if confirm_delivery:
+            delivered = False
         turn = turn_event(
-            request, response, parent.turn if parent else None, shared, delivered=delivered, train=train
+            request,
+            response,
+            parent.turn if parent else None,
+            shared,
+            delivered=delivered,
+            train=train,
+            model=model,
+            edit=edit,
         )
+        if confirm_delivery:
+            self._awaiting.add(turn.turn_id)
         await self._append([turn])
+        self._minted.update((call.id, (turn.turn_id, call)) for call in response.tool_calls)
         context = _Context(
             turn=turn,
             messages=request.messages,
@@ -239,6 +273,15 @@ class EpisodeSession:
         self.turns.append(reply)
         self._contexts.append(context)
         return reply
+
+    def mark_delivered(self, turn_ids: Sequence[uuid.UUID]) -> None:
+        """The replies of ``turn_ids`` were handed to a live client: recorded (``TurnDelivered``) with the
+        session's next append (its next turn, a reward or its end), so delivery costs no append of its own.
+        Turns not awaiting delivery (delivered already, or not recorded so) are ignored."""
+        for turn_id in turn_ids:
+            if turn_id in self._awaiting:
+                self._awaiting.discard(turn_id)
+                self._delivered.append(turn_id)
 
     def conversation_of(self, turn_id: uuid.UUID) -> list[ChatMessage] | None:
         """A recorded turn of this session as a whole conversation: its messages, then its reply (what a
@@ -347,6 +390,7 @@ class EpisodeSession:
                 f"are {', '.join(SamplingParams.model_fields)}"
             ) from None
         check_tool_schemas(request.tools)
+        request = self._restore_form(request)
         parent = self._parent(request)
         shared = shared_messages(request.messages, [*parent.messages, parent.reply]) if parent else 0
         # Only what the turn records is checked: the shared messages are its parent's, checked then.
@@ -417,6 +461,88 @@ class EpisodeSession:
                 return context
         return None
 
+    def _restore_form(self, request: LLMRequest) -> LLMRequest:
+        """``request`` with every tool call this session made that came back changed in form only (schema
+        defaults filled in, keys reordered, whitespace, number spelling) put back as recorded, so that the
+        conversation continues its tokens (``pipeline.episodes.lineage``)."""
+        if not self._minted:
+            return request
+        schemas: dict[str, Any] | None = None
+        changed: list[ChatMessage] | None = None
+        sent, restored_before = self._last_restore
+        start = 0
+        # The history the previous call sent (the same objects, mostly: compared in C) was restored then:
+        # only what this call adds is looked at in Python.
+        if sent and len(request.messages) >= len(sent) and request.messages[: len(sent)] == sent:
+            start = len(sent)
+            if restored_before is not sent:
+                changed = [*restored_before, *request.messages[start:]]
+        for index in range(start, len(request.messages)):
+            message = request.messages[index]
+            if not message.tool_calls:
+                continue
+            known = self._restored.get(id(message))
+            if known is not None and known[0] is message:
+                restored = known[1]
+            else:
+                if schemas is None:
+                    schemas = schemas_by_name(request.tools)
+                restored = self._restored_message(message, schemas)
+                self._restored[id(message)] = (message, restored)
+                if len(self._restored) > RESTORED_KEPT:
+                    self._restored.popitem(last=False)
+            if restored is not message:
+                changed = changed if changed is not None else list(request.messages)
+                changed[index] = restored
+        self._last_restore = (request.messages, changed if changed is not None else request.messages)
+        return request if changed is None else request.model_copy(update={"messages": changed})
+
+    def _restored_message(self, message: ChatMessage, schemas: Mapping[str, Any]) -> ChatMessage:
+        calls = message.tool_calls or []
+        restored = []
+        for call in calls:
+            known = self._minted.get(call.id)
+            same = restored_call(call, known[1], schemas) if known is not None else None
+            restored.append(same if same is not None else call)
+        if all(new is old for new, old in zip(restored, calls, strict=True)):
+            return message
+        return message.model_copy(update={"tool_calls": restored})
+
+    def _edit_of(self, request: LLMRequest) -> TurnEdit | None:
+        """The edit a new root carries: an earlier reply of this session sent back changed in substance (the
+        latest turn whose conversation begins the request and whose reply comes back different, else any
+        tool call this session made whose arguments came back different); None when there is none."""
+        schemas = schemas_by_name(request.tools)
+        sent = request.messages
+        for context in reversed(self._contexts):
+            count = len(context.messages)
+            if (
+                len(sent) > count
+                and sent[count].role == "assistant"
+                and (
+                    sent[:count] == context.messages or all(map(same_message, sent[:count], context.messages))
+                )
+            ):
+                changes = reply_changes(sent[count], context.reply, schemas)
+                if changes:
+                    return TurnEdit(turn_id=context.turn.turn_id, changes=changes)
+                break
+        edited: uuid.UUID | None = None
+        changes = []
+        for message in sent:
+            for call in message.tool_calls or []:
+                known = self._minted.get(call.id)
+                if known is not None and (
+                    found := reply_changes(
+                        message.model_copy(update={"content": None, "tool_calls": [call]}),
+                        ChatMessage(role="assistant", tool_calls=[known[1]]),
+                        schemas,
+                    )
+                ):
+                    edited = edited or known[0]
+                    changes += found
+        return TurnEdit(turn_id=edited, changes=changes) if edited is not None else None
+
     async def _append(self, events: list[Event]) -> AppendResult:
         # Shielded: if the agent is cancelled while its turn is being appended, the append still completes
         # (and `finish` waits for it), so the stream's expected version stays right.
@@ -427,10 +553,14 @@ class EpisodeSession:
 
     async def _append_in_order(self, events: list[Event]) -> AppendResult:
         async with self._lock:
+            if self._delivered:
+                events = [TurnDelivered(turn_ids=list(self._delivered)), *events]
             metadata = {RUNNER_METADATA: self.runner_id} if self.runner_id and not self._version else None
             result = await self.store.append(self.stream, events, self._version, metadata=metadata)
             self._version = result.version
             self.events.extend(events)
+            if isinstance(events[0], TurnDelivered):
+                del self._delivered[: len(events[0].turn_ids)]
             return result
 
 
@@ -446,7 +576,9 @@ def turn_event(
     shared: int,
     *,
     delivered: bool | None = None,
-    train: bool = True,
+    train: bool | None = None,
+    model: str | None = None,
+    edit: TurnEdit | None = None,
 ) -> TurnCompleted:
     """The ``TurnCompleted`` of ``request`` answered by ``response``, continuing ``parent`` (whose
     conversation and reply are the request's first ``shared`` messages; ``response.prompt_prefix_tokens``
@@ -495,7 +627,9 @@ def turn_event(
         render_drift=response.render_drift,
         chat_template=response.chat_template,
         delivered=delivered,
-        train=None if train else False,
+        train=train,
+        model=model,
+        edit=edit,
     )
 
 
@@ -555,11 +689,12 @@ class EpisodeLLM:
         messages: Sequence[ChatMessage | Mapping[str, Any]],
         tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
         *,
-        train: bool = True,
+        train: bool | None = None,
         **sampling: Any,
     ) -> ChatReply:
         """``await llm.chat(messages, tools=None, temperature=..., max_tokens=...)``; ``train=False``: a side
-        call, recorded but not for training (``pipeline.materialize.lineages``)."""
+        call, recorded but not for training; ``True``: trained even where the lineage rule would call it a
+        side call; None: the rule decides (``pipeline.materialize.lineages``)."""
         return await self._session.chat(messages, tools, sampling, train=train)
 
     async def reward(self, value: float, turn_id: uuid.UUID | str | None = None) -> None:

@@ -22,7 +22,7 @@ from pipeline.dialects import (
 from pipeline.gateway.http import error_response
 from pipeline.gateway.http_error import GatewayError
 from pipeline.gateway.routes import admin_router, chat_router, health_router, models_router, session_router
-from pipeline.gateway.service import Gateway
+from pipeline.gateway.service import GONE_AFTER, Gateway
 from pipeline.gateway.sessions import SessionRegistry
 from pipeline.inference import LLMClient
 from pipeline.log import Store
@@ -41,6 +41,7 @@ def create_gateway(
     registry: SessionRegistry | None = None,
     retry_after: float = 1.0,
     idle_timeout: float | None = None,
+    gone_after: float | None = GONE_AFTER,
     runner_id: str | None = None,
     public_url: str | None = None,
 ) -> FastAPI:
@@ -59,13 +60,15 @@ def create_gateway(
         max_staleness=max_staleness,
         retry_after=retry_after,
         idle_timeout=idle_timeout,
+        gone_after=gone_after,
         runner_id=runner_id,
         public_url=public_url,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        reaper = asyncio.create_task(_reap_forever(gateway)) if gateway.idle_timeout else None
+        reaping = gateway.idle_timeout or gateway.gone_after
+        reaper = asyncio.create_task(_reap_forever(gateway)) if reaping else None
         try:
             yield
         finally:
@@ -133,10 +136,13 @@ def gateway_of(app: FastAPI) -> Gateway:
 
 
 async def _reap_forever(gateway: Gateway) -> None:
-    assert gateway.idle_timeout is not None
+    """End idle sessions (``reap_idle``) and those whose client is gone (``reap_gone``), checking at a
+    quarter of the shorter of the two times (5 s at most)."""
+    times = [t for t in (gateway.idle_timeout, gateway.gone_after) if t]
     while True:
-        await asyncio.sleep(min(max(gateway.idle_timeout / 4, 0.05), 5.0))
+        await asyncio.sleep(min(max(min(times) / 4, 0.05), 5.0))
         try:
             await gateway.reap_idle()
+            await gateway.reap_gone()
         except Exception:
             log.exception("ending idle sessions failed; trying again")

@@ -13,7 +13,7 @@ from typing import Any, Final, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
-from starlette.types import Receive
+from starlette.types import Receive, Scope, Send
 
 from pipeline.dialects import (
     Dialect,
@@ -52,9 +52,10 @@ def client_gone(receive: Receive) -> bool:
     return False
 
 
-def trained(request: Request, entry: SessionEntry, model: str) -> bool:
-    """Whether the call's turns are for training: the ``x-turnstile-train`` header when sent, else the
-    session's ``untrained_models`` rule (a request ``model`` matching one of its patterns is a side call)."""
+def trained(request: Request, entry: SessionEntry, model: str) -> bool | None:
+    """Whether the call's turns are for training: the ``x-turnstile-train`` header when sent, else False
+    when the session's ``untrained_models`` rule matches the request's ``model``, else None: the
+    materializer's lineage rule decides (side calls are not trained unless asked)."""
     header = request.headers.get(TRAIN_HEADER)
     if header is not None:
         value = header.strip().lower()
@@ -63,7 +64,7 @@ def trained(request: Request, entry: SessionEntry, model: str) -> bool:
                 400, f"the {TRAIN_HEADER} header must be true or false, got {header!r}", param=TRAIN_HEADER
             )
         return value in _YES
-    return not any(fnmatch.fnmatchcase(model, pattern) for pattern in entry.untrained_models)
+    return False if any(fnmatch.fnmatchcase(model, pattern) for pattern in entry.untrained_models) else None
 
 
 def retry_keys(request: Request, body: bytes) -> RetryKeys:
@@ -101,6 +102,32 @@ async def respond(dialect: Dialect, answer: Callable[[], Awaitable[Response] | R
 def error_response(dialect: Dialect, error: RequestError) -> Response:
     headers = error.headers if isinstance(error, GatewayError) else None
     return JSONResponse(dialect.error_body(error), status_code=error.status, headers=headers)
+
+
+class Handover(Response):
+    """A chat reply that says whether it reached a live client: ``settle(True)`` once it was handed to a
+    connection that was still open (the whole body, a stream's last event included, is sent in one
+    message), ``settle(False)`` when the client had gone before (nothing is sent). Delivery is judged after
+    the turn was recorded, when the reply is handed over, not before the append."""
+
+    def __init__(self, inner: Response, settle: Callable[[bool], None]) -> None:
+        self.inner = inner
+        self.settle = settle
+        self.status_code = inner.status_code
+        self.background = None
+        self.raw_headers = inner.raw_headers
+        self.body = inner.body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if client_gone(receive):
+            self.settle(False)
+            return
+        try:
+            await self.inner(scope, receive, send)
+        except OSError:
+            self.settle(False)  # the connection broke while the body went out
+            raise
+        self.settle(True)
 
 
 def wire_response(reply: WireReply) -> Response:

@@ -20,6 +20,7 @@ from pipeline.dialects import (
 )
 from pipeline.gateway.http import (
     PROMPT_IDS_HEADER,
+    Handover,
     client_gone,
     json_answer,
     json_body,
@@ -75,7 +76,12 @@ def chat_router(gateway: Gateway) -> APIRouter:
 
                 keys = retry_keys(request, await request.body())
                 result = await gateway.answer(entry, call, keys, listening)
-                return wire_response(dialect.render(call, result, model=entry.session.policy))
+                reply = wire_response(dialect.render(call, result, model=entry.session.policy))
+
+                def settle(handed: bool) -> None:
+                    gateway.delivered(entry, result, handed=handed)
+
+                return Handover(reply, settle)
 
             return await respond(dialect, answer)
 

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import hmac
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, Final
 
@@ -53,6 +54,10 @@ AFTER_END: Final = (
     "reward first, then end it"
 )
 STALENESS_CACHE_S: Final = 1.0
+GONE_AFTER: Final = 30.0
+"""Seconds without a call or a request in flight, after a reply found its client gone, before a session the
+gateway started ends ``aborted`` (``--gone-after``): a killed CLI's episode ends soon, not at the idle
+timeout; a client that retries or goes on within this time keeps it."""
 
 
 # ---- request bodies of the session endpoints ---------------------------------------------------------
@@ -119,6 +124,7 @@ class Gateway:
         max_staleness: int | None = None,
         retry_after: float = 1.0,
         idle_timeout: float | None = None,
+        gone_after: float | None = GONE_AFTER,
         runner_id: str | None = None,
         public_url: str | None = None,
     ) -> None:
@@ -131,6 +137,7 @@ class Gateway:
         self.max_staleness = max_staleness
         self.retry_after = retry_after
         self.idle_timeout = idle_timeout
+        self.gone_after = gone_after
         self.runner_id = runner_id
         self.public_url = public_url.rstrip("/") if public_url else None
         self.served_versions: dict[str, int] = {}
@@ -289,6 +296,38 @@ class Gateway:
                 reaped.append(entry.session_id)
         return reaped
 
+    async def reap_gone(self) -> list[str]:
+        """End as ``aborted`` the gateway's sessions whose client is gone: a reply found no live connection,
+        and since then no call came and none is in flight for ``gone_after`` seconds."""
+        if self.gone_after is None:
+            return []
+        cutoff = time.monotonic() - self.gone_after
+        reaped = []
+        for entry in self.registry.entries():
+            gone = entry.disconnected_at
+            if entry.owned and not entry.calls and gone is not None and max(gone, entry.last_used) < cutoff:
+                error = (
+                    f"the client went away (a reply found its connection closed) and made no call for "
+                    f"{self.gone_after:g} s (the gateway's --gone-after)"
+                )
+                await self.end(entry, EndSpec(termination="aborted", error=error))
+                reaped.append(entry.session_id)
+        return reaped
+
+    def delivered(self, entry: SessionEntry, result: ChatResult, *, handed: bool) -> None:
+        """A reply's fate once the response was sent or refused: ``handed`` to a live connection marks its
+        turns delivered (recorded with the session's next event); not handed, the client is gone."""
+        if not handed:
+            entry.disconnected_at = time.monotonic()
+            return
+        entry.disconnected_at = None
+        turn_ids = ((result.extra or {}).get("turnstile") or {}).get("turn_ids") or []
+        entry.session.mark_delivered([uuid.UUID(turn_id) for turn_id in turn_ids])
+        for answer in entry.answers.values():
+            done = answer.task.done() and not answer.task.cancelled() and answer.task.exception() is None
+            if done and answer.task.result() is result:
+                answer.delivered = True
+
     async def close_all(self, termination: Termination = "cancelled") -> None:
         """End every open session the gateway started (when it stops)."""
         for entry in self.registry.entries():
@@ -305,8 +344,8 @@ class Gateway:
     ) -> ChatResult:
         """The call's result: the recorded one when the call retries an earlier call of the session
         (``SessionEntry.prior``: joined while it runs, else answered from its recorded turn, never generated
-        and recorded again), else ``chat``. A turn recorded when no client that asked is connected any more
-        is marked never delivered."""
+        and recorded again), else ``chat``. Its turns are recorded as not delivered until ``delivered`` says
+        the reply was handed to a live client (the call's, or a retry's)."""
         prior = entry.prior(keys)
         if prior is not None:
             prior.listeners.append(listener)
@@ -315,15 +354,8 @@ class Gateway:
                 return result
             finally:
                 prior.listeners.remove(listener)
-        answers: list[Answer] = []  # the one this call makes, once made
-
-        async def listening() -> bool:
-            connected = await answers[0].listening()
-            answers[0].undelivered = answers[0].undelivered or not connected
-            return connected
-
-        answer = Answer(entry.start(self.chat(entry, call, listening)), [listener])
-        answers.append(answer)
+        answer = Answer(entry.start(self.chat(entry, call, confirm_delivery=True)), [listener])
+        entry.disconnected_at = None  # a client is there: a new call
 
         def forget_failed(task: asyncio.Task[Any]) -> None:
             if task.cancelled() or task.exception() is not None:
@@ -342,10 +374,13 @@ class Gateway:
         entry: SessionEntry,
         call: ChatCall,
         listening: Callable[[], Awaitable[bool]] | None = None,
+        *,
+        confirm_delivery: bool = False,
     ) -> ChatResult:
         """``call.n`` turns of the session (siblings when ``n`` > 1), each recorded before it returns;
         ``call.previous_turn`` (a recorded turn of the session) is the conversation the call continues.
-        Run as one of the session's calls (``SessionEntry.start``), as ``answer`` does."""
+        Run as one of the session's calls (``SessionEntry.start``), as ``answer`` does. ``confirm_delivery``:
+        the turns stay undelivered until ``delivered`` (``EpisodeSession.chat``)."""
         session = entry.session
         if call.previous_turn is not None:
             call = continued(call, session.conversation_of(call.previous_turn))
@@ -353,7 +388,15 @@ class Gateway:
         def turn() -> Coroutine[Any, Any, ChatReply]:
             detail = wanted_detail(call)
             return session.chat(
-                call.messages, call.tools, call.sampling, call.tool_choice, detail, listening, call.train
+                call.messages,
+                call.tools,
+                call.sampling,
+                call.tool_choice,
+                detail,
+                listening,
+                call.train,
+                model=call.model or None,
+                confirm_delivery=confirm_delivery,
             )
 
         try:
@@ -381,8 +424,10 @@ class Gateway:
 
 
 def continued(call: ChatCall, history: list[ChatMessage] | None) -> ChatCall:
-    """``call`` with the conversation it continues before its messages; new ``instructions`` (a leading
-    system message of the call) replace the conversation's leading system message."""
+    """``call`` with the conversation it continues before its messages. Its ``instructions`` (a leading
+    system message of the call) equal to the conversation's leading system message are that message; other
+    instructions come after the conversation, where they were given (system messages keep their place: the
+    conversation goes on from its tokens instead of starting again with a new beginning)."""
     if history is None:
         raise GatewayError(
             400,
@@ -392,8 +437,9 @@ def continued(call: ChatCall, history: list[ChatMessage] | None) -> ChatCall:
             code="previous_response_not_found",
         )
     messages = call.messages
-    if messages and messages[0].role == "system" and history and history[0].role == "system":
-        history, messages = [messages[0], *history[1:]], messages[1:]
+    leading = messages and messages[0].role == "system" and history and history[0].role == "system"
+    if leading and (messages[0].content or "") == (history[0].content or ""):
+        messages = messages[1:]
     return dataclasses.replace(call, messages=[*history, *messages], previous_turn=None)
 
 

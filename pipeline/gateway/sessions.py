@@ -69,8 +69,8 @@ class Answer:
 
     task: asyncio.Task[Any]
     listeners: list[Listener] = field(default_factory=list)
-    undelivered: bool = False
-    """The turn was recorded when no client was there to get it (``TurnCompleted.delivered`` False)."""
+    delivered: bool = False
+    """The reply was handed to a live client (the call's or a retry's) after its turns were recorded."""
 
     async def result(self) -> Any:
         """The call's result, waited for without cancelling it when the waiter goes (a retry may come); 409
@@ -100,6 +100,9 @@ class SessionEntry:
         self.owned = owned
         self.last_used = time.monotonic()
         self.calls: set[asyncio.Task[Any]] = set()
+        self.disconnected_at: float | None = None
+        """When a reply of this session last found its client gone (None: since then a call came): with no
+        call for ``Gateway.gone_after`` seconds after that, the session ends ``aborted``."""
         self.tool_arguments: dict[str, str] = {}
         """Tool call id -> the arguments text the model wrote, for every turn served here: an API that
         sends arguments back parsed (Anthropic's ``tool_use.input``) gets the exact text restored."""
@@ -125,7 +128,7 @@ class SessionEntry:
             return None
         if keys.retry_count is not None or not answer.task.done():
             return answer
-        return answer if answer.undelivered else None
+        return None if answer.delivered else answer
 
     def remember(self, keys: RetryKeys, answer: Answer) -> None:
         names: Iterable[bytes | str] = [keys.body]

@@ -111,6 +111,13 @@ turns = sa.Table(
     sa.Column("position", sa.BigInteger, nullable=False),
     sa.Column("render_drift", sa.Boolean),
     sa.Column("chat_template", sa.Text),
+    sa.Column("train", sa.Boolean),
+    sa.Column("delivered", sa.Boolean),
+    sa.Column("trained", sa.Boolean),
+    sa.Column("lineage", UUID(as_uuid=True)),
+    sa.Column("root_reason", sa.Text),
+    sa.Column("model", sa.Text),
+    sa.Column("edit", JSONB),
 )
 
 samples = sa.Table(

@@ -8,9 +8,10 @@ UPDATEs), ``state`` (what a restart loads) and ``writer`` (``Materializer``: the
 transaction a step)."""
 
 from pipeline.materialize.config import MaterializerConfig, rebuild_schema
-from pipeline.materialize.fold import Fold
+from pipeline.materialize.fold import Fold, TurnLineage, episode_lineages
 from pipeline.materialize.metrics import MaterializerMetrics
 from pipeline.materialize.rebuild import READ_MODEL_TABLES, drop_rebuild
+from pipeline.materialize.report import lineages_of_records
 from pipeline.materialize.trajectory import (
     Sample,
     Turn,
@@ -33,13 +34,16 @@ __all__ = [
     "MaterializerMetrics",
     "Sample",
     "Turn",
+    "TurnLineage",
     "apply_staleness",
     "children",
     "concat_samples",
     "discounted_rewards",
     "drop_rebuild",
+    "episode_lineages",
     "group_advantages",
     "individual_samples",
+    "lineages_of_records",
     "monte_carlo_returns",
     "parents",
     "rebuild_schema",

@@ -13,6 +13,7 @@ EPISODE_COLUMNS: Final = (
 TURN_COLUMNS: Final = (
     "turn_id", "episode", "position", "mean_logprob", "reward", "discounted_return", "turn_index",
     "prompt_tokens", "completion_tokens", "policy_version", "parent_turn_id", "prefix_break", "render_drift",
+    "delivered", "trained", "lineage", "root_reason",
 )  # fmt: skip
 """``turn_rows``: what the fold derives; the view ``turns`` reads the rest from the event at ``position``."""
 SAMPLE_COLUMNS: Final = (
@@ -45,7 +46,7 @@ EPISODE_COPY: Final = CopyColumns(EPISODE_COLUMNS, (
 ))  # fmt: skip
 TURN_COPY: Final = CopyColumns(TURN_COLUMNS, (
     "uuid", "int8", "int8", "float8", "float8", "float8", "int4", "int4", "int4", "int4", "uuid", "bool",
-    "bool",
+    "bool", "bool", "bool", "uuid", "text",
 ))  # fmt: skip
 SAMPLE_COPY: Final = CopyColumns(SAMPLE_COLUMNS, (
     "uuid", "int8", "float8", "float8", "int4", "int4", "int4", "int4", "bool", "bool", "text", "uuid[]",

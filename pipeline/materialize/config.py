@@ -27,6 +27,8 @@ class MaterializerConfig:
     """Who a sample is compared with in its group: ``depth`` (samples at the same depth of their episodes'
     turn trees, each episode weighing 1: ``trajectory.tree_peers``), or ``slot`` (the k-th sample of each
     episode against the k-th of the others: the rule before trees were considered)."""
+    side_calls: Literal["skip", "train"] = "skip"
+    """``skip``: side calls are not trained unless asked (``lineages`` rule 4); ``train``: they are."""
     batch_samples: int = 64
     batch_tokens: int | None = None
     max_staleness: int | None = None
@@ -48,6 +50,8 @@ class MaterializerConfig:
             raise ConfigError(f"--advantage must be grpo, mean or none, got {self.advantage!r}")
         if self.advantage_peers not in ("depth", "slot"):
             raise ConfigError(f"--advantage-peers must be depth or slot, got {self.advantage_peers!r}")
+        if self.side_calls not in ("skip", "train"):
+            raise ConfigError(f"--side-calls must be skip or train, got {self.side_calls!r}")
         if self.stale not in ("drop", "flag"):
             raise ConfigError(f"--stale must be drop or flag, got {self.stale!r}")
         if self.batch_samples < 1 or (self.batch_tokens is not None and self.batch_tokens < 1):
@@ -70,13 +74,17 @@ class MaterializerConfig:
         """What the batches depend on: the options but ``name`` and ``step_events``, and the lineage rule's
         version. A value that was the only behaviour before it was recorded is left out, so that the
         configurations made then keep their hash: ``advantage_peers`` slot, lineage rule 1 (whose
-        materializers cannot be told apart from those made before the rule existed: rebuild those)."""
+        materializers cannot be told apart from those made before the rule existed: rebuild those).
+        ``side_calls`` came with rule 2, so it is always in a hash that has a rule version."""
         fields = asdict(self)
         del fields["name"], fields["step_events"]
         if fields["advantage_peers"] == "slot":
             del fields["advantage_peers"]
-        if lineages.RULE != 1:
-            fields["lineage_rule"] = lineages.RULE
+        rule: int = lineages.RULE
+        if rule != 1:
+            fields["lineage_rule"] = rule
+        else:
+            del fields["side_calls"]
         return fields
 
     def config_hash(self) -> str:

@@ -6,13 +6,13 @@ import json
 import logging
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from pipeline.batches.format import encode_packed
 from pipeline.log.json_text import JsonText
-from pipeline.materialize import packed
+from pipeline.materialize import lineages, packed
 from pipeline.materialize.columns import FINISHED_INDEXES, S_ADVANTAGE, S_ARRAYS, S_BATCH, S_READY, S_STALE
 from pipeline.materialize.config import MaterializerConfig, batch_id_for
 from pipeline.materialize.fields import (
@@ -26,7 +26,17 @@ from pipeline.materialize.fields import (
     to_uuid,
     unless,
 )
-from pipeline.materialize.lineages import episode_reward_targets, main_root, peer_slot, roots, trained_tree
+from pipeline.materialize.lineages import (
+    TurnFacts,
+    episode_reward_targets,
+    main_root,
+    peer_slot,
+    root_reasons,
+    roots,
+    side_roots,
+    side_turns,
+    trained_tree,
+)
 from pipeline.materialize.packed import PackedTurn, floats, token_bytes
 from pipeline.materialize.records import (
     USABLE,
@@ -124,7 +134,7 @@ class Fold:
     def _dispatch(self, row: LogRow) -> Outcome | None:
         if row.type == "EpisodeStarted":
             self._started(row)
-        elif row.type in ("TurnCompleted", "RewardAssigned"):
+        elif row.type in ("TurnCompleted", "RewardAssigned", "TurnDelivered"):
             events = self.open.get(row.stream)
             if events is not None:
                 events.append(row)
@@ -282,8 +292,11 @@ class Fold:
         completed = [e for e in events if e.type == "TurnCompleted"]
         own = {str(e.data["turn_id"]): 0.0 for e in completed}
         outcome: float | None = None
+        delivered: set[str] = set()
         for event in events:
-            if event.type == "RewardAssigned":
+            if event.type == "TurnDelivered":
+                delivered.update(map(str, event.data.get("turn_ids") or ()))
+            elif event.type == "RewardAssigned":
                 target = event.data.get("turn_id")
                 if target is None:
                     outcome = reward_of(event) + (outcome or 0.0)  # the episode's: see Trained.of
@@ -291,7 +304,14 @@ class Fold:
                     own[target] += reward_of(event)
         whole: dict[str, PackedTurn] = {}
         turns = [self._turn(episode_id, index, event, own, whole) for index, event in enumerate(completed)]
-        view = Trained.of(turns, completed, outcome, self.config.discount)
+        view = Trained.of(
+            turns,
+            completed,
+            outcome,
+            self.config.discount,
+            delivered=delivered,
+            side_calls=self.config.side_calls,
+        )
         rows = []
         started = events[0].position  # episodes.started_position: how turn_rows name their episode
         uuids = {turn.turn_id: turn.uuid for turn in turns}
@@ -307,6 +327,8 @@ class Fold:
                     len(turn.completion) >> 2, turn.policy_version, None if parent is None else uuids[parent],
                     bool(data.get("prefix_break", False)),
                     data.get("render_drift") if isinstance(data.get("render_drift"), bool) else None,
+                    turn.turn_id not in view.undelivered, turn.turn_id in view.tree,
+                    uuids[view.whole_lineage[turn.turn_id]], view.reasons.get(turn.turn_id),
                 )
             )  # fmt: skip
         return turns, rows, view
@@ -499,7 +521,13 @@ class Trained:
     turns: list[PackedTurn]
     """The trained turns, each with its reward (the episode's added to each lineage's last turn)."""
     tree: dict[str, str | None]
-    """The trained tree: untrained and never-delivered turns taken out."""
+    """The trained tree: untrained, side-call and never-delivered turns taken out."""
+    undelivered: set[str]
+    """Turns whose reply reached no client (``lineages`` rule 5)."""
+    whole_lineage: dict[str, str]
+    """Each turn's root in the whole tree."""
+    reasons: dict[str, str]
+    """Why each root of the whole tree started (``lineages.root_reasons``)."""
     lineage: dict[str, str]
     main: str | None
     values: dict[str, float]
@@ -507,12 +535,23 @@ class Trained:
 
     @classmethod
     def of(
-        cls, turns: list[PackedTurn], completed: list[LogRow], outcome: float | None, discount: float
+        cls,
+        turns: list[PackedTurn],
+        completed: list[LogRow],
+        outcome: float | None,
+        discount: float,
+        *,
+        delivered: Collection[str] = (),
+        side_calls: str = "skip",
     ) -> Trained:
-        """``turns``: the episode's, made from ``completed`` (its ``TurnCompleted`` events, in order)."""
+        """``turns``: the episode's, made from ``completed`` (its ``TurnCompleted`` events, in order);
+        ``delivered``: the turns a ``TurnDelivered`` names."""
         whole_tree = packed.parents(turns)
         untrained = {t.turn_id for t, e in zip(turns, completed, strict=True) if e.data.get("train") is False}
-        tree = trained_tree(whole_tree, _never_delivered(turns, completed, whole_tree) | untrained)
+        facts = [turn_facts(t, e) for t, e in zip(turns, completed, strict=True)]
+        side = side_turns(facts, whole_tree) if side_calls == "skip" else set()
+        undelivered = _never_delivered(turns, completed, whole_tree, delivered)
+        tree = trained_tree(whole_tree, undelivered | untrained | side)
         lineage = roots(tree)
         kept = [turn for turn in turns if turn.turn_id in tree]
         if outcome is not None:
@@ -520,14 +559,99 @@ class Trained:
             kept = [t.rewarded(t.reward + outcome) if t.turn_id in targets else t for t in kept]
         values = discounted_rewards(kept, tree, discount)
         rewards = {turn.turn_id: turn.reward for turn in kept}
-        return cls(whole_tree, kept, tree, lineage, main_root(kept, lineage), values, rewards)
+        reasons = root_reasons(
+            facts, whole_tree, side_roots(facts, whole_tree) if side_calls == "skip" else ()
+        )
+        return cls(
+            whole_tree, kept, tree, undelivered, roots(whole_tree), reasons, lineage,
+            main_root(kept, lineage), values, rewards,
+        )  # fmt: skip
+
+
+def turn_facts(turn: PackedTurn, event: LogRow) -> TurnFacts:
+    """What the lineage rule reads of a turn's event (fields at their defaults are not stored)."""
+    data = event.data
+    request = data.get("request") or {}
+    train = data.get("train")
+    model = data.get("model")
+    return TurnFacts(
+        turn_id=turn.turn_id,
+        index=turn.index,
+        offers_tools=bool(request.get("tools"))
+        or data.get("offers_tools") is True  # the request left in PostgreSQL: records.FOLDED_DATA
+        or data.get("tools_from_parent") is True,
+        model=model if isinstance(model, str) else None,
+        train=train if isinstance(train, bool) else None,
+        edited=isinstance(data.get("edit"), dict),
+        prefix_break=data.get("prefix_break") is True,
+    )
 
 
 def _never_delivered(
-    turns: list[PackedTurn], completed: list[LogRow], tree: dict[str, str | None]
+    turns: list[PackedTurn], completed: list[LogRow], tree: dict[str, str | None], delivered: Collection[str]
 ) -> set[str]:
-    """Turns recorded as never delivered (``TurnCompleted.delivered`` False: the client disconnected) that
-    no later turn continues: the agent never saw them, so they are no training samples. A marked turn that
-    has a child was seen after all (a retry was answered with it)."""
+    """Turns recorded as not delivered (``TurnCompleted.delivered`` False) that no ``TurnDelivered`` names
+    and no later turn continues: the agent never saw them, so they are no training samples. A marked turn
+    that has a child was seen after all."""
     marked = {t.turn_id for t, e in zip(turns, completed, strict=True) if e.data.get("delivered") is False}
-    return marked - set(tree.values()) if marked else marked
+    return marked - set(tree.values()) - set(delivered) if marked else marked
+
+
+@dataclass(frozen=True)
+class TurnLineage:
+    """One turn of an episode as the lineage rule sees it (``episode_lineages``)."""
+
+    index: int
+    turn_id: str
+    parent_turn_id: str | None
+    lineage: str
+    """The id of the root of its conversation (its lineage) in the whole turn tree."""
+    root_reason: str | None
+    """On a root: why it started (``lineages.FIRST_CALL`` ... ``lineages.NEW_CONVERSATION``)."""
+    trained: bool
+    why_not: str | None
+    """Why it makes no sample: ``marked`` (train false), ``side call``, ``not delivered``."""
+    delivered: bool
+    model: str | None
+    edit: list[str]
+    """What changed, on a turn that sent back an earlier reply changed in substance."""
+
+
+def episode_lineages(events: list[LogRow], config: MaterializerConfig) -> list[TurnLineage]:
+    """Each turn of an episode (its events, ``EpisodeStarted`` first) with its lineage, why that lineage
+    started and whether it is trained, by the materializer's own rule (``turnstile episodes --lineages``).
+    ``Unfoldable`` when a turn cannot be folded."""
+    fold = Fold(config)
+    episode_id = str(events[0].data.get("episode_id", ""))
+    turns, _, view = fold._turns(episode_id, events)
+    completed = [e for e in events if e.type == "TurnCompleted"]
+    facts = [turn_facts(t, e) for t, e in zip(turns, completed, strict=True)]
+    side = side_turns(facts, view.whole_tree) if config.side_calls == "skip" else set()
+    report = []
+    for turn, event, fact in zip(turns, completed, facts, strict=True):
+        trained = turn.turn_id in view.tree
+        why_not = None
+        if not trained:
+            if fact.train is False:
+                why_not = "marked"
+            elif turn.turn_id in side:
+                why_not = lineages.SIDE_CALL
+            else:
+                why_not = "not delivered"
+        edit = event.data.get("edit")
+        changes = edit.get("changes") if isinstance(edit, dict) else None
+        report.append(
+            TurnLineage(
+                index=turn.index,
+                turn_id=turn.turn_id,
+                parent_turn_id=view.whole_tree[turn.turn_id],
+                lineage=view.whole_lineage[turn.turn_id],
+                root_reason=view.reasons.get(turn.turn_id),
+                trained=trained,
+                why_not=why_not,
+                delivered=turn.turn_id not in view.undelivered,
+                model=fact.model,
+                edit=[str(change) for change in changes] if isinstance(changes, list) else [],
+            )
+        )
+    return report

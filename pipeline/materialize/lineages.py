@@ -29,6 +29,15 @@ The rule, as a demanding RL user wants it:
    group (the main lineages' turns with each other, side lineages' turns with each other), never a title
    call against the agent's first turn. Main lineage samples keep ``slot`` = depth as before; side
    lineage samples get ``slot`` = -1 - depth.
+4. **Side calls are not trained unless asked** (rule version 2; ``--side-calls train`` turns it off). In an
+   episode whose calls offer tools, a lineage whose root offers none (opencode's title, Claude Code's topic
+   check) is a side call; so is one whose root names another model than the episode's main one (the model of
+   its first call that offers tools, else of its first call: Claude Code's small-model calls). Its turns are
+   left out like marked ones, unless a turn was asked for training (``train: true``). An episode whose calls
+   offer no tools at all (a plain chat task) has no side calls by this rule.
+5. **Delivered means delivered** (rule version 2). A turn recorded ``delivered: false`` is delivered once a
+   later ``TurnDelivered`` names it (the gateway appends one when the reply was handed to a live client);
+   without one, and with no later turn continuing it, it is left out (rule 1).
 
 Pure functions over the turn tree; the materializer (``Fold._turns``) applies them.
 
@@ -38,15 +47,86 @@ hash (``MaterializerConfig.semantics``): change it with the rule.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 from pipeline.materialize.trajectory import Id, Node, Tree
 
-RULE: Final = 1
+RULE: Final = 2
 """This rule's version. Bump it whenever the rule changes what a log folds to: a materializer built under
 another version then refuses to go on (its batches would mix two rules), and a rebuild gets batch ids of its
-own. Version 1 hashes as configurations did before the rule was recorded (see ``semantics``)."""
+own. Version 1 hashes as configurations did before the rule was recorded (see ``semantics``). Version 2:
+side calls (rule 4) and delivery (rule 5)."""
+
+FIRST_CALL: Final = "first call"
+SIDE_CALL: Final = "side call"
+EDIT: Final = "edit"
+TEMPLATE_BREAK: Final = "template break"
+NEW_CONVERSATION: Final = "new conversation"
+"""Why a lineage's root started: the episode's first call; a side call (rule 4, or marked not for training);
+an earlier reply sent back changed in substance (``TurnCompleted.edit``); a continuation the chat template
+could not prove (``prefix_break``); else a conversation of its own (a subagent, a compacted restart)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnFacts:
+    """What the rule reads of a recorded turn besides the tree."""
+
+    turn_id: str
+    index: int
+    offers_tools: bool
+    model: str | None
+    train: bool | None
+    edited: bool
+    prefix_break: bool
+
+
+def side_roots(facts: Sequence[TurnFacts], tree: Tree[str]) -> set[str]:
+    """The roots of ``tree`` (the whole turn tree) that are side calls (rule 4)."""
+    ordered = sorted(facts, key=lambda turn: turn.index)
+    with_tools = [turn for turn in ordered if turn.offers_tools]
+    if not ordered:
+        return set()
+    main_model = (with_tools or ordered)[0].model
+    side = set()
+    for turn in ordered:
+        if tree[turn.turn_id] is not None or turn.train is True:
+            continue
+        other_model = turn.model is not None and main_model is not None and turn.model != main_model
+        if (with_tools and not turn.offers_tools) or other_model:
+            side.add(turn.turn_id)
+    return side
+
+
+def side_turns(facts: Sequence[TurnFacts], tree: Tree[str]) -> set[str]:
+    """Every turn of a side lineage (rule 4) but those asked for training."""
+    side = side_roots(facts, tree)
+    if not side:
+        return set()
+    lineage = roots(tree)
+    return {turn.turn_id for turn in facts if lineage[turn.turn_id] in side and turn.train is not True}
+
+
+def root_reasons(facts: Sequence[TurnFacts], tree: Tree[str], side: Collection[str]) -> dict[str, str]:
+    """Why each root of ``tree`` started (``FIRST_CALL`` ... ``NEW_CONVERSATION``), by its turn id. The first
+    call is the episode's first root that is no side call (Claude Code's topic check may come before it)."""
+    reasons = {}
+    first = True
+    for turn in sorted(facts, key=lambda turn: turn.index):
+        if tree[turn.turn_id] is not None:
+            continue
+        if turn.turn_id in side or turn.train is False:
+            reasons[turn.turn_id] = SIDE_CALL
+            continue
+        if turn.edited:
+            reasons[turn.turn_id] = EDIT
+        elif turn.prefix_break:
+            reasons[turn.turn_id] = TEMPLATE_BREAK
+        else:
+            reasons[turn.turn_id] = FIRST_CALL if first else NEW_CONVERSATION
+        first = False
+    return reasons
 
 
 def trained_tree(tree: Tree[Id], excluded: Collection[Id]) -> dict[Id, Id | None]:

@@ -28,10 +28,13 @@ class LogRow:
 
 UNFOLDED_FIELDS: Final = ("request", "task", "sampling", "metrics", "event_id", "schema_version", "type")
 """Fields of ``events.data`` the fold never reads (nor ``reply.text``): ``Materializer._read`` leaves them in
-PostgreSQL. A turn's request is most of its data; what is left is a few hundred bytes of JSON."""
+PostgreSQL. A turn's request is most of its data; what is left is a few hundred bytes of JSON. Of the
+request, the lineage rule needs only whether it offered tools: a turn's data gets ``offers_tools`` instead."""
 FOLDED_DATA: Final = (
     "(CASE WHEN jsonb_typeof(data) <> 'object' THEN data "
-    "WHEN jsonb_typeof(data -> 'reply') = 'object' THEN data - %(unfolded)s::text[] #- '{reply,text}' "
+    "WHEN jsonb_typeof(data -> 'reply') = 'object' THEN (data - %(unfolded)s::text[] #- '{reply,text}') "
+    "|| jsonb_build_object('offers_tools', jsonb_typeof(data #> '{request,tools}') = 'array' "
+    "AND data #> '{request,tools}' <> '[]'::jsonb) "
     "ELSE data - %(unfolded)s::text[] END)::text"
 )
 

@@ -5,6 +5,8 @@ from pipeline.log import EpisodeFilter, EpisodeRow
 from pipeline.replay.listing import (
     episode_row_json,
     episodes_table,
+    lineages_json,
+    lineages_table,
     list_episodes,
     parse_since,
 )
@@ -72,6 +74,8 @@ __all__ = [
     "episode_json",
     "episode_row_json",
     "episodes_table",
+    "lineages_json",
+    "lineages_table",
     "list_episodes",
     "load_episode",
     "load_tokenizer",

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from pipeline.errors import ConfigError
 from pipeline.log import EpisodeFilter, EpisodeRow, Store
+from pipeline.materialize import TurnLineage
 from pipeline.replay.transcript import clock_time, short_number
 
 _SINCE = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d|w)$")
@@ -76,3 +77,56 @@ def episode_row_json(row: EpisodeRow) -> dict[str, Any]:
         "finished_at": row.finished_at.isoformat() if row.finished_at else None,
         "duration_s": row.duration_s,
     }
+
+
+def lineages_json(turns: Sequence[TurnLineage]) -> list[dict[str, Any]]:
+    """An episode's lineages, first root first: why each started, its turns and which are trained."""
+    shown = []
+    for root, members in _by_lineage(turns):
+        shown.append(
+            {
+                "root_turn_id": root.turn_id,
+                "started_because": root.root_reason,
+                "model": root.model,
+                "edit": root.edit,
+                "turns": [
+                    {
+                        "index": turn.index,
+                        "turn_id": turn.turn_id,
+                        "parent_turn_id": turn.parent_turn_id,
+                        "trained": turn.trained,
+                        "why_not_trained": turn.why_not,
+                        "delivered": turn.delivered,
+                    }
+                    for turn in members
+                ],
+            }
+        )
+    return shown
+
+
+def lineages_table(episode_id: str, turns: Sequence[TurnLineage]) -> Table:
+    """``lineages_json`` as a table: a row per lineage, its turns by index (a turn not trained says why)."""
+    table = Table(title=f"episode {episode_id}: lineages", show_header=True, header_style="bold")
+    for name in ("root", "started because", "model", "turns", "trained", "edit"):
+        table.add_column(name, overflow="fold")
+    for root, members in _by_lineage(turns):
+        trained = [str(turn.index) for turn in members if turn.trained]
+        not_trained = [f"{turn.index} ({turn.why_not})" for turn in members if not turn.trained]
+        table.add_row(
+            f"turn {root.index}",
+            root.root_reason or "-",
+            root.model or "-",
+            " ".join(str(turn.index) for turn in members),
+            f"{len(trained)}/{len(members)}" + (f"; not: {', '.join(not_trained)}" if not_trained else ""),
+            "; ".join(root.edit) or "-",
+        )
+    return table
+
+
+def _by_lineage(turns: Sequence[TurnLineage]) -> list[tuple[TurnLineage, list[TurnLineage]]]:
+    members: dict[str, list[TurnLineage]] = {}
+    for turn in sorted(turns, key=lambda turn: turn.index):
+        members.setdefault(turn.lineage, []).append(turn)
+    by_id = {turn.turn_id: turn for turn in turns}
+    return [(by_id[root], group) for root, group in members.items()]

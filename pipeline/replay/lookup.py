@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 import statistics
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, cast
@@ -20,6 +21,7 @@ from schemas import (
     EpisodeFinished,
     Event,
     TurnCompleted,
+    TurnDelivered,
 )
 
 EPISODE_ID_PATTERN: Final = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
@@ -80,6 +82,16 @@ class ReplayedEpisode:
     @property
     def finished(self) -> EpisodeFinished | None:
         return self.episode.finished
+
+    @property
+    def delivered_later(self) -> set[uuid.UUID]:
+        """Turns a ``TurnDelivered`` names: recorded before their reply was handed over, then handed."""
+        return {
+            turn_id
+            for record in self.events
+            if isinstance(record.event, TurnDelivered)
+            for turn_id in record.event.turn_ids
+        }
 
     @property
     def status(self) -> str:

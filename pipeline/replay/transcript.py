@@ -133,6 +133,7 @@ def render_transcript(
     parts.append(Text(SEPARATOR.join(status)))
     by_id = {turn.turn_id: turn for turn in episode.turns}
     index_of = {turn.turn_id: index + 1 for index, turn in enumerate(episode.turns)}
+    delivered_later = replayed.delivered_later
     shown_tools: list[Any] = []
     for index, turn in enumerate(episode.turns):
         title = [f"Turn {index + 1} of {replayed.recorded_turns}", str(turn.turn_id)[:8]]
@@ -141,7 +142,17 @@ def render_transcript(
             title.append(f"continues turn {parent_index}")
         if turn.prefix_break:
             title.append("prefix break")
+        if turn.edit is not None:
+            edited = index_of.get(turn.edit.turn_id)
+            title.append(f"edit of turn {edited}" if edited else "edit")
+        if turn.delivered is False and turn.turn_id not in delivered_later:
+            title.append("not delivered")
+        if turn.model:
+            title.append(f"model {turn.model}")
         parts.append(Rule(SEPARATOR.join(title), align="left"))
+        if turn.edit is not None:
+            for change in turn.edit.changes:
+                parts.append(Text(f"edited: {change}", style="yellow"))
         for message in _new_messages(turn, by_id):
             parts.append(_message_text(message))
         if turn.request.tools != shown_tools:

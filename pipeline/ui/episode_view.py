@@ -121,6 +121,33 @@ def _number(value: float | None, digits: int = 4) -> str:
     return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else f"{value:.{digits}g}"
 
 
+def lineage_numbers(
+    turn: TurnCompleted, materialized: Mapping[str, Any] | None, index_of: Mapping[uuid.UUID, int]
+) -> dict[str, str]:
+    """What the page says of a turn's lineage: the model asked for, whether its reply was delivered and it is
+    trained (from the read model once materialized), why its lineage started, and the edit it carries."""
+    shown: dict[str, str] = {}
+    if turn.model:
+        shown["model"] = turn.model
+    delivered = materialized.get("delivered") if materialized is not None else None
+    if delivered is not None:
+        shown["delivered"] = "yes" if delivered else "no: the client was gone (no sample)"
+    elif turn.delivered is False:
+        shown["delivered"] = "not confirmed yet"
+    trained = materialized.get("trained") if materialized is not None else None
+    if trained is not None:
+        shown["trained"] = "yes" if trained else "no"
+    elif turn.train is not None:
+        shown["trained"] = "asked" if turn.train else "no (marked)"
+    reason = materialized.get("root_reason") if materialized is not None else None
+    if reason:
+        shown["lineage started"] = str(reason)
+    if turn.edit is not None:
+        edited = index_of.get(turn.edit.turn_id)
+        shown[f"edit of turn {edited}" if edited else "edit"] = "; ".join(turn.edit.changes)
+    return shown
+
+
 def episode_view(
     replayed: ReplayedEpisode,
     *,
@@ -161,6 +188,7 @@ def episode_view(
         }
         if turn.chat_template:
             numbers["chat template"] = turn.chat_template
+        numbers.update(lineage_numbers(turn, materialized, index_of))
         reply = ChatMessage(
             role="assistant", content=turn.reply.text, tool_calls=turn.reply.tool_calls or None
         )

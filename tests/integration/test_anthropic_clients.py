@@ -88,7 +88,9 @@ def claude_code_request(messages: list[Any]) -> dict[str, Any]:
 # ---- the translation ---------------------------------------------------------------------------------
 
 
-def test_system_messages_inside_messages_join_the_system_prompt() -> None:
+def test_system_messages_inside_messages_keep_their_place() -> None:
+    """Claude Code sends system messages mid-conversation: each stays where it stands, so a later one
+    extends the prompt instead of rewriting its start (docs/lineages.md)."""
     call = parse_messages_request(
         claude_code_request(
             [
@@ -104,10 +106,10 @@ def test_system_messages_inside_messages_join_the_system_prompt() -> None:
             ]
         )
     )
-    assert call.messages[0] == ChatMessage(
-        role="system", content="You are Claude Code.\nBe careful with files.\nExtra rules."
-    )
-    assert [m.role for m in call.messages] == ["system", "user", "user"]
+    leading = ChatMessage(role="system", content="You are Claude Code.\nBe careful with files.")
+    assert call.messages[0] == leading
+    assert call.messages[2] == ChatMessage(role="system", content="Extra rules.")
+    assert [m.role for m in call.messages] == ["system", "user", "system", "user"]
     assert [tool.function.name for tool in call.tools] == ["calculate", *(f"Tool{i}" for i in range(13))]
     assert call.sampling.max_tokens == 128000
 
@@ -251,8 +253,10 @@ async def test_a_claude_code_shaped_conversation_streams_and_records_token_exact
     turns = await turns_of(store, session["session_id"])
     assert len(turns) == 2
     assert turns[0].request.messages[0] == ChatMessage(
-        role="system", content="You are Claude Code.\nBe careful with files.\nAnswer with the tool."
+        role="system", content="You are Claude Code.\nBe careful with files."
     )
+    # the system message inside messages keeps its place (docs/lineages.md)
+    assert ChatMessage(role="system", content="Answer with the tool.") in turns[0].request.messages[1:]
     assert len(turns[0].request.tools) == 14  # web_search accepted, not offered
     assert_token_exact_child(turns[0], turns[1])
     assert not turns[1].prefix_break

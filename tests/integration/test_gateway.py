@@ -211,9 +211,15 @@ async def test_openai_sdk_multi_turn_tool_calls_are_recorded_token_exact(
     assert ended.json()["termination"] == "done"
     events = await events_of(store, session["session_id"])
     assert [type(e).__name__ for e in events] == [
-        "EpisodeStarted", "TurnCompleted", "TurnCompleted", "RewardAssigned", "EpisodeFinished",
-    ]  # fmt: skip
-    started, rewarded = events[0], events[3]
+        "EpisodeStarted",
+        "TurnCompleted",
+        "TurnDelivered",
+        "TurnCompleted",
+        "TurnDelivered",
+        "RewardAssigned",
+        "EpisodeFinished",
+    ]  # fmt: skip (each reply's delivery is recorded with the session's next event)
+    started, rewarded = events[0], events[5]
     assert isinstance(started, EpisodeStarted)
     assert (started.task_id, started.tags, started.policy) == ("t1", {"via": "openai"}, gateway.policy)
     assert isinstance(rewarded, RewardAssigned)
@@ -806,7 +812,9 @@ async def test_serve_gateway_serves_until_stopped_and_cancels_open_sessions(
     stop.set()
     await asyncio.wait_for(service, 30)
     events = await events_of(store, session["session_id"])
-    assert [type(e).__name__ for e in events] == ["EpisodeStarted", "TurnCompleted", "EpisodeFinished"]
+    assert [type(e).__name__ for e in events] == [
+        "EpisodeStarted", "TurnCompleted", "TurnDelivered", "EpisodeFinished",
+    ]  # fmt: skip
     assert isinstance(events[-1], EpisodeFinished)
     assert events[-1].termination == "cancelled"
     runner_ids = [

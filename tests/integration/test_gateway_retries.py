@@ -5,6 +5,7 @@ delivered and makes no training sample. Real HTTP, real consumers over NATS, the
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from pipeline.materialize.columns import SAMPLE_COLUMNS
 from pipeline.materialize.config import MaterializerConfig
 from pipeline.materialize.fold import Fold
 from pipeline.materialize.records import LogRow
+from schemas import TurnDelivered
 from tests.conftest import Servers
 from tests.integration.test_gateway import Gateway, gateway_for, llm, new_policy, turns_of  # noqa: F401 (fixtures)
 from tests.support.backends import PrefixEcho, RuleBackend, calculator_rule
@@ -67,6 +69,12 @@ async def test_sdk_retries_after_timeouts_get_the_one_recorded_turn(
 
 
 @pytest.mark.parametrize("slow", [5.0], indirect=True)  # the retry comes well before the reply
+async def delivered_in_log(store: EventStore, session_id: str) -> set[uuid.UUID]:
+    """The turns a ``TurnDelivered`` of the session's stream names."""
+    records = await store.read_stream(f"episode-{session_id}")
+    return {t for r in records if isinstance(r.event, TurnDelivered) for t in r.event.turn_ids}
+
+
 async def test_a_retry_while_the_call_runs_joins_it_and_the_turn_counts_as_delivered(
     slow_gateway: Gateway, store: EventStore, slow: RuleBackend
 ) -> None:
@@ -79,10 +87,12 @@ async def test_a_retry_while_the_call_runs_joins_it_and_the_turn_counts_as_deliv
         retried = await http.post(
             "/v1/chat/completions", json=body, headers={"x-stainless-retry-count": "1"}, timeout=30
         )
+        assert (await http.post("/v1/session/end", json={}, timeout=30)).status_code == 200
     assert retried.status_code == 200, retried.text
     turns = await turns_of(store, session["session_id"])
     assert [str(t.turn_id) for t in turns] == retried.json()["turnstile"]["turn_ids"]
-    assert turns[0].delivered is None  # the retry was there to take it
+    assert turns[0].delivered is False  # recorded before its reply was handed over ...
+    assert await delivered_in_log(store, session["session_id"]) == {turns[0].turn_id}  # ... to the retry
     assert slow.requests_seen == 1
 
 
@@ -121,7 +131,10 @@ async def test_a_client_that_leaves_gets_its_turn_recorded_as_never_delivered(
     assert keyed[0].json()["turnstile"]["turn_ids"] == keyed[1].json()["turnstile"]["turn_ids"]
     turns = await turns_of(store, session["session_id"])
     assert len(turns) == 3
-    assert [t.delivered for t in turns] == [False, None, None]
+    assert [t.delivered for t in turns] == [False, False, False]  # recorded before each was handed over
+    # the abandoned turn was delivered to the retry, the fresh one to its call (each recorded with the
+    # session's next event: the last one's is still waiting for one)
+    assert await delivered_in_log(store, session["session_id"]) == {turns[0].turn_id, turns[1].turn_id}
     assert slow.requests_seen == 3
 
 

@@ -41,7 +41,10 @@ from schemas import (
     RewardAssigned,
     Timings,
     ToolCall,
+    ToolSpec,
     TurnCompleted,
+    TurnDelivered,
+    TurnEdit,
     TurnReply,
     TurnRequest,
 )
@@ -792,7 +795,12 @@ async def test_the_lineage_rules_version_is_part_of_the_configuration_hash(
     from pipeline.materialize import lineages
 
     config = MaterializerConfig(name="ruled")
+    assert config.semantics()["lineage_rule"] == lineages.RULE == 2  # rule 2: side calls and delivery
+    assert config.semantics()["side_calls"] == "skip"
+    assert MaterializerConfig(name="ruled", side_calls="train").config_hash() != config.config_hash()
+    monkeypatch.setattr(lineages, "RULE", 1)
     assert "lineage_rule" not in config.semantics()
+    assert "side_calls" not in config.semantics()
     await materialize(database_url, config, create=True)
     rule_1 = config.config_hash()
     monkeypatch.setattr(lineages, "RULE", 2)
@@ -826,3 +834,46 @@ def test_replace_works_with_the_login_turnstile_up_prints(database_url: str) -> 
             connection.execute("SELECT turnstile_drop_rebuild('main')")
         with pytest.raises(psycopg.errors.InsufficientPrivilege):  # nor directly, the live one's checkpoint
             connection.execute("DELETE FROM checkpoints WHERE name = 'materializer:main'")
+
+async def test_the_turns_view_shows_delivery_training_lineage_and_why_each_root_started(
+    store: EventStore, database_url: str
+) -> None:
+    """Migration 0018 and lineage rule 2: a turn recorded undelivered is delivered once a TurnDelivered names
+    it (or a later turn continues it), else it makes no sample; side calls (a root without tools beside
+    calls with tools, or another model) are not trained; each root says why it started."""
+    tools = [ToolSpec.model_validate({"function": {"name": "bash", "parameters": {"type": "object"}}})]
+    asked = TurnRequest(messages=[ChatMessage(role="user", content="q")], tools=tools)
+
+    def loop(prompt: list[int], completion: list[int], **update: Any) -> TurnCompleted:
+        return turn(prompt, completion).model_copy(update={"request": asked, "model": "big", **update})
+
+    first = loop([1, 10, 2], [20, 2], delivered=False)  # continued below: seen
+    title = turn([1, 50, 2], [51, 2]).model_copy(update={"model": "big"})  # no tools: a side call
+    second = loop([1, 10, 2, 20, 2, 1, 30, 2], [21, 2], delivered=False)  # confirmed by TurnDelivered
+    lost = loop([1, 10, 2, 20, 2, 1, 31, 2], [22, 2], delivered=False)  # never handed over
+    small = loop([1, 60, 2], [61, 2], model="small")  # another model: a side call
+    edited = loop([1, 10, 2, 20, 3, 1, 32, 2], [23, 2])
+    edited = edited.model_copy(
+        update={"edit": TurnEdit(turn_id=first.turn_id, changes=["command 'a' -> 'b'"])}
+    )
+    events: list[Event] = [started("lv"), first, title, second, lost, small, edited]
+    events += [TurnDelivered(turn_ids=[second.turn_id]), EpisodeFinished(termination="done")]
+    await record(store, "lv", events)
+    await materialize(database_url, MaterializerConfig())
+    found = rows(
+        database_url,
+        "SELECT turn_id, delivered, trained, lineage, root_reason, model, edit FROM turns ORDER BY position",
+    )
+    assert found == [
+        (first.turn_id, True, True, first.turn_id, "first call", "big", None),
+        (title.turn_id, True, False, title.turn_id, "side call", "big", None),
+        (second.turn_id, True, True, first.turn_id, None, "big", None),
+        (lost.turn_id, False, False, first.turn_id, None, "big", None),
+        (small.turn_id, True, False, small.turn_id, "side call", "small", None),
+        (
+            edited.turn_id, True, True, edited.turn_id, "edit", "big",
+            {"turn_id": str(first.turn_id), "changes": ["command 'a' -> 'b'"]},
+        ),
+    ]  # fmt: skip
+    samples = {r[0] for r in rows(database_url, "SELECT sample_id FROM samples")}
+    assert samples == {str(first.turn_id), str(second.turn_id), str(edited.turn_id)}

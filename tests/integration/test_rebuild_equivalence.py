@@ -9,7 +9,10 @@ groups whose members never come (the group timeout), two policies with published
 reader can fold (skipped with their reason). ``recorded_at`` is a clock of the log's own, so every derived
 timestamp is fixed too.
 
-Regenerate the fixture only for a change that is meant to change what a log folds to:
+Regenerated once since, for lineage rule 2 (its version in every batch id's configuration hash, and
+``turn_rows``' ``delivered``, ``trained``, ``lineage`` and ``root_reason``): the same row counts in every
+table, the same episodes and skipped events. Regenerate the fixture only for a change that is meant to
+change what a log folds to:
 ``python -m tests.integration.test_rebuild_equivalence DATABASE_URL`` prints it.
 """
 

@@ -45,10 +45,13 @@ from schemas import (
     ChatMessage,
     EpisodeFinished,
     EpisodeStarted,
+    Event,
     LLMRequest,
     RewardAssigned,
     SamplingParams,
+    ToolSpec,
     TurnCompleted,
+    TurnEdit,
     TurnReply,
     TurnRequest,
 )
@@ -598,3 +601,65 @@ async def test_a_100_turn_episode_folds_replays_reruns_and_samples_token_exactly
                 ids, mask = samples[(str(turn.turn_id),)]
                 assert ids == [*turn.prompt_token_ids, *turn.completion_token_ids]
                 assert mask == [0] * len(turn.prompt_token_ids) + [1] * len(turn.completion_token_ids)
+
+
+async def test_episodes_lineages_reports_each_lineage_its_turns_training_and_why_it_started(
+    store: EventStore, database_url: str
+) -> None:
+    """``turnstile episodes --lineages``: the loop (first call, trained), a title call without tools (a side
+    call, not trained) and an edited continuation (an edit, with what changed)."""
+    tools = [ToolSpec.model_validate({"function": {"name": "bash", "parameters": {"type": "object"}}})]
+
+    def turn(
+        prompt: list[int], completion: list[int], *, offered: bool = True, **update: Any
+    ) -> TurnCompleted:
+        request = TurnRequest(
+            messages=[ChatMessage(role="user", content="q")], tools=tools if offered else []
+        )
+        made = TurnCompleted(
+            request=request,
+            reply=TurnReply(text="a", finish_reason="stop"),
+            prompt_token_ids=prompt,
+            completion_token_ids=completion,
+            completion_logprobs=[-0.5] * len(completion),
+            policy_version=0,
+            engine_id="e",
+            model="big",
+        )
+        return made.model_copy(update=update)
+
+    first = turn([1, 10, 2], [20, 2])
+    title = turn([1, 50, 2], [51, 2], offered=False)
+    second = turn([1, 10, 2, 20, 2, 1, 30, 2], [21, 2])
+    edited = turn([1, 10, 2, 20, 3, 1, 32, 2], [23, 2])
+    edited = edited.model_copy(
+        update={"edit": TurnEdit(turn_id=first.turn_id, changes=["command 'a' -> 'b'"])}
+    )
+    episode_id = uuid.uuid4().hex
+    started = EpisodeStarted(episode_id=episode_id, task_id="t", agent="tests", policy="lineages")
+    events: list[Event] = [started, first, title, second, edited, EpisodeFinished(termination="done")]
+    await store.append(f"episode-{episode_id}", events, 0)
+
+    listed = turnstile(database_url, "episodes", "--lineages", "--json", "--limit", "1")
+    assert listed.returncode == 0, listed.stderr
+    (row,) = json.loads(listed.stdout)
+    assert row["episode_id"] == episode_id
+    shown = [
+        (
+            lineage["started_because"],
+            [t["index"] for t in lineage["turns"]],
+            [t["trained"] for t in lineage["turns"]],
+        )
+        for lineage in row["lineages"]
+    ]
+    assert shown == [
+        ("first call", [0, 2], [True, True]),
+        ("side call", [1], [False]),
+        ("edit", [3], [True]),
+    ]
+    assert row["lineages"][1]["turns"][0]["why_not_trained"] == "side call"
+    assert row["lineages"][2]["edit"] == ["command 'a' -> 'b'"]
+    table = turnstile(database_url, "episodes", "--lineages", "--limit", "1")
+    assert table.returncode == 0, table.stderr
+    for text in ("first call", "side call", "0 2", "1 (side call)", "command 'a' -> 'b'"):
+        assert text in table.stdout

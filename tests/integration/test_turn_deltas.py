@@ -282,7 +282,11 @@ async def test_a_log_mixing_version_1_and_version_2_materializes_each_episode_as
         events = [r.event for r in await memory.read_stream(f"episode-{episode_id}")]
         events[0] = events[0].model_copy(update={"episode_id": f"v2-{episode_id}", "group_id": "v2-group"})
         await store.append(f"episode-v2-{episode_id}", [e for e in events if e is not None], 0)
-    config = MaterializerConfig(name="mixed", discount=DISCOUNT, style="individual", batch_samples=1000)
+    # side_calls train: the log's side calls were trained when v1_expected.json was made (lineage rule 1);
+    # what is checked here is that version 1 events read as version 2, not the rule
+    config = MaterializerConfig(
+        name="mixed", discount=DISCOUNT, style="individual", batch_samples=1000, side_calls="train"
+    )
     materializer = Materializer(database_url, config)
     await materializer.open(create=True)
     await materializer.catch_up()
@@ -294,9 +298,16 @@ async def test_a_log_mixing_version_1_and_version_2_materializes_each_episode_as
         wanted = sorted((s["input_ids"], s["loss_mask"]) for s in want[episode_id]["individual"])
         assert sorted((s[0], s[1]) for s in samples[episode_id]) == wanted
     again = MaterializerConfig(
-        name="again", discount=DISCOUNT, style="individual", batch_samples=4, step_events=3
+        name="again",
+        discount=DISCOUNT,
+        style="individual",
+        batch_samples=4,
+        step_events=3,
+        side_calls="train",
     )
-    first = MaterializerConfig(name="first", discount=DISCOUNT, style="individual", batch_samples=4)
+    first = MaterializerConfig(
+        name="first", discount=DISCOUNT, style="individual", batch_samples=4, side_calls="train"
+    )
     for rebuild in (first, again):
         materializer = Materializer(database_url, rebuild)
         await materializer.open(create=True)

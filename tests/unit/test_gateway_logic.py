@@ -299,7 +299,16 @@ async def test_side_calls_are_marked_not_for_training_by_header_or_by_the_sessio
         assert bad.json()["error"]["param"] == "x-turnstile-train"
         assert "must be true or false, got 'maybe'" in bad.json()["error"]["message"]
     turns = [r.event for r in await store.read_all() if isinstance(r.event, TurnCompleted)]
-    assert [t.train for t in turns] == [None, False, False, None, False, None]  # the bad call: not recorded
+    # None: the materializer's lineage rule decides; True: asked for; the bad call: not recorded
+    assert [t.train for t in turns] == [None, False, False, None, False, True]
+    assert [t.model for t in turns] == [
+        "claude-sonnet-4-5",
+        "claude-haiku-4-5-20251001",
+        "title-1",
+        "title-10",
+        "main",
+        "claude-haiku-4-5",
+    ]
 
 
 async def test_the_whole_prompt_ids_come_back_only_when_asked_for(

@@ -8,6 +8,7 @@ parts that are pure bookkeeping (parents, token prefixes, expected versions, end
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import pytest
@@ -44,6 +45,7 @@ from schemas import (
     ToolChoice,
     ToolSpec,
     TurnCompleted,
+    TurnEdit,
     TurnReply,
     TurnRequest,
 )
@@ -348,14 +350,26 @@ def exchanges(draw: st.DrawFn) -> tuple[LLMRequest, LLMResponse, TurnCompleted |
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(exchange=exchanges(), delivered=st.sampled_from([None, False]), train=st.booleans())
+@given(
+    exchange=exchanges(),
+    delivered=st.sampled_from([None, False]),
+    train=st.sampled_from([None, True, False]),
+    model=st.sampled_from([None, "claude-sonnet-4-5"]),
+    edit=st.sampled_from([None, TurnEdit(turn_id=uuid.UUID(int=7), changes=["tool call c (Bash): ..."])]),
+)
 def test_a_turn_put_together_without_validation_equals_the_validated_turn_and_encodes_the_same(
-    exchange: tuple[LLMRequest, LLMResponse, TurnCompleted | None, int], delivered: bool | None, train: bool
+    exchange: tuple[LLMRequest, LLMResponse, TurnCompleted | None, int],
+    delivered: bool | None,
+    train: bool | None,
+    model: str | None,
+    edit: TurnEdit | None,
 ) -> None:
     """``turn_event`` skips validation (its parts were validated as the request and the reply): what it
     makes must be the event that validating the same values makes, down to the stored bytes."""
     request, response, parent, shared = exchange
-    built = turn_event(request, response, parent, shared, delivered=delivered, train=train)
+    built = turn_event(
+        request, response, parent, shared, delivered=delivered, train=train, model=model, edit=edit
+    )
     tools_from_parent = parent is not None and bool(request.tools)
     validated = TurnCompleted(
         event_id=built.event_id,
@@ -386,7 +400,9 @@ def test_a_turn_put_together_without_validation_equals_the_validated_turn_and_en
         render_drift=response.render_drift,
         chat_template=response.chat_template,
         delivered=delivered,
-        train=None if train else False,
+        train=train,
+        model=model,
+        edit=edit,
     )
     for name in TurnCompleted.model_fields:
         assert (name, getattr(built, name)) == (name, getattr(validated, name))
