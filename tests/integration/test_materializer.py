@@ -835,6 +835,7 @@ def test_replace_works_with_the_login_turnstile_up_prints(database_url: str) -> 
         with pytest.raises(psycopg.errors.InsufficientPrivilege):  # nor directly, the live one's checkpoint
             connection.execute("DELETE FROM checkpoints WHERE name = 'materializer:main'")
 
+
 async def test_the_turns_view_shows_delivery_training_lineage_and_why_each_root_started(
     store: EventStore, database_url: str
 ) -> None:
