@@ -131,6 +131,13 @@ class Materializer:
                     if older
                     else ""
                 )
+                if "lineage_rule" not in row[0] and "lineage_rule" in self.config.semantics():
+                    hint += (
+                        " It was made under lineage rule 1 (side calls trained, a tool call sent back in "
+                        "another form a new root; docs/lineages.md), which no release folds any more: build "
+                        "the read models again under the new rule (turnstile rematerialize --name NEW, then "
+                        "point the services at it, or drop the old ones and let `serve materializer` refold)."
+                    )
                 raise ConfigError(
                     f"materializer {self.config.name!r} was built with {json.dumps(row[0], sort_keys=True)}; "
                     f"it cannot go on with {json.dumps(self.config.semantics(), sort_keys=True)} (its "
