@@ -17,7 +17,14 @@ from rich.console import Console
 
 from consumers.runtime import Connections, episode_services, running, serve_until_stopped
 from pipeline.errors import ConfigError
-from pipeline.gateway import HttpServer, create_gateway, gateway_of
+from pipeline.gateway import (
+    MAX_BODY_BYTES,
+    READ_TIMEOUT,
+    HttpServer,
+    check_http_limits,
+    create_gateway,
+    gateway_of,
+)
 from pipeline.ui import KeyGuard, create_app
 
 
@@ -38,6 +45,8 @@ class GatewayConfig:
     lease_timeout: float = 30.0
     ui_reader_url: str | None = None  # set: the episode browser at /ui, behind the admin key
     metrics_port: int | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    read_timeout: float = READ_TIMEOUT
 
     def __post_init__(self) -> None:
         if not self.admin_key:
@@ -52,6 +61,7 @@ class GatewayConfig:
             raise ConfigError(f"--idle-timeout must be more than 0 seconds, got {self.idle_timeout:g}")
         if self.gone_after is not None and self.gone_after <= 0:
             raise ConfigError(f"--gone-after must be more than 0 seconds, got {self.gone_after:g}")
+        check_http_limits(self.max_body_bytes, self.read_timeout)
 
 
 def mount_browser(app: FastAPI, reader_url: str, admin_key: str) -> FastAPI:
@@ -100,7 +110,13 @@ async def serve_gateway(
         browser = None
         if config.ui_reader_url is not None:
             browser = mount_browser(app, config.ui_reader_url, config.admin_key)
-        server = HttpServer(app, host=config.host, port=config.port)
+        server = HttpServer(
+            app,
+            host=config.host,
+            port=config.port,
+            max_body_bytes=config.max_body_bytes,
+            read_timeout=config.read_timeout,
+        )
         url = await server.start()
         runtime.check("nats", lambda: services.connection.is_connected)
         gateway = gateway_of(app)

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from consumers.runtime import running, serve_until_stopped
 from pipeline.errors import ConfigError
-from pipeline.gateway import HttpServer
+from pipeline.gateway import MAX_BODY_BYTES, READ_TIMEOUT, HttpServer, check_http_limits
 from pipeline.ui import check_login, create_app, reader_engine
 
 
@@ -28,6 +28,8 @@ class UiConfig:
     tokenizer_dirs: Mapping[str, Path] = field(default_factory=dict)
     reruns: bool = False
     rerun_agent: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    read_timeout: float = READ_TIMEOUT
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -35,6 +37,7 @@ class UiConfig:
         for policy, directory in self.tokenizer_dirs.items():
             if not directory.is_dir():
                 raise ConfigError(f"--model {policy}={directory}: not a directory")
+        check_http_limits(self.max_body_bytes, self.read_timeout)
 
 
 async def serve_ui(
@@ -59,7 +62,13 @@ async def serve_ui(
         rerun_agent=config.rerun_agent,
     )
     async with running("ui", stop=stop) as runtime:
-        server = HttpServer(app, host=config.host, port=config.port)
+        server = HttpServer(
+            app,
+            host=config.host,
+            port=config.port,
+            max_body_bytes=config.max_body_bytes,
+            read_timeout=config.read_timeout,
+        )
         url = await server.start()
         console.print(f"episode browser on {url}/episodes (read-only; Ctrl-C stops it)")
         if ready is not None:

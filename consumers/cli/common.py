@@ -135,6 +135,19 @@ ConnectTimeout = Annotated[
     ),
 ]
 
+# -- the HTTP servers (`turnstile serve gateway`, `turnstile ui`) --
+
+MaxBodyMib = Annotated[
+    float,
+    typer.Option(
+        help="largest request body, MiB (over it: 413 while it is read; 32 holds a 200k-token chat)"
+    ),
+]
+ReadTimeout = Annotated[
+    float,
+    typer.Option(help="seconds a client may take to send its headers, and between parts of its body (408)"),
+]
+
 # -- every `turnstile serve ...` service --
 
 MetricsPort = Annotated[

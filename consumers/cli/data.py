@@ -13,6 +13,8 @@ import typer
 from rich.console import Console
 
 from consumers.cli.common import (
+    MaxBodyMib,
+    ReadTimeout,
     Status,
     Termination,
     console,
@@ -462,6 +464,8 @@ def ui(
     rerun_agent: str = typer.Option(
         None, help="--rerun: this agent instead of the recorded one (pkg.mod:Name)"
     ),
+    max_body_mib: MaxBodyMib = 32.0,
+    read_timeout: ReadTimeout = 30.0,
 ) -> None:
     """Serve the episode browser: find, read and compare episodes, runs and batches in a web browser.
 
@@ -491,5 +495,7 @@ def ui(
         tokenizer_dirs=tokenizer_dirs,
         reruns=rerun,
         rerun_agent=rerun_agent,
+        max_body_bytes=round(max_body_mib * 1024 * 1024),
+        read_timeout=read_timeout,
     )
     asyncio.run(serve_ui(config, console=console))

@@ -13,9 +13,11 @@ from consumers.cli.common import (
     Concurrency,
     EpisodeTimeout,
     HeartbeatTimeout,
+    MaxBodyMib,
     MaxTokens,
     MaxTurns,
     MetricsPort,
+    ReadTimeout,
     Retries,
     Reward,
     Temperature,
@@ -330,6 +332,8 @@ def gateway(
         help="also serve the episode browser at /ui (read-only, as TURNSTILE_READER_URL; HTTP Basic with the "
         "admin key as password)",
     ),
+    max_body_mib: MaxBodyMib = 32.0,
+    read_timeout: ReadTimeout = 30.0,
     metrics_port: MetricsPort = None,
 ) -> None:
     """Serve the OpenAI- and Anthropic-compatible gateway: every call of a session is a recorded turn."""
@@ -362,6 +366,8 @@ def gateway(
         heartbeat_timeout=heartbeat_timeout,
         ui_reader_url=settings.require_reader_url() if ui else None,
         metrics_port=metrics_port,
+        max_body_bytes=round(max_body_mib * 1024 * 1024),
+        read_timeout=read_timeout,
     )
     run(serve_gateway(config, console=console))
     console.print("gateway stopped")

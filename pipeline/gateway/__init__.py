@@ -3,11 +3,15 @@
 
 from pipeline.gateway.app import create_gateway, gateway_of
 from pipeline.gateway.http_error import GatewayError
+from pipeline.gateway.limits import MAX_BODY_BYTES, READ_TIMEOUT, BoundedRequests, check_http_limits
 from pipeline.gateway.server import HttpServer, serving_http
 from pipeline.gateway.service import EndSpec, Gateway, RewardSpec, SessionSpec
 from pipeline.gateway.sessions import SessionEntry, SessionRegistry, key_digest
 
 __all__ = [
+    "MAX_BODY_BYTES",
+    "READ_TIMEOUT",
+    "BoundedRequests",
     "EndSpec",
     "Gateway",
     "GatewayError",
@@ -16,6 +20,7 @@ __all__ = [
     "SessionEntry",
     "SessionRegistry",
     "SessionSpec",
+    "check_http_limits",
     "create_gateway",
     "gateway_of",
     "key_digest",

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import uvicorn
 
 from pipeline.errors import TurnstileError
+from pipeline.gateway.limits import MAX_BODY_BYTES, READ_TIMEOUT, BoundedRequests, header_timeout_protocol
 
 
 class _Server(uvicorn.Server):
@@ -42,8 +43,13 @@ class HttpServer:
         port: int = 0,
         handle_signals: bool = False,
         lifespan: Literal["on", "off"] = "on",
+        max_body_bytes: int = MAX_BODY_BYTES,
+        read_timeout: float | None = READ_TIMEOUT,
     ) -> None:
-        self.app, self.host, self.port = app, host, port
+        # every request bounded (pipeline/gateway/limits.py): its body's size, and the time its parts take
+        self.app = BoundedRequests(app, max_body_bytes=max_body_bytes, read_timeout=read_timeout)
+        self.read_timeout = read_timeout
+        self.host, self.port = host, port
         self.handle_signals = handle_signals
         self.lifespan = lifespan
         self._server: _Server | None = None
@@ -66,8 +72,14 @@ class HttpServer:
             sock.close()
             raise TurnstileError(f"cannot listen on {self.host}:{self.port}: {error.strerror}") from None
         self.port = sock.getsockname()[1]
+        protocol = header_timeout_protocol(self.read_timeout) if self.read_timeout is not None else None
         config = uvicorn.Config(
-            self.app, log_level="warning", access_log=False, lifespan=self.lifespan, backlog=4096
+            self.app,
+            log_level="warning",
+            access_log=False,
+            lifespan=self.lifespan,
+            backlog=4096,
+            http=protocol or "auto",
         )
         self._server = _Server(config, handle_signals=self.handle_signals)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name=f"http-{self.port}")
