@@ -61,9 +61,11 @@ class VllmBackend:
         dtype: str | None = None,
         max_model_len: int | None = None,
         close_timeout: float = 30.0,
+        in_place: bool = True,
         **engine_overrides: Any,
     ) -> None:
-        """``engine_overrides`` go to ``vllm.AsyncEngineArgs`` as they are (``gpu_memory_utilization``...)."""
+        """``engine_overrides`` go to ``vllm.AsyncEngineArgs`` as they are (``gpu_memory_utilization``...).
+        ``in_place=False``: restart the engine for every version (the fallback; a baseline to measure)."""
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.eos_ids = _eos_ids(self.model_dir, self.tokenizer.eos_token_id)
@@ -86,6 +88,7 @@ class VllmBackend:
         self._drained.set()
         self._in_flight: set[str] = set()  # vLLM request ids
         self._closed = False
+        self.in_place = in_place
         self.in_place_loads = 0
         self.restarts = 0
         """Versions loaded by restarting the engine (the fallback), not into the running one."""
@@ -124,9 +127,7 @@ class VllmBackend:
         async with self._swap:
             if self._closed:
                 raise RuntimeError("the vLLM backend is closed")
-            refusal = (
-                in_place_refusal(self.checkpoint, checkpoint) if self._engine is not None else "no engine"
-            )
+            refusal = self._in_place_refusal(checkpoint)
             if refusal is None:
                 refusal = await self._reload(checkpoint, version)
             if refusal is not None:
@@ -183,6 +184,13 @@ class VllmBackend:
             async with asyncio.timeout(10):
                 while self._in_flight:
                     await self._drained.wait()
+
+    def _in_place_refusal(self, checkpoint: str) -> str | None:
+        if not self.in_place:
+            return "in-place loading is off"
+        if self._engine is None:
+            return "no engine runs yet"
+        return in_place_refusal(self.checkpoint, checkpoint)
 
     async def _reload(self, checkpoint: str, version: int) -> str | None:
         """Load ``checkpoint`` into the running engine once the requests in flight have finished; the caller
