@@ -127,6 +127,10 @@ class VllmBackend:
         async with self._swap:
             if self._closed:
                 raise RuntimeError("the vLLM backend is closed")
+            if self._engine is None:  # not started yet: start on the checkpoint, nothing to restart
+                await self._replace(checkpoint, version)
+                log.info("policy version %d: the vLLM engine starts on %s", version, checkpoint)
+                return
             refusal = self._in_place_refusal(checkpoint)
             if refusal is None:
                 refusal = await self._reload(checkpoint, version)
@@ -188,8 +192,6 @@ class VllmBackend:
     def _in_place_refusal(self, checkpoint: str) -> str | None:
         if not self.in_place:
             return "in-place loading is off"
-        if self._engine is None:
-            return "no engine runs yet"
         return in_place_refusal(self.checkpoint, checkpoint)
 
     async def _reload(self, checkpoint: str, version: int) -> str | None:
