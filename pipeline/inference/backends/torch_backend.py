@@ -13,6 +13,12 @@ pass over the whole prompt at a cost that does not grow with the prompt.
 With a ``Script`` (``--script FILE``) the backend does not sample: the first matching rule's reply text,
 as the tokenizer's ids, is the completion, scored by one forward pass over prompt + completion (teacher
 forcing) — what the engine would have returned had it sampled that text.
+
+A new policy version goes in between batches: the batch running finishes on the old weights and its replies
+carry the old version, every later batch runs on the new ones. Its weights are copied into the model in
+place when the checkpoint is the same model with other values (``weights.in_place_refusal``); otherwise
+(another shape or configuration) a whole new model is loaded from the checkpoint, logged and counted in
+``restarts``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.inference.backends import Generation
+from pipeline.inference.backends.weights import in_place_refusal, read_weights, state_refusal
 from pipeline.inference.chat import ChatRenderer, token_bytes
 from pipeline.inference.client import RequestRejected
 from pipeline.inference.script import Script, describe
@@ -78,13 +85,21 @@ class TorchBackend:
         max_batch: int = 16,
         policy_version: int = 0,
         script: Script | None = None,
+        in_place: bool = True,
     ) -> None:
+        """``in_place=False``: every version loaded as a whole new model (the fallback; a baseline)."""
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = dtype
         self.max_batch = max_batch
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.model = load_model(model_dir, self.device, dtype)
         self.policy_version = policy_version
+        self.checkpoint = str(model_dir)
+        """The directory of the weights served now."""
+        self.in_place = in_place
+        self.in_place_loads = 0
+        self.restarts = 0
+        """Versions loaded as a whole new model (the checkpoint could not go into this one in place)."""
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 4096))
         self.reach = attention_reach(self.model.config)
         self.script = script
@@ -157,11 +172,42 @@ class TorchBackend:
         return token_bytes(self.tokenizer, token_id)
 
     async def load_version(self, version: int, checkpoint: str) -> None:
-        model = await asyncio.to_thread(load_model, checkpoint, self.device, self.dtype)
-        async with self._swap:
-            self.model, self.policy_version = model, version
-            self.reach = attention_reach(model.config)
-        log.info("loaded policy version %d from %s", version, checkpoint)
+        """The checkpoint's weights, read from disk while batches run, then swapped in between two batches."""
+        started = time.monotonic()
+        refusal = (
+            "in-place loading is off" if not self.in_place else in_place_refusal(self.checkpoint, checkpoint)
+        )
+        weights = None if refusal is not None else await asyncio.to_thread(read_weights, checkpoint)
+        if weights is not None:
+            async with self._swap:  # no batch runs while the values change
+                refusal = state_refusal(self.model, weights)
+                if refusal is None:
+                    await asyncio.to_thread(self._overwrite, weights)
+                    self.policy_version, self.checkpoint = version, checkpoint
+                    self.in_place_loads += 1
+        if refusal is not None:
+            log.warning(
+                "policy version %d: loading a whole new model from %s: %s", version, checkpoint, refusal
+            )
+            model = await asyncio.to_thread(load_model, checkpoint, self.device, self.dtype)
+            async with self._swap:
+                self.model, self.policy_version, self.checkpoint = model, version, checkpoint
+                self.reach = attention_reach(model.config)
+                self.restarts += 1
+        how = "in place" if refusal is None else "as a new model"
+        log.info(
+            "loaded policy version %d from %s %s in %.3f s",
+            version,
+            checkpoint,
+            how,
+            time.monotonic() - started,
+        )
+
+    @torch.no_grad()
+    def _overwrite(self, weights: dict[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()  # the parameters' own storage: copying into it changes the model
+        for name, tensor in weights.items():
+            own[name].copy_(tensor)
 
     async def close(self) -> None:
         if self._worker is not None:

