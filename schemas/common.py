@@ -8,9 +8,16 @@ import math
 import sys
 from array import array
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, NonNegativeFloat, PlainSerializer
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    NonNegativeFloat,
+    PlainSerializer,
+    field_validator,
+)
 
 from schemas.base import Contract
 
@@ -123,13 +130,33 @@ class ToolChoice(Contract):
     name: str | None = Field(default=None, min_length=1, description="the tool, when mode is 'function'")
 
 
+FLOAT32_TINY: Final = 1.1754943508222875e-38
+"""The smallest normal float32 (``numpy.finfo(numpy.float32).tiny``): engines sample in float32, where a
+positive value below it is a denormal or 0 (``top_p=1e-300`` becomes 0 and the engine fails)."""
+
+
 class SamplingParams(Contract):
-    temperature: NonNegativeFloat = 1.0
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=1, lt=2**31)
-    max_tokens: int = Field(default=256, ge=1, lt=2**31)
+    """Integers are strict (``max_tokens: true`` is refused, not read as 1; so are ``"5"`` and ``5.0``);
+    floats take numbers only (no booleans or strings) and a positive one must survive float32."""
+
+    temperature: NonNegativeFloat = Field(default=1.0, strict=True)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True)
+    top_k: int | None = Field(default=None, ge=1, lt=2**31, strict=True)
+    max_tokens: int = Field(default=256, ge=1, lt=2**31, strict=True)
     stop: list[str] = Field(default_factory=list)
-    seed: int | None = Field(default=None, ge=0, lt=2**63, description="what engines take: a 64-bit seed")
+    seed: int | None = Field(
+        default=None, ge=0, lt=2**63, strict=True, description="what engines take: a 64-bit seed"
+    )
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _float32_representable(cls, value: float) -> float:
+        """A positive value that float32 makes a denormal or 0 changes meaning (or fails) in an engine."""
+        if 0.0 < value < FLOAT32_TINY:
+            raise ValueError(
+                f"underflows in float32 (engines sample in float32): use 0 or at least {FLOAT32_TINY:.4g}"
+            )
+        return value
 
 
 class Timings(Contract):

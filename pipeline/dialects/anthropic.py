@@ -52,6 +52,7 @@ from pipeline.dialects.base import (
     ParseMemo,
     RequestError,
     WireReply,
+    check_tool_calls,
     dotted_path,
     invalid,
     parse_sampling,
@@ -324,6 +325,8 @@ def _assistant_message(content: object, path: str, known_arguments: Mapping[str,
                 "assistant content blocks must be 'text', 'thinking' or 'tool_use'",
                 kind,
             )
+    # input was checked to be an object above; the text may be a recorded one (as the model wrote it)
+    check_tool_calls(calls, path, error=AnthropicRequestError, json_arguments=False)
     return ChatMessage(
         role="assistant", content="\n".join(texts), tool_calls=calls or None, reasoning_content=reasoning
     )

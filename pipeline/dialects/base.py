@@ -238,6 +238,40 @@ def invalid(param: str, problem: str, got: object, *, error: type[RequestError])
     return error(f"invalid {param}: {problem}, got {shown(got)}", param=param)
 
 
+def check_tool_calls(
+    calls: Sequence[ToolCall], path: str, *, error: type[RequestError], json_arguments: bool = True
+) -> None:
+    """Refuses a message whose tool calls share an id (a ``tool`` message could not say which it answers, and
+    the lineage keys on ids) or, with ``json_arguments``, whose arguments do not parse as a JSON object (what
+    every tool schema describes; anything else reaches the template and the tool as garbage)."""
+    seen: set[str] = set()
+    for index, call in enumerate(calls):
+        if call.id in seen:
+            raise invalid(
+                f"{path}[{index}].id",
+                "repeats an earlier tool call's id in this message",
+                call.id,
+                error=error,
+            )
+        seen.add(call.id)
+        if json_arguments and not _is_json_object(call.function.arguments):
+            raise invalid(
+                f"{path}[{index}].function.arguments",
+                "must be the JSON text of an object",
+                call.function.arguments,
+                error=error,
+            )
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (
+        ValueError
+    ):  # json.JSONDecodeError and RecursionError's cousin, a too-deep document, both land here
+        return False
+
+
 TOP_K_OFF: Final = (-1, 0)  # what clients send for "no top-k"
 
 

@@ -38,6 +38,7 @@ from pipeline.dialects.base import (
     RequestError,
     WireReply,
     bracket_path,
+    check_tool_calls,
     invalid,
     parse_sampling,
     restore_arguments,
@@ -174,7 +175,10 @@ def _parse_message(raw: object, path: str) -> ChatMessage:
                 f"{path}.tool_call_id", "must be the id of the tool call this message answers", tool_call_id
             )
         fields["tool_call_id"] = tool_call_id
-    return _validated(ChatMessage, fields, path)
+    message = _validated(ChatMessage, fields, path)
+    if message.tool_calls:
+        check_tool_calls(message.tool_calls, f"{path}.tool_calls", error=OpenAIRequestError)
+    return message
 
 
 def _content_text(content: object, path: str) -> str | None:

@@ -152,6 +152,32 @@ def _without(key: str) -> dict[str, Any]:
         (_with("stream", "sometimes"), "stream"),
         (_with("stream_options", {"include_usage": "yes please"}), "stream_options.include_usage"),
         (_with("model", 4), "model"),
+        # bounded inputs: booleans are not integers, float32 underflow, tool calls that cannot be answered
+        (_with("max_tokens", True), "max_tokens"),
+        (_with("max_completion_tokens", True), "max_completion_tokens"),
+        (_with("seed", False), "seed"),
+        (_with("top_k", True), "top_k"),
+        (_with("max_tokens", 5.0), "max_tokens"),
+        (_with("temperature", True), "temperature"),
+        (_with("top_p", 1e-300), "top_p"),
+        (_with("top_p", 1e-39), "top_p"),
+        (_with("temperature", 1e-300), "temperature"),
+        (
+            _with("messages.2.tool_calls", [TOOL_CONVERSATION["messages"][2]["tool_calls"][0]] * 2),
+            "messages[2].tool_calls[1].id",
+        ),
+        (
+            _with("messages.2.tool_calls.0.function.arguments", "not json"),
+            "messages[2].tool_calls[0].function.arguments",
+        ),
+        (
+            _with("messages.2.tool_calls.0.function.arguments", "[1, 2]"),
+            "messages[2].tool_calls[0].function.arguments",
+        ),
+        (
+            _with("messages.2.tool_calls.0.function.arguments", "null"),
+            "messages[2].tool_calls[0].function.arguments",
+        ),
     ],
 )
 def test_bad_input_names_the_param(body: dict[str, Any], param: str) -> None:
@@ -169,6 +195,13 @@ def test_bad_input_names_the_param(body: dict[str, Any], param: str) -> None:
             "code": None,
         }
     }
+
+
+def test_sampling_values_at_the_float32_edge_and_zero_temperature_are_accepted() -> None:
+    call = parse_chat_request(_with("top_p", 1.2e-38) | {"temperature": 0, "max_tokens": 1})
+    assert call.sampling.top_p == 1.2e-38
+    assert call.sampling.temperature == 0
+    assert call.sampling.max_tokens == 1
 
 
 def test_top_logprobs_needs_logprobs() -> None:
@@ -619,3 +652,17 @@ def test_a_parse_memo_keeps_anthropic_system_messages_and_tool_results_as_withou
     assert once.messages == twice.messages == parse_messages_request(body).messages
     assert [m.role for m in twice.messages] == ["system", "user", "assistant", "tool"]
     assert twice.messages[1] is once.messages[1]
+
+
+def test_anthropic_tool_use_blocks_with_one_id_are_refused() -> None:
+    block = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+    body = {
+        "model": "claude",
+        "max_tokens": 10,
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [block, {**block, "input": {"city": "Bergen"}}]},
+        ],
+    }
+    with pytest.raises(TurnstileError, match="repeats an earlier tool call's id"):
+        parse_messages_request(body)

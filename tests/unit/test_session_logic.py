@@ -49,6 +49,7 @@ from schemas import (
     TurnReply,
     TurnRequest,
 )
+from schemas.common import FLOAT32_TINY
 from tests.support.agents import FailingAgent, ThreeTurnAgent
 from tests.support.backends import PrefixEcho
 from tests.support.factories import turn as factory_turn
@@ -313,7 +314,10 @@ def exchanges(draw: st.DrawFn) -> tuple[LLMRequest, LLMResponse, TurnCompleted |
             "episode_id": "e1",
             "messages": messages,
             "tools": draw(TOOLS),
-            "sampling": {"temperature": draw(st.floats(0, 2)), "stop": draw(st.lists(TEXT, max_size=2))},
+            "sampling": {
+                "temperature": draw(st.just(0.0) | st.floats(FLOAT32_TINY, 2)),
+                "stop": draw(st.lists(TEXT, max_size=2)),
+            },
             "tool_choice": draw(st.none() | st.builds(ToolChoice, mode=st.sampled_from(["auto", "none"]))),
         }
     )
