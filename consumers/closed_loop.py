@@ -66,7 +66,7 @@ class DemoConfig:
     batch_samples: int = 64
     lr: float = 3e-3
     max_staleness: int = 4
-    max_batches_ahead: int | None = 2  # rollouts paced to the learner (TrainerBacklog); None: never wait
+    max_batches_ahead: int | None = 0  # rollouts paced to the learner (TrainerBacklog); None: never wait
     window: int = 200
 
 

@@ -134,7 +134,7 @@ def demo(
     seed: int = typer.Option(0, help="trainer seed"),
     concurrency: int = typer.Option(64, help="episodes in flight"),
     max_batches_ahead: int = typer.Option(
-        2, help="start no new group while the trainer has more batches than this waiting (pacing)"
+        0, help="start no new group while the trainer has more batches than this waiting (pacing)"
     ),
     pace: bool = typer.Option(True, help="pace rollouts to the learner (--no-pace: as fast as they come)"),
 ) -> None:

@@ -31,7 +31,7 @@ from pipeline.log.store import APPEND_LOCK
 from pipeline.runners.taskqueue import TASKS_STREAM, ensure_tasks_stream, task_subject
 from pipeline.settings import libpq_url
 from pipeline.sql import SqlError, run_readonly
-from pipeline.training import BatchSubscription
+from pipeline.training import BatchSubscription, TrainerBacklog
 from pipeline.training.subscription import publish_policy_version
 from pipeline.versions import versions_subject
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
@@ -183,6 +183,25 @@ async def test_a_runner_makes_task_consumers_only_on_its_own_subjects(connect: C
         "the server to refuse the consumer",
     )
     refused("runner making a TASKS consumer over every policy")
+
+
+async def test_a_runner_reads_the_trainers_backlog_to_pace_itself_and_nothing_more(connect: Connect) -> None:
+    """``serve runner --max-batches-ahead``: the runner may read the counts of a trainer's consumer on
+    BATCHES (TrainerBacklog), never pull its batches."""
+    policy = new_policy()
+    admin, trainer, runner = await connect("admin"), await connect("trainer"), await connect("runner")
+    await ensure_batches_stream(admin.nc)
+    durable = f"trainer-{policy}"
+    subscription = await BatchSubscription.open(trainer.nc, None, policy=policy, durable=durable)  # type: ignore[arg-type]
+    try:
+        await admin.nc.jetstream().publish(batch_subject(policy), b"x")
+        pacer = TrainerBacklog(runner.nc, durable, max_ahead=0)
+        assert await pacer.backlog() == 1
+        await runner.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{BATCHES_STREAM}.{durable}", b"{}")
+        assert await runner.refused("publish", f"$JS.API.CONSUMER.MSG.NEXT.{BATCHES_STREAM}.{durable}")
+    finally:
+        await subscription.close()
+    refused("runner pulling a trainer's batches")
 
 
 async def test_the_trainer_quarantines_what_is_not_a_batch_of_its_policy_and_goes_on(
