@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from nats.aio.client import Client as NatsConnection
+from nats.js import JetStreamContext
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -123,3 +125,24 @@ def nats_inbox_prefix(url: str) -> str:
             "'_' or '-' in NATS user names"
         )
     return f"_INBOX_{parts.username}"
+
+
+def jetstream_api_prefix(inbox_prefix: str) -> str:
+    """The subject prefix of the JetStream API for a connection with ``inbox_prefix``: ``JS.<user>.API`` for
+    a login (``_INBOX_<user>``), else NATS's own ``$JS.API``.
+
+    deploy/nats.conf puts each role in a NATS account of its own and JetStream in another one, which exports
+    its API; each role imports it under ``JS.<role>.API``. A request through an import is answered in the
+    requester's own account, whatever reply subject it names: a pulled message or an API answer can never
+    land on a stream subject or on a subject another role hears (issue 36). The embedded server of
+    ``turnstile up`` has no logins and no accounts: there the API keeps its own subjects.
+    """
+    user = inbox_prefix.removeprefix("_INBOX_") if inbox_prefix.startswith("_INBOX_") else ""
+    return f"JS.{user}.API" if user else "$JS.API"
+
+
+def jetstream(connection: NatsConnection, *, timeout: float = 5.0) -> JetStreamContext:
+    """The JetStream context of ``connection`` through its role's API prefix (see ``jetstream_api_prefix``;
+    the user is read back from the connection's inbox prefix, which ``nats_inbox_prefix`` sets)."""
+    inbox_prefix = connection.new_inbox().split(".", 1)[0]
+    return connection.jetstream(prefix=jetstream_api_prefix(inbox_prefix), timeout=timeout)

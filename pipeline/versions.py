@@ -24,7 +24,7 @@ from nats.js.api import RetentionPolicy, StreamConfig
 from nats.js.errors import BadRequestError
 
 from pipeline.errors import StoreUnavailable
-from pipeline.settings import libpq_url
+from pipeline.settings import jetstream, libpq_url
 
 VERSIONS_STREAM: Final = "POLICY_VERSIONS"
 LOOKUP_TIMEOUT: Final = 5.0
@@ -49,7 +49,7 @@ async def ensure_versions_stream(connection: NatsConnection, *, replicas: int = 
         num_replicas=replicas,
     )
     try:
-        await connection.jetstream(timeout=LOOKUP_TIMEOUT).add_stream(config)
+        await jetstream(connection, timeout=LOOKUP_TIMEOUT).add_stream(config)
     except BadRequestError:
         return True  # made with another configuration (by an operator): kept as it is
     except NatsError as error:

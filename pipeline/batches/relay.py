@@ -38,7 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from pipeline.batches.format import BATCHES_CHANNEL, TrainingBatch, decode_batch
 from pipeline.errors import ConfigError, TurnstileError
 from pipeline.log import is_connection_error
-from pipeline.settings import libpq_url
+from pipeline.settings import jetstream, libpq_url
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def batch_subject(policy: str) -> str:
 async def ensure_batches_stream(connection: NatsConnection, *, replicas: int = 1) -> Any:
     """Create the ``BATCHES`` stream if it does not exist (``replicas`` copies on a JetStream cluster: 3
     survives the loss of a node); its ``StreamInfo``. An existing one is kept as it is."""
-    js = connection.jetstream()
+    js = jetstream(connection)
     config = StreamConfig(
         name=BATCHES_STREAM,
         subjects=["batches.>"],
@@ -102,7 +102,7 @@ async def ensure_batches_stream(connection: NatsConnection, *, replicas: int = 1
 
 async def ensure_payload_store(connection: NatsConnection, bucket: str = BATCH_PAYLOADS_BUCKET) -> Any:
     """The object store bucket for batches too large for one message, created if missing."""
-    js = connection.jetstream()
+    js = jetstream(connection)
     try:
         return await js.object_store(bucket)
     except BucketNotFoundError:
@@ -304,7 +304,7 @@ class OutboxRelay:
             headers[OBJECT_HEADER] = f"{self.bucket}/{batch_id}"
             headers[SIZE_HEADER] = str(len(payload))
             body = b""
-        js = self.connection.jetstream()
+        js = jetstream(self.connection)
         # stream=: the server refuses the message unless it lands in BATCHES, so the PubAck is BATCHES's.
         ack = await js.publish(
             subject, body, timeout=self.publish_timeout, stream=BATCHES_STREAM, headers=headers
@@ -399,7 +399,7 @@ async def read_batch_message(connection_or_js: Any, message: Any) -> bytes:
         raise BatchPayloadError(
             f"batch {batch}: bad {OBJECT_HEADER} header {reference!r} (expected bucket/name)"
         )
-    js = connection_or_js.jetstream() if isinstance(connection_or_js, NatsConnection) else connection_or_js
+    js = jetstream(connection_or_js) if isinstance(connection_or_js, NatsConnection) else connection_or_js
     try:
         store = await js.object_store(bucket)
         result = await store.get(name)

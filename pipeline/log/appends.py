@@ -29,7 +29,7 @@ from pipeline.errors import (
 )
 from pipeline.log.port import AppendResult, RecordedEvent
 from pipeline.log.tokens import pack_tokens, unpack_tokens
-from schemas import CATEGORY_OF, EVENT_TYPES, EpisodeStarted, Event, TurnCompleted, parse_event
+from schemas import CATEGORY_OF, EVENT_TYPES, Event, TurnCompleted, parse_event
 
 log = logging.getLogger(__name__)
 
@@ -191,12 +191,6 @@ def prepare_append(
         if match["category"] != category:
             raise InvalidEvent(
                 f"event {index} ({event.type}) belongs in a '{category}-<id>' stream, not in {stream!r}"
-            )
-        if isinstance(event, EpisodeStarted) and stream != f"episode-{event.episode_id}":
-            # one stream per episode id: two streams naming one episode would fold into one episode's samples
-            raise InvalidEvent(
-                f"event {index} (EpisodeStarted) has episode_id {event.episode_id!r} but is appended to "
-                f"{stream!r}; an episode starts in its own stream 'episode-{event.episode_id}'"
             )
         if event.event_id in seen:
             raise InvalidEvent(f"event {index} repeats event_id {event.event_id} within one append")

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from pipeline.errors import ConfigError, describe_validation_error
 from pipeline.runners.runner import Runner, TaskSpec
+from pipeline.settings import jetstream
 from schemas import IGNORE, TOLERANT, TaskSubmitted
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def runner_durable(policy: str) -> str:
 async def ensure_tasks_stream(connection: NatsConnection, *, replicas: int = 1) -> None:
     """Create the ``TASKS`` work queue if it does not exist (``replicas`` copies on a JetStream cluster:
     3 survives the loss of a node); an existing one is kept as it is."""
-    js = connection.jetstream()
+    js = jetstream(connection)
     config = StreamConfig(
         name=TASKS_STREAM,
         subjects=["tasks.>"],
@@ -71,7 +72,7 @@ async def submit_tasks(
 ) -> list[TaskSubmitted]:
     """Publish each task and wait for JetStream to store it; the messages sent."""
     await ensure_tasks_stream(connection)
-    js = connection.jetstream()
+    js = jetstream(connection)
     sent = []
     for spec in tasks:
         message = TaskSubmitted(policy=policy, task=spec.task, task_id=spec.task_id, group_size=group_size)
@@ -114,7 +115,7 @@ class TaskWorker:
 
     async def subscribe(self) -> Any:
         await ensure_tasks_stream(self.connection)
-        js = self.connection.jetstream()
+        js = jetstream(self.connection)
         config = ConsumerConfig(ack_wait=self.ack_wait, max_deliver=self.max_deliver, max_ack_pending=-1)
         return await js.pull_subscribe(
             task_subject(self.policy), durable=runner_durable(self.policy), stream=TASKS_STREAM, config=config

@@ -21,6 +21,7 @@ from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
 from pipeline.batches import BATCHES_STREAM
+from pipeline.settings import jetstream
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class TrainerBacklog:
         """Batches the trainer has not acked yet, or None when it has no consumer (or NATS cannot say);
         with ``wait_for_trainer``, no consumer yet is a full backlog."""
         try:
-            info = await self.connection.jetstream().consumer_info(BATCHES_STREAM, self.durable)
+            info = await jetstream(self.connection).consumer_info(BATCHES_STREAM, self.durable)
         except NotFoundError:
             return self.max_ahead + 1 if self.wait_for_trainer else None
         except (NatsError, TimeoutError) as error:

@@ -54,6 +54,7 @@ from pipeline.batches import (
 from pipeline.errors import DuplicateEventConflict, TurnstileError
 from pipeline.log import EventStore, Store
 from pipeline.log import trained_batches_table as trained_batches
+from pipeline.settings import jetstream
 from pipeline.training.tensors import BatchTensors, payload_tensors, to_tensors
 from pipeline.versions import ensure_versions_stream, versions_subject
 from schemas import PolicyVersionPublished
@@ -120,7 +121,7 @@ class BatchSubscription:
             max_deliver=-1,
             max_ack_pending=10_000,
         )
-        subscription._subscription = await connection.jetstream().pull_subscribe(
+        subscription._subscription = await jetstream(connection).pull_subscribe(
             batch_subject(subscription.policy),
             durable=subscription.durable,
             stream=BATCHES_STREAM,

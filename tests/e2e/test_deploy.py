@@ -45,7 +45,7 @@ from pipeline.log import EventStore
 from pipeline.log.db import create_engine
 from pipeline.log.store import APPEND_LOCK
 from pipeline.runners.taskqueue import ensure_tasks_stream
-from pipeline.settings import libpq_url
+from pipeline.settings import jetstream, libpq_url
 from pipeline.versions import ensure_versions_stream
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
 from tests.conftest import login_url
@@ -149,8 +149,8 @@ async def test_a_runner_cannot_publish_batches_nor_pose_as_an_inference_consumer
     await runner.nc.publish(batch_subject(policy), b"forged")
     assert await runner.refused("publish", batch_subject(policy))
     with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
-        await runner.nc.jetstream().publish(batch_subject(policy), b"forged", timeout=1.0)
-    info = await admin.nc.jetstream().stream_info(BATCHES_STREAM, subjects_filter=batch_subject(policy))
+        await jetstream(runner.nc).publish(batch_subject(policy), b"forged", timeout=1.0)
+    info = await jetstream(admin.nc).stream_info(BATCHES_STREAM, subjects_filter=batch_subject(policy))
     assert not (info.state.subjects or {}).get(batch_subject(policy))  # nothing stored
 
     await runner.nc.subscribe(f"llm.{policy}.requests", queue="inference")
@@ -165,7 +165,7 @@ async def test_runners_use_the_task_queue_and_the_gateway_only_sends_requests(
     policy = new_policy()
     runner, gateway = await connect("runner"), await connect("gateway")
     await ensure_tasks_stream(runner.nc)
-    js = runner.nc.jetstream()
+    js = jetstream(runner.nc)
     ack = await js.publish(f"tasks.{policy}", b'{"x": 1}', timeout=5.0)
     assert ack.stream == "TASKS"
     subscription = await js.pull_subscribe(f"tasks.{policy}", durable=f"runners-{policy}", stream="TASKS")
@@ -243,7 +243,7 @@ async def test_the_relay_publishes_batches_and_the_trainer_reads_them_and_publis
     assert await relay.refused("publish", f"tasks.{policy}")
 
     await ensure_batches_stream(trainer.nc)
-    subscription = await trainer.nc.jetstream().pull_subscribe(
+    subscription = await jetstream(trainer.nc).pull_subscribe(
         batch_subject(policy), durable=f"trainer-{policy}", stream=BATCHES_STREAM
     )
     messages = await subscription.fetch(2, timeout=5.0)

@@ -29,7 +29,7 @@ from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.store import APPEND_LOCK
 from pipeline.runners.taskqueue import TASKS_STREAM, ensure_tasks_stream, task_subject
-from pipeline.settings import libpq_url
+from pipeline.settings import jetstream, jetstream_api_prefix, libpq_url
 from pipeline.sql import SqlError, run_readonly
 from pipeline.training import BatchSubscription, TrainerBacklog
 from pipeline.training.subscription import publish_policy_version
@@ -50,9 +50,15 @@ def refused(probe: str) -> None:
     print(f"refused: {probe}")
 
 
+def api(role: str, subject: str) -> str:
+    """``subject`` of the JetStream API as ``role`` reaches it: through its account's import, under its own
+    prefix (deploy/nats.conf; nats-py sends there with ``jetstream(connection)``)."""
+    return subject.replace("$JS.API", jetstream_api_prefix(f"_INBOX_{role}"), 1)
+
+
 async def stored(admin: Connected, stream: str, subject: str) -> int:
     """How many messages ``stream`` holds on ``subject``."""
-    info = await admin.nc.jetstream().stream_info(stream, subjects_filter=subject)
+    info = await jetstream(admin.nc).stream_info(stream, subjects_filter=subject)
     return int((info.state.subjects or {}).get(subject, 0))
 
 
@@ -157,6 +163,7 @@ async def test_no_role_calls_apis_or_publishes_where_it_does_not_own(
     connect: Connect, role: str, subject: str
 ) -> None:
     connected = await connect(role)
+    subject = api(role, subject)  # the API call it would make (unprefixed, its own account has no JetStream)
     await connected.nc.publish(subject, b"{}")
     assert await connected.refused("publish", subject)
     refused(f"{role} publishing on {subject}")
@@ -166,7 +173,7 @@ async def test_a_runner_makes_task_consumers_only_on_its_own_subjects(connect: C
     policy = new_policy()
     runner = await connect("runner")
     await ensure_tasks_stream(runner.nc)
-    js = runner.nc.jetstream()
+    js = jetstream(runner.nc)
     subscription = await js.pull_subscribe(
         task_subject(policy), durable=f"runners-{policy}", stream=TASKS_STREAM
     )
@@ -177,7 +184,7 @@ async def test_a_runner_makes_task_consumers_only_on_its_own_subjects(connect: C
         )
     await wait_until(
         lambda: any(
-            'permissions violation for publish to "$js.api.consumer' in e.lower() for e in runner.errors
+            'permissions violation for publish to "js.runner.api.consumer' in e.lower() for e in runner.errors
         ),
         30,
         "the server to refuse the consumer",
@@ -194,11 +201,12 @@ async def test_a_runner_reads_the_trainers_backlog_to_pace_itself_and_nothing_mo
     durable = f"trainer-{policy}"
     subscription = await BatchSubscription.open(trainer.nc, None, policy=policy, durable=durable)  # type: ignore[arg-type]
     try:
-        await admin.nc.jetstream().publish(batch_subject(policy), b"x")
+        await jetstream(admin.nc).publish(batch_subject(policy), b"x")
         pacer = TrainerBacklog(runner.nc, durable, max_ahead=0)
         assert await pacer.backlog() == 1
-        await runner.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{BATCHES_STREAM}.{durable}", b"{}")
-        assert await runner.refused("publish", f"$JS.API.CONSUMER.MSG.NEXT.{BATCHES_STREAM}.{durable}")
+        pull = api("runner", f"$JS.API.CONSUMER.MSG.NEXT.{BATCHES_STREAM}.{durable}")
+        await runner.nc.publish(pull, b"{}")
+        assert await runner.refused("publish", pull)
     finally:
         await subscription.close()
     refused("runner pulling a trainer's batches")
@@ -210,7 +218,7 @@ async def test_the_trainer_quarantines_what_is_not_a_batch_of_its_policy_and_goe
     policy = new_policy()
     admin, trainer = await connect("admin"), await connect("trainer")
     await ensure_batches_stream(admin.nc)
-    js = admin.nc.jetstream()
+    js = jetstream(admin.nc)
 
     def batch(batch_id: str, for_policy: str) -> bytes:
         sample = BatchSample("s", "e", "g", ("t",), 0, 1.0, 0.5, False, (5, 6), (0, 1), (0.0, -0.5))
@@ -607,13 +615,13 @@ async def pull_to(
     """The attack: the runner puts ``forged`` twice on its own task stream, pulls the first with the reply
     subject ``reply`` (raw MSG.NEXT: the server checks the subject, not the reply) and the second the normal
     way (a marker: once it has arrived, JetStream has answered the first)."""
-    js = runner.nc.jetstream()
+    js = jetstream(runner.nc)
     for _ in range(2):
         await js.publish(task_subject(policy), forged)  # its own stream: allowed
     durable = f"runners-{policy}"
     pulled = await js.pull_subscribe(task_subject(policy), durable=durable, stream=TASKS_STREAM)
     await runner.nc.publish(
-        f"$JS.API.CONSUMER.MSG.NEXT.{TASKS_STREAM}.{durable}", b'{"batch": 1}', reply=reply
+        api("runner", f"$JS.API.CONSUMER.MSG.NEXT.{TASKS_STREAM}.{durable}"), b'{"batch": 1}', reply=reply
     )
     [second] = await pulled.fetch(1, timeout=30)
     assert second.data == forged
@@ -626,7 +634,9 @@ async def test_a_runners_forged_version_pulled_onto_the_versions_subject_is_neve
 ) -> None:
     """The attack of the report, with the runner's own credentials, against a consumer logged in as
     ``inference`` to both servers: before, it loaded version 2147483647 from the runner's path and ignored
-    the trainer's real version 1 after it."""
+    the trainer's real version 1 after it. Now the pulled message lands in the runner's own account (the test
+    below) and never reaches the consumer; a version sent on the subject without being in the log (here by
+    the one role that may publish there, the trainer) is refused all the same."""
     policy = new_policy()
     admin, runner = await connect("admin"), await connect("runner")
     await ensure_tasks_stream(admin.nc)
@@ -636,28 +646,25 @@ async def test_a_runners_forged_version_pulled_onto_the_versions_subject_is_neve
         database_url=login_url(database_url, logins["turnstile_inference"]),
     )  # fmt: skip
     async with serving(config, backend) as service:
-        await pull_to(runner, policy, versions_subject(policy), version_message(policy, 2147483647, "/tmp/x"))
+        forged = version_message(policy, 2147483647, "/tmp/x")
+        await pull_to(runner, policy, versions_subject(policy), forged)  # JetStream answered it: nowhere
+        trainer_nats = (await connect("trainer")).nc
+        await trainer_nats.publish(versions_subject(policy), forged)  # heard, but not in the log
         await wait_until(
-            lambda: service.versions_refused["not_in_log"] == 1, 30, "the forged version refused"
+            lambda: service.versions_refused["not_in_log"] >= 1, 30, "the forged version refused"
         )
         assert backend.loaded == []
         refused("inference loading the version a runner pulled onto policy.<policy>.versions")
         trainer = await EventStore.connect(login_url(database_url, logins["turnstile_trainer"]))
         try:  # the trainer's real version 1 still loads (its own publish, as publish_policy_version does)
-            await publish_policy_version(trainer, (await connect("trainer")).nc, policy, 1, "/ckpt/v1")
+            await publish_policy_version(trainer, trainer_nats, policy, 1, "/ckpt/v1")
         finally:
             await trainer.close()
         await wait_until(lambda: backend.policy_version == 1, 30, "the trainer's version 1 loaded")
         assert backend.loaded == [(1, "/ckpt/v1")]
+        assert service.versions_refused["not_in_log"] == 1  # the trainer's; the runner's never arrived
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: needs an account per role (JetStream in its own account, imported under an API prefix: "
-    "an unprefixed import of $JS.API.* is answered 'JetStream not enabled for account' by the importer's "
-    "own server-side responder) and every client's jetstream() given that prefix; inference refuses the "
-    "forged version meanwhile (the test above), the trainer quarantines what lands in BATCHES",
-)
 async def test_no_role_has_jetstream_deliver_to_a_subject_it_may_not_publish_to(
     connect: Connect, role_nats: RoleNats
 ) -> None:
@@ -665,21 +672,30 @@ async def test_no_role_has_jetstream_deliver_to_a_subject_it_may_not_publish_to(
     pulled message or an API response to that reply subject. The attack found against per-user permissions:
     a runner puts a forged version on its own task stream and pulls it with the reply subject
     policy.<policy>.versions (every inference consumer would hear it), and asks for STREAM.INFO with the
-    reply subject batches.<policy> (stored in BATCHES). With an account per role a reply would land in the
-    requester's own account only (not done yet: see the mark)."""
+    reply subject batches.<policy> (stored in BATCHES). With an account per role a reply lands in the
+    requester's own account only: deploy/nats.conf puts each role in an account of its own and JetStream in
+    another, whose API each role imports under its own prefix; the server answers through the import, in the
+    account of the requester, where no other role listens."""
     policy = new_policy()
     admin, runner = await connect("admin"), await connect("runner")
     await ensure_tasks_stream(admin.nc)
     await ensure_batches_stream(admin.nc)
+    inference = await connect("inference")
     versions = await admin.nc.subscribe(versions_subject(policy))
+    heard = await inference.nc.subscribe(versions_subject(policy))
     await admin.nc.flush()
-    js = runner.nc.jetstream()
-    await runner.nc.publish(f"$JS.API.STREAM.INFO.{TASKS_STREAM}", b"", reply=batch_subject(policy))
+    await inference.nc.flush()
+    js = jetstream(runner.nc)
+    await runner.nc.publish(
+        api("runner", f"$JS.API.STREAM.INFO.{TASKS_STREAM}"), b"", reply=batch_subject(policy)
+    )
     await pull_to(runner, policy, versions_subject(policy), version_message(policy, 2147483647, "/tmp/x"))
     await js.stream_info(TASKS_STREAM)
     await admin.nc.flush()
-    with pytest.raises(nats.errors.TimeoutError):
-        await versions.next_msg(timeout=0.5)
+    await inference.nc.flush()
+    for subscription in (versions, heard):  # neither the operator nor an inference consumer hears it
+        with pytest.raises(nats.errors.TimeoutError):
+            await subscription.next_msg(timeout=0.5)
     refused("a runner's pulled message delivered to policy.<policy>.versions")
     assert await stored(admin, BATCHES_STREAM, batch_subject(policy)) == 0
     refused("a JetStream API response delivered into BATCHES")

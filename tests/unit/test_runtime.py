@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from consumers.runtime import Runtime, connect_nats, connect_store, running, stop_on_signals
 from pipeline.dev.embedded import EmbeddedNats, free_port
 from pipeline.errors import ConfigError
-from pipeline.settings import nats_inbox_prefix
+from pipeline.settings import jetstream_api_prefix, nats_inbox_prefix
 
 
 async def test_an_unreachable_nats_is_a_clear_error_after_the_bound() -> None:
@@ -106,6 +106,19 @@ def test_health_is_every_check_and_a_failing_check_is_unhealthy() -> None:
 )
 def test_the_inbox_prefix_is_the_role_that_logs_in(url: str, prefix: str) -> None:
     assert nats_inbox_prefix(url) == prefix
+
+
+@pytest.mark.parametrize(
+    ("url", "prefix"),
+    [
+        ("nats://runner:secret@nats:4222", "JS.runner.API"),  # deploy/nats.conf: the runner account's import
+        ("nats://trainer:pw@a:4222,nats://trainer:pw@b:4222", "JS.trainer.API"),
+        ("nats://s3cr3t-token@nats:4222", "$JS.API"),
+        ("nats://127.0.0.1:4222", "$JS.API"),  # turnstile up: no logins, no accounts
+    ],
+)
+def test_the_jetstream_api_prefix_is_the_role_that_logs_in(url: str, prefix: str) -> None:
+    assert jetstream_api_prefix(nats_inbox_prefix(url)) == prefix
 
 
 def test_a_user_name_that_cannot_be_a_subject_token_is_a_clear_error() -> None:
