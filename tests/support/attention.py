@@ -26,7 +26,8 @@ def varlen_attention(
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
         scale = softmax_scale if softmax_scale is not None else query.shape[-1] ** -0.5
         scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * scale
-        rows, cols = torch.arange(qe - qs).unsqueeze(1), torch.arange(ke - ks).unsqueeze(0)
+        rows = torch.arange(qe - qs, device=q.device).unsqueeze(1)
+        cols = torch.arange(ke - ks, device=q.device).unsqueeze(0)
         scores = scores.masked_fill(cols > rows + (ke - ks) - (qe - qs), float("-inf"))
         out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), value.float()).to(q.dtype)
     return out
