@@ -10,11 +10,15 @@ How: the new messages are rendered after a stand-in history that ends in an assi
 everything up to the end of that assistant's content is cut off; what remains is the glue that closes an
 assistant message followed by the new messages and the generation prompt. Nothing is assumed about how the
 template renders an assistant message that comes last (Qwen3 gives it an empty ``<think>`` block) or how a
-render without a generation prompt ends (DeepSeek-V3: a newline). The same is rendered after a second,
-longer stand-in history; if the two differ, the template carries state across messages (a round counter)
-and the prompt is rendered in full and marked ``prefix_break``. When the completion ended on one of the
-engine's stop tokens (any of them, not only the tokenizer's ``eos_token``), the glue's own end token (and
-any whitespace before it) is not added again: never two end tokens in a row.
+render without a generation prompt ends (DeepSeek-V3: a newline). The same is rendered after other
+stand-in histories holding what real conversations hold (a system message, a tool call with an id in the
+client's format, its output, reasoning); if the tails differ, the template carries state across messages
+and the prompt is rendered in full and marked ``prefix_break``. A template whose start-up probe is found
+not local is never continued. When the completion ended on one of the engine's stop tokens, the template's
+own end sequence (the special tokens it writes after an assistant's content, e.g. Command-R's
+``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``, and whitespace before them) is not added again where the glue
+starts with it: never two end markers at the seam. Tool-call arguments reach the template as JSON objects,
+as vLLM passes them, unless the template expects text.
 """
 
 from __future__ import annotations
@@ -32,16 +36,57 @@ from schemas import ChatMessage, FunctionCall, LLMRequest, ToolCall, ToolSpec
 
 _BASE_USER: Final = "\u2063turnstile-base-user\u2063"
 _BASE_ASSISTANT: Final = "\u2063turnstile-base-assistant\u2063"
-_STAND_INS: Final = (
-    [{"role": "user", "content": _BASE_USER}, {"role": "assistant", "content": _BASE_ASSISTANT}],
-    [
-        {"role": "user", "content": "\u2063turnstile-base-user-1\u2063"},
-        {"role": "assistant", "content": "\u2063turnstile-base-assistant-1\u2063"},
-        {"role": "user", "content": _BASE_USER},
-        {"role": "assistant", "content": _BASE_ASSISTANT},
-    ],
-)
-"""Two histories ending in the same assistant message: what follows its content must not depend on them."""
+_STAND_IN_ID: Final = "call_0"
+"""The stand-in tool-call id when the new messages name none (else their own ids' format is copied)."""
+_REASONING: Final = "\u2063turnstile-base-reasoning\u2063"
+
+
+def _stand_ins(call_id: str, *, after_call: bool) -> tuple[list[dict[str, Any]], ...]:
+    """Histories ending in the same assistant message: what follows its content must not depend on them.
+
+    Besides a bare one, they hold what real conversations hold before the message continued: a system
+    message, a tool call (``call_id``, in the format the client uses, with JSON-object arguments), its
+    output, and an assistant message with reasoning; a template whose rendering of the new part depends on
+    any of them gives different tails, and the turn falls back to a full render marked ``prefix_break``.
+    ``after_call``: the new messages answer the continued message's tool calls, which the stand-ins cannot
+    hold (their last message must end in its content); an earlier tool exchange would then leave the
+    template in a state no real conversation reaches (DeepSeek-V3 numbers outputs since the last call), so
+    those histories hold the system message but no tool exchange.
+    """
+    last = {"role": "assistant", "content": _BASE_ASSISTANT}
+    call = {"id": call_id, "type": "function", "function": {"name": "stand_in", "arguments": {"q": "x"}}}
+    system = {"role": "system", "content": "\u2063turnstile-base-system\u2063"}
+    exchange: list[dict[str, Any]] = [
+        {"role": "user", "content": "\u2063turnstile-base-user-2\u2063"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": "\u2063turnstile-base-output\u2063"},
+        {
+            "role": "assistant",
+            "content": "\u2063turnstile-base-assistant-2\u2063",
+            "reasoning_content": _REASONING,
+        },
+    ]
+    return (
+        [{"role": "user", "content": _BASE_USER}, last],
+        [
+            {"role": "user", "content": "\u2063turnstile-base-user-1\u2063"},
+            {"role": "assistant", "content": "\u2063turnstile-base-assistant-1\u2063"},
+            {"role": "user", "content": _BASE_USER},
+            last,
+        ],
+        [system, *([] if after_call else exchange), {"role": "user", "content": _BASE_USER}, last],
+    )
+
+
+def _like(call_id: str) -> str:
+    """An id in the same format as ``call_id`` (same length, same kind of character at each place) that
+    differs from it: templates that check their ids' shape (Mistral: nine alphanumerics) accept it."""
+    swapped = {**{c: "7" for c in "0123456789"}, **{c: "q" for c in "abcdefghijklmnopqrstuvwxyz"}}
+    swapped |= {c: "Q" for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"}
+    changed = "".join(swapped.get(c, c) for c in call_id)
+    return changed if changed != call_id else call_id[::-1]
+
+
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -66,8 +111,27 @@ class Prompt:
     """Whether the prompt differs from a full re-render of the request's messages (None: not checked)."""
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    return [message.model_dump(mode="json", exclude_none=True) for message in messages]
+def message_dicts(messages: list[ChatMessage], *, arguments: str = "object") -> list[dict[str, Any]]:
+    """Messages as templates take them. Tool-call arguments become JSON objects, as vLLM passes them (the
+    templates that iterate them, Qwen3-Coder, GLM-4.6, Seed-OSS, MiniMax-M2, raise on text); with
+    ``arguments="text"`` they stay the JSON text, for templates that print them as they are."""
+    dicts = [message.model_dump(mode="json", exclude_none=True) for message in messages]
+    if arguments == "object":
+        for message in dicts:
+            for call in message.get("tool_calls") or ():
+                call["function"]["arguments"] = _as_object(call["function"]["arguments"])
+    return dicts
+
+
+def _as_object(arguments: Any) -> Any:
+    """JSON text of an object -> the object; anything else (not JSON, not an object) stays as it is."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
 
 
 def tool_dicts(tools: list[ToolSpec]) -> list[dict[str, Any]] | None:
@@ -93,6 +157,9 @@ class ChatRenderer:
         template = getattr(tokenizer, "chat_template", None)
         self.template_id = hashlib.sha256(str(template).encode()).hexdigest()[:12] if template else None
         """sha256 of the chat template, 12 hex digits: which template made a turn's prompt."""
+        self._arguments: str | None = None
+        self._closers: frozenset[int] | None = None
+        self._local: bool | None = None
 
     def render(
         self,
@@ -106,9 +173,34 @@ class ChatRenderer:
         )
         return str(text)
 
+    @property
+    def arguments(self) -> str:
+        """How tool-call arguments reach this template: ``"object"`` (as vLLM passes them) unless the
+        template raises on objects or prints them as Python (``{'q': 'x'}``), which means it expects text."""
+        if self._arguments is None:
+            call = {
+                "id": _STAND_IN_ID,
+                "type": "function",
+                "function": {"name": "f", "arguments": {"q": "x"}},
+            }
+            probe: list[dict[str, Any]] = [
+                {"role": "user", "content": _BASE_USER},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+            ]
+            try:
+                text = self.render(probe, None, add_generation_prompt=False)
+            except Exception:  # a template that only takes text
+                self._arguments = "text"
+            else:
+                self._arguments = "text" if "{'q': 'x'}" in text else "object"
+        return self._arguments
+
+    def messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        return message_dicts(messages, arguments=self.arguments)
+
     def full(self, request: LLMRequest) -> list[int]:
         text = self.render(
-            message_dicts(request.messages), tool_dicts(request.tools), add_generation_prompt=True
+            self.messages(request.messages), tool_dicts(request.tools), add_generation_prompt=True
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -116,16 +208,16 @@ class ChatRenderer:
         prefix = request.prefix
         if prefix is None:
             return Prompt(self.full(request), render_drift=False)
-        if prefix.message_count >= len(request.messages):
+        if prefix.message_count >= len(request.messages) or not self.local:
             return Prompt(self.full(request), prefix_break=True, render_drift=False)
         tail = self.continuation(
-            message_dicts(request.messages[prefix.message_count :]), tool_dicts(request.tools)
+            self.messages(request.messages[prefix.message_count :]), tool_dicts(request.tools)
         )
         if tail is None:
             return Prompt(self.full(request), prefix_break=True, render_drift=False)
         ids = self.tokenizer.encode(tail, add_special_tokens=False)
         if prefix.ids and prefix.ids[-1] in self.stop_ids:
-            ids = self._without_end_token(ids)
+            ids = self._without_end_sequence(ids)
         prompt = Chain.of(prefix.ids).then(ids).tolist()  # the engines take a list; a held prefix is a Chain
         drift = self.full(request) != prompt if self.check_drift else None
         return Prompt(prompt, render_drift=drift)
@@ -133,9 +225,16 @@ class ChatRenderer:
     def continuation(self, new: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
         """The text that follows an assistant message's content when ``new`` comes next: its closing glue,
         the new messages and the generation prompt. None when it depends on the history (not message-local)
-        or the template cannot render the stand-in history."""
+        or the template cannot render a stand-in history."""
+        named = [m["tool_call_id"] for m in new if isinstance(m.get("tool_call_id"), str)]
+        after_call = bool(new) and new[0].get("role") == "tool"
+        histories = _stand_ins(_like(named[0]) if named else _STAND_IN_ID, after_call=after_call)
+        if self.arguments == "text":
+            for message in histories[2]:
+                for call in message.get("tool_calls", ()):
+                    call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
         tails = set()
-        for history in _STAND_INS:
+        for history in histories:
             try:
                 rendered = self.render([*history, *new], tools, add_generation_prompt=True)
             except Exception:  # a template that raises on this shape: locality cannot be checked
@@ -146,39 +245,43 @@ class ChatRenderer:
             tails.add(rendered[end + len(_BASE_ASSISTANT) :])
         return tails.pop() if len(tails) == 1 else None
 
-    def diagnose(self) -> list[str]:
-        """What this template does to continuation, in sentences for the consumer's start-up log: empty when
-        a probe conversation (a tool call, its result, a follow-up) continues exactly without drift."""
-        call: dict[str, Any] = {
-            "id": "call_1",
-            "type": "function",
-            "function": {"name": "lookup", "arguments": '{"q": "x"}'},
-        }
-        tools = tool_dicts(
-            [ToolSpec.model_validate({"function": {"name": "lookup", "parameters": {"type": "object"}}})]
-        )
-        steps: list[list[dict[str, Any]]] = [
-            [{"role": "tool", "tool_call_id": "call_1", "content": "found"}],
-            [{"role": "user", "content": "Thanks. And y?"}],
-        ]
+    @property
+    def local(self) -> bool:
+        """The start-up verdict: whether the probe's tool result and user follow-up render the same after
+        every stand-in history. A template found not local is never continued: every turn is a full render
+        marked ``prefix_break``, even where one request's tails happen to agree."""
+        if self._local is None:
+            self._local = not self._locality_problems()
+        return self._local
+
+    def _locality_problems(self) -> list[str]:
         problems = []
-        for new in steps:
-            if self.continuation(new, tools) is None:
+        for new in _PROBE_STEPS:
+            if self.continuation(new, _PROBE_TOOLS) is None:
                 problems.append(
                     f"the template renders a {new[0]['role']} message differently after different histories "
                     "(it keeps state across messages, or cannot render the stand-in history): such turns are "
                     "rendered in full and marked prefix_break"
                 )
+        return problems
+
+    def diagnose(self) -> list[str]:
+        """What this template does to continuation, in sentences for the consumer's start-up log: empty when
+        a probe conversation (a tool call, its result, a follow-up) continues exactly without drift."""
+        problems = self._locality_problems()
+        self._local = not problems
+        arguments: Any = {"q": "x"} if self.arguments == "object" else '{"q": "x"}'
+        call = {"id": _PROBE_ID, "type": "function", "function": {"name": "lookup", "arguments": arguments}}
         probe: list[dict[str, Any]] = [
             {"role": "user", "content": "Look up x."},
             {"role": "assistant", "content": "", "tool_calls": [call]},
-            *steps[0],
+            *_PROBE_STEPS[0],
             {"role": "assistant", "content": "It is found."},
-            *steps[1],
+            *_PROBE_STEPS[1],
         ]
         try:
-            whole = self.render(probe, tools, add_generation_prompt=True)
-            pieces = self.render(probe[:2], tools, add_generation_prompt=False)
+            whole = self.render(probe, _PROBE_TOOLS, add_generation_prompt=True)
+            pieces = self.render(probe[:2], _PROBE_TOOLS, add_generation_prompt=False)
         except Exception as error:  # a template that refuses the probe's shape
             return [*problems, f"the template cannot render a tool conversation ({error})"]
         if not whole.startswith(pieces):
@@ -189,15 +292,56 @@ class ChatRenderer:
             )
         return problems
 
-    def _without_end_token(self, ids: list[int]) -> list[int]:
-        """``ids`` without the glue's end token (and the whitespace before it), when the glue has one."""
+    @property
+    def closers(self) -> frozenset[int]:
+        """The tokens that close an assistant message: the engine's stop ids and the special tokens the
+        template writes right after an assistant's content (Command-R: ``<|END_RESPONSE|>`` and
+        ``<|END_OF_TURN_TOKEN|>``; ChatML: ``<|im_end|>``)."""
+        if self._closers is None:
+            closers = set(self.stop_ids)
+            try:
+                last = [
+                    {"role": "user", "content": _BASE_USER},
+                    {"role": "assistant", "content": _BASE_ASSISTANT},
+                ]
+                rendered = self.render(last, None, add_generation_prompt=False)
+            except Exception:
+                rendered = ""
+            after = rendered[rendered.rfind(_BASE_ASSISTANT) + len(_BASE_ASSISTANT) :] if rendered else ""
+            special = self._special_ids()
+            for token in self.tokenizer.encode(after, add_special_tokens=False):
+                if token in special:
+                    closers.add(token)
+                elif str(self.tokenizer.decode([token])).strip():
+                    break  # past the closing markers
+            self._closers = frozenset(closers)
+        return self._closers
+
+    def _special_ids(self) -> frozenset[int]:
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        return frozenset([*added, *(getattr(self.tokenizer, "all_special_ids", None) or [])])
+
+    def _without_end_sequence(self, ids: list[int]) -> list[int]:
+        """``ids`` without the template's own end sequence where the glue starts with it (its closing
+        markers and the whitespace before or between them): the completion already ended the message, and
+        the seam must never hold two end markers."""
+        cut = 0
         for index, token in enumerate(ids):
-            if token in self.stop_ids:
-                before = self.tokenizer.decode(ids[:index]) if index else ""
-                return ids[index + 1 :] if not str(before).strip() else ids
-            if index >= 8:
-                break  # the end token comes first in the glue, or not at all
-        return ids
+            if token in self.closers:
+                cut = index + 1
+            elif str(self.tokenizer.decode([token])).strip():
+                break  # the next message begins
+        return ids[cut:]
+
+
+_PROBE_ID: Final = "call_1"
+_PROBE_TOOLS: Final = tool_dicts(
+    [ToolSpec.model_validate({"function": {"name": "lookup", "parameters": {"type": "object"}}})]
+)
+_PROBE_STEPS: Final[list[list[dict[str, Any]]]] = [
+    [{"role": "tool", "tool_call_id": _PROBE_ID, "content": "found"}],
+    [{"role": "user", "content": "Thanks. And y?"}],
+]
 
 
 def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:

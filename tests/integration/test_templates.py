@@ -128,6 +128,7 @@ def test_a_six_turn_tool_conversation_continues_token_exactly(tokenizer_name: st
         assert prompt.render_drift is not None  # every turn is checked against a full re-render
         if prefix is not None:
             extended += prompt.token_ids[: len(prefix.token_ids)] == prefix.token_ids
+            assert_new_part_is_the_templates_own(renderer, request, prompt.token_ids, len(prefix.token_ids))
         pairs = zip(prompt.token_ids, prompt.token_ids[1:], strict=False)
         assert not any(a in stop_ids and b in stop_ids for a, b in pairs), "two end tokens in a row"
         completion = [*tokenizer.encode(completion_text(template, reply), add_special_tokens=False), stop]
@@ -135,6 +136,29 @@ def test_a_six_turn_tool_conversation_continues_token_exactly(tokenizer_name: st
         messages = [*messages, reply, *following]
     print(f"{tokenizer_name} + {template}: prefix_break {breaks}, extends {extended}/5, drift {drifted}/5")
     assert (breaks, extended) == (0, len(SCRIPT) - 1)
+
+
+def assert_new_part_is_the_templates_own(
+    renderer: ChatRenderer, request: LLMRequest, prompt: list[int], held: int
+) -> None:
+    """The continued prompt's new part, token for token, is what the template renders for the new messages:
+    the tail of a full render of the longer conversation, starting right after the reply's closing marker
+    (the full render minus the render of the conversation up to and including the reply)."""
+    new = prompt[held:]
+    full = renderer.full(request)
+    assert new
+    if not renderer.closers - renderer.stop_ids:
+        # a stand-in tokenizer without the template's markers (Llama 3's on DeepSeek's): BPE may merge across
+        # the seam in a full render, so the new part is compared as text, then the seam as tokens
+        decode = renderer.tokenizer.decode
+        assert str(decode(full)).endswith(str(decode(new))), "the new part differs from the template's own"
+        return
+    assert full[-len(new) :] == new, "the new part differs from the template's own rendering"
+    before = full[: len(full) - len(new)]
+    seam = {*renderer.closers, *prompt[held - 2 : held]}  # the reply's closing marker, or its last tokens
+    assert before[-1] in seam, "the new part does not start where the full render finishes the reply"
+    if prompt[held - 1] in renderer.stop_ids:
+        assert new[0] not in renderer.closers, "two end markers at the seam"
 
 
 @pytest.mark.parametrize(("tokenizer_name", "template"), PAIRS)

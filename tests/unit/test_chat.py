@@ -195,3 +195,126 @@ def test_the_consumer_says_at_start_what_its_template_does_to_continuation(token
     counted = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     counted.chat_template = COUNTS_MESSAGES
     assert [p for p in ChatRenderer(counted).diagnose() if "render_drift" in p]  # continues, but drifts
+
+
+# Command-R's closing (reply markers inside the turn markers), reduced to what the seam needs.
+COMMAND_R_STYLE = """{%- for m in messages -%}
+<|START_OF_TURN_TOKEN|><|{{ 'CHATBOT' if m.role == 'assistant' else m.role | upper }}_TOKEN|>\
+{% if m.role == 'assistant' %}<|START_RESPONSE|>{{ m.content }}<|END_RESPONSE|>\
+{% else %}{{ m.content }}{% endif %}\
+<|END_OF_TURN_TOKEN|>
+{%- endfor -%}
+{%- if add_generation_prompt %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>{% endif -%}"""
+COMMAND_R_TOKENS = [
+    "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>",
+    "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|ASSISTANT_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|TOOL_TOKEN|>",
+]  # fmt: skip
+# Qwen3-Coder's way with arguments: it iterates them, and raises on JSON text.
+ITERATES_ARGUMENTS = """{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content or '' }}
+{%- for tc in m.tool_calls or [] %}<function={{ tc.function.name }}>
+{%- for key, value in tc.function.arguments.items() %}<parameter={{ key }}>{{ value }}</parameter>{% endfor %}
+</function>{% endfor %}<|im_end|>
+{% endfor -%}{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}"""
+PRINTS_ARGUMENTS = ITERATES_ARGUMENTS.replace(
+    "{%- for key, value in tc.function.arguments.items() %}<parameter={{ key }}>{{ value }}</parameter>"
+    "{% endfor %}",
+    "{{ tc.function.arguments }}",
+)
+# A user message rendered differently when the conversation has a system message (what the old stand-ins,
+# without one, could not see).
+SYSTEM_DEPENDENT = """{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.role == 'user' and messages[0].role == 'system' %}[with system] {% endif %}{{ m.content }}<|im_end|>
+{% endfor -%}{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}"""
+# Tool results numbered by their place in the conversation (Mistral's [TOOL_RESULTS] depends on its
+# position): not local, though a user message after them renders the same whatever came before.
+NUMBERS_TOOL_RESULTS = """{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.role == 'tool' %}[result {{ loop.index }}] {% endif %}{{ m.content or '' }}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}"""
+
+
+def with_template(tokenizer: Any, template: str, specials: list[str] | None = None) -> Any:
+    fresh = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    fresh.chat_template = template
+    if specials:
+        fresh.add_special_tokens({"additional_special_tokens": specials})
+    return fresh
+
+
+def test_the_seam_never_holds_the_template_end_sequence_twice(tokenizer: Any) -> None:
+    """The completion ends ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`` (the engine stops on the second), and
+    the glue starts with both: they are dropped from the glue, and the prompt equals the full render."""
+    tokenizer = with_template(tokenizer, COMMAND_R_STYLE, COMMAND_R_TOKENS)
+    end_turn, end_response = (tokenizer.convert_tokens_to_ids(t) for t in COMMAND_R_TOKENS[1:4:2])
+    renderer = ChatRenderer(tokenizer, stop_ids=[end_turn])
+    assert {end_turn, end_response} <= renderer.closers
+    first = LLMRequest(policy="p", messages=[ChatMessage(role="user", content="What is 2+2?")])
+    completion = [*tokenizer.encode("4", add_special_tokens=False), end_response, end_turn]
+    prefix_ids = renderer.prompt(first).token_ids + completion
+    second = second_request(first, "4", prefix_ids)
+    prompt = renderer.prompt(second)
+    assert not prompt.prefix_break
+    assert prompt.token_ids[: len(prefix_ids)] == prefix_ids
+    assert tokenizer.decode(prompt.token_ids[len(prefix_ids) :]) == (
+        "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>  And 3+3?  <|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>"
+    )
+    assert prompt.token_ids == renderer.full(second)
+
+
+def test_tool_call_arguments_reach_templates_as_objects_and_as_text_where_printed(tokenizer: Any) -> None:
+    call = ToolCall(id="c1", function=FunctionCall(name="calculator", arguments='{"expression": "2+2"}'))
+    messages = [
+        ChatMessage(role="user", content="2+2?"),
+        ChatMessage(role="assistant", content="", tool_calls=[call]),
+        ChatMessage(role="tool", tool_call_id="c1", content="4"),
+    ]
+    request = LLMRequest(policy="p", messages=messages)
+    iterating = ChatRenderer(with_template(tokenizer, ITERATES_ARGUMENTS))
+    assert iterating.arguments == "object"
+    text = iterating.tokenizer.decode(iterating.full(request))
+    assert "<function=calculator><parameter=expression>2+2</parameter>" in text
+    printing = ChatRenderer(with_template(tokenizer, PRINTS_ARGUMENTS))
+    assert printing.arguments == "text"  # an object would print as Python, {'expression': '2+2'}
+    assert '<function=calculator>\n{"expression": "2+2"}' in printing.tokenizer.decode(printing.full(request))
+
+
+def test_a_template_that_depends_on_the_system_message_falls_back(tokenizer: Any) -> None:
+    tokenizer = with_template(tokenizer, SYSTEM_DEPENDENT)
+    renderer = ChatRenderer(tokenizer)
+    first = LLMRequest(
+        policy="p",
+        messages=[ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="2+2?")],
+    )
+    completion = [*tokenizer.encode("4", add_special_tokens=False), tokenizer.eos_token_id]
+    prefix_ids = renderer.prompt(first).token_ids + completion
+    messages = [
+        *first.messages,
+        ChatMessage(role="assistant", content="4"),
+        ChatMessage(role="user", content="3+3?"),
+    ]
+    second = LLMRequest(
+        policy="p", messages=messages, prefix=TokenPrefix(token_ids=prefix_ids, message_count=3)
+    )
+    prompt = renderer.prompt(second)
+    assert prompt.prefix_break  # the stand-in with a system message renders the user message differently
+    assert prompt.token_ids == renderer.full(second)
+    assert "[with system] 3+3?" in tokenizer.decode(prompt.token_ids)
+
+
+def test_a_template_found_not_local_at_start_is_never_continued(tokenizer: Any) -> None:
+    tokenizer = with_template(tokenizer, NUMBERS_TOOL_RESULTS)
+    renderer = ChatRenderer(tokenizer)
+    [problem] = [p for p in renderer.diagnose() if "prefix_break" in p]
+    assert "renders a tool message differently" in problem
+    first, prefix_ids = first_turn(tokenizer, "4")
+    request = second_request(first, "4", prefix_ids)
+    tools = None
+    assert renderer.continuation(renderer.messages(request.messages[2:]), tools) is not None  # tails agree
+    prompt = renderer.prompt(request)
+    assert prompt.prefix_break  # yet the verdict holds: a full render, flagged
+    assert prompt.token_ids == renderer.full(request)
