@@ -344,11 +344,20 @@ _PROBE_STEPS: Final[list[list[dict[str, Any]]]] = [
 ]
 
 
+def is_json_object(text: str) -> bool:
+    """Whether ``text`` is the JSON text of an object (what a tool call's arguments must be)."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
 def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     """Hermes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks -> tool calls.
 
     Returns the text without the well-formed blocks, and the calls. A block whose JSON does not parse,
-    or lacks a name, stays in the text so the agent (and the log) sees exactly what the model wrote.
+    lacks a name or has arguments that are not a JSON object, stays in the text so the agent (and the
+    log) sees exactly what the model wrote.
     """
     calls: list[ToolCall] = []
 
@@ -363,6 +372,8 @@ def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
         arguments_text = (
             arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         )
+        if not is_json_object(arguments_text):
+            return match.group(0)  # clients (and the gateway) take a call's arguments as a JSON object
         calls.append(
             ToolCall(
                 id=f"call_{uuid.uuid4().hex[:24]}",

@@ -166,6 +166,9 @@ def test_hermes_tool_calls_are_parsed_and_malformed_ones_stay_in_the_text() -> N
     assert split_tool_calls(broken) == (broken, [])
     nameless = '<tool_call>{"arguments": {}}</tool_call>'
     assert split_tool_calls(nameless) == (nameless, [])
+    for arguments in ('"ls -la"', "[1, 2]", '"[1]"', "3"):
+        not_an_object = f'<tool_call>{{"name": "shell", "arguments": {arguments}}}</tool_call>'
+        assert split_tool_calls(not_an_object) == (not_an_object, [])
 
 
 @pytest.mark.parametrize(
