@@ -139,7 +139,7 @@ class SamplingParams(Contract):
     """Integers are strict (``max_tokens: true`` is refused, not read as 1; so are ``"5"`` and ``5.0``);
     floats take numbers only (no booleans or strings) and a positive one must survive float32."""
 
-    temperature: NonNegativeFloat = Field(default=1.0, strict=True)
+    temperature: NonNegativeFloat = Field(default=1.0, strict=True, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True)
     top_k: int | None = Field(default=None, ge=1, lt=2**31, strict=True)
     max_tokens: int = Field(default=256, ge=1, lt=2**31, strict=True)
@@ -162,6 +162,7 @@ class SamplingParams(Contract):
 class Timings(Contract):
     """Milliseconds, measured by the inference consumer from the moment it received the request."""
 
-    queued_ms: NonNegativeFloat = 0.0
-    first_token_ms: NonNegativeFloat = 0.0
-    total_ms: NonNegativeFloat = 0.0
+    # finite: JSON has no infinity (pydantic would store it as null, which no reader parses back)
+    queued_ms: NonNegativeFloat = Field(default=0.0, allow_inf_nan=False)
+    first_token_ms: NonNegativeFloat = Field(default=0.0, allow_inf_nan=False)
+    total_ms: NonNegativeFloat = Field(default=0.0, allow_inf_nan=False)

@@ -162,3 +162,18 @@ def test_a_trusted_model_of_every_field_is_the_validated_model_frozen_copyable_a
     )
     with pytest.raises(ValidationError, match="frozen"):
         built.event_id = uuid.UUID(int=2)  # type: ignore[attr-defined]
+
+
+def test_timings_and_temperature_refuse_infinity_which_json_would_store_as_null() -> None:
+    """Found by tests/integration/test_store_fuzz.py: ``first_token_ms=inf`` was accepted, stored as null
+    (JSON has no infinity) and then could not be read back."""
+    from pydantic import ValidationError
+
+    from schemas import SamplingParams, Timings
+
+    for field in ("queued_ms", "first_token_ms", "total_ms"):
+        with pytest.raises(ValidationError):
+            Timings(**{field: float("inf")})
+    with pytest.raises(ValidationError):
+        SamplingParams(temperature=float("inf"))
+    assert Timings(first_token_ms=1.5).first_token_ms == 1.5
