@@ -16,6 +16,7 @@ from pipeline.dialects.base import (
     ParseMemo,
     RequestError,
     WireReply,
+    same_json,
 )
 from pipeline.dialects.inprocess import InProcessTransport, openai_client
 from pipeline.dialects.openai import OpenAIChat, OpenAIRequestError, model_object
@@ -63,4 +64,5 @@ __all__ = [
     "dialect_for_path",
     "model_object",
     "openai_client",
+    "same_json",
 ]

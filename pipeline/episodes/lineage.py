@@ -17,24 +17,11 @@ import json
 from collections.abc import Mapping
 from typing import Any, Final
 
+from pipeline.dialects import same_json
 from schemas import ChatMessage, ToolCall, ToolSpec
 
 SHOWN: Final = 80
 """Characters of a changed value shown in an edit's description."""
-
-
-def same_json(first: object, second: object) -> bool:
-    """Whether two parsed JSON values are the same as a JavaScript client sees them: key order aside, ``1``
-    and ``1.0`` alike (one number type), ``true`` and ``1`` not (Python's ``True == 1``)."""
-    if isinstance(first, bool) or isinstance(second, bool):
-        return type(first) is type(second) and first == second
-    if isinstance(first, dict) and isinstance(second, dict):
-        return first.keys() == second.keys() and all(same_json(first[k], second[k]) for k in first)
-    if isinstance(first, list) and isinstance(second, list):
-        return len(first) == len(second) and all(map(same_json, first, second))
-    if isinstance(first, dict | list) or isinstance(second, dict | list):
-        return False
-    return first == second
 
 
 def with_defaults(value: object, schema: object) -> object:
