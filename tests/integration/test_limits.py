@@ -5,10 +5,6 @@ headers is disconnected, and a body under the limit is served as before."""
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import signal
-import sys
 import uuid
 from collections.abc import AsyncIterator
 
@@ -18,6 +14,7 @@ import pytest
 
 from pipeline.gateway import HttpServer
 from tests.conftest import Servers
+from tests.support.agent_gateway import gateway_process
 
 MIB = 1024 * 1024
 
@@ -84,32 +81,9 @@ async def test_bodies_over_the_limit_are_refused_as_read_and_stalls_are_cut_off(
 
 @pytest.fixture
 async def gateway_pid_url(servers: Servers, database_url: str) -> AsyncIterator[tuple[int, str, str]]:
-    key = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
-    env |= {"TURNSTILE_DATABASE_URL": database_url, "TURNSTILE_NATS_URL": servers.nats_url,
-            "TURNSTILE_ADMIN_KEY": key, "COLUMNS": "400"}  # fmt: skip
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "consumers.cli", "serve", "gateway", "--port", "0",
-        "--policy-default", "limits",
-        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    assert process.stderr is not None
-    seen = ""
-    drain = None
-    try:
-        async with asyncio.timeout(120):
-            while not (found := re.search(r" on (http://[\d.]+:\d+): ", seen)):
-                line = await process.stderr.readline()
-                assert line, f"the gateway exited before it listened:\n{seen}"
-                seen += line.decode()
-        drain = asyncio.create_task(process.stderr.read())
-        yield process.pid, found.group(1), key
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(process.wait(), 60)
-        if drain is not None:
-            await drain
+    key, pids = uuid.uuid4().hex, []
+    async with gateway_process(database_url, servers.nats_url, "limits", key, pids=pids) as url:
+        yield pids[0], url, key
 
 
 async def test_a_200_mb_body_to_the_gateway_is_refused_without_holding_it(

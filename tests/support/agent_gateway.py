@@ -90,9 +90,10 @@ async def agent_gateway(
 
 @contextlib.asynccontextmanager
 async def gateway_process(
-    database_url: str, nats_url: str, policy: str, admin_key: str
+    database_url: str, nats_url: str, policy: str, admin_key: str, *, pids: list[int] | None = None
 ) -> AsyncIterator[str]:
-    """``turnstile serve gateway`` on a free port (``--port 0``); yields its URL once it listens."""
+    """``turnstile serve gateway`` on a free port (``--port 0``); yields its URL once it listens (and puts
+    its process id in ``pids``, for a test that watches its memory)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("TURNSTILE_")}
     env |= {
         "TURNSTILE_DATABASE_URL": database_url,
@@ -105,6 +106,8 @@ async def gateway_process(
         env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert process.stderr is not None
+    if pids is not None:
+        pids.append(process.pid)
     seen: list[str] = []
     drain: asyncio.Task[bytes] | None = None
     try:
