@@ -24,13 +24,14 @@ refused (``RequestRejected`` naming ``messages``): the test sees which call the 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.errors import ConfigError, describe_validation_error
-from schemas import LLMRequest, Role
+from schemas import ChatMessage, LLMRequest, Role
 
 
 class _Strict(BaseModel):
@@ -42,14 +43,18 @@ class When(_Strict):
 
     tool: str | None = Field(default=None, description="a tool of this name is offered")
     tools: bool | None = Field(default=None, description="whether any tool is offered")
-    last_role: Role | None = Field(default=None, description="the role of the last message")
+    last_role: Role | None = Field(
+        default=None, description="the role of the last message that is not a system message"
+    )
     tool_result: bool | None = Field(default=None, description="whether a tool result is in the conversation")
-    contains: str | None = Field(default=None, description="the last message's content contains this text")
+    contains: str | None = Field(
+        default=None, description="the last message that is not a system message contains this text"
+    )
     system_contains: str | None = Field(default=None, description="a system message contains this text")
 
     def holds(self, request: LLMRequest) -> bool:
         names = {tool.function.name for tool in request.tools}
-        last = request.messages[-1]
+        last = last_spoken(request.messages)
         systems = [m.content or "" for m in request.messages if m.role == "system"]
         checks = (
             self.tool is None or self.tool in names,
@@ -108,10 +113,19 @@ class Script(_Strict):
             raise ConfigError(f"the script {path} is not valid: {describe_validation_error(error)}") from None
 
 
+def last_spoken(messages: Sequence[ChatMessage]) -> ChatMessage:
+    """The last message that is not a system message (the whole conversation's last where all are).
+
+    Clients put notes of their own between the turns as system messages (Claude Code's ``<total_tokens>``
+    reminder after a tool result); the gateway keeps them where they stand, so a rule about "what was just
+    said" looks past them."""
+    return next((m for m in reversed(messages) if m.role != "system"), messages[-1])
+
+
 def describe(request: LLMRequest) -> str:
     """What the rules look at in a request, for the error when none matches."""
     names = [tool.function.name for tool in request.tools]
-    last = request.messages[-1]
+    last = last_spoken(request.messages)
     snippet = (last.content or "")[:80]
     return (
         f"tools {names or 'none'}, last message {last.role!r} ({snippet!r}), "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.inference.script import Script
+from pipeline.inference.script import Script, last_spoken
 from pipeline.log import EventStore
 from schemas import EpisodeFinished, RewardAssigned, TurnCompleted
 from tests.conftest import Servers
@@ -129,7 +129,7 @@ async def test_claude_code_runs_a_command_and_a_subagent_and_every_call_is_a_tok
     ]  # fmt: skip
     assert_token_exact(main)
     [subagent] = side
-    assert "SUBAGENT-TASK" in (subagent.request.messages[-1].content or "")
+    assert "SUBAGENT-TASK" in (last_spoken(subagent.request.messages).content or "")
     assert not subagent.prefix_break
 
     assert [e.value for e in events if isinstance(e, RewardAssigned)] == [1.0]
