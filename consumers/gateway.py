@@ -15,12 +15,20 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from rich.console import Console
 
-from consumers.runtime import Connections, episode_services, running, serve_until_stopped
+from consumers.runtime import (
+    LATENCY_BUCKETS,
+    METRICS_HOST,
+    Connections,
+    episode_services,
+    running,
+    serve_until_stopped,
+)
 from pipeline.errors import ConfigError
 from pipeline.gateway import (
     MAX_BODY_BYTES,
     READ_TIMEOUT,
     HttpServer,
+    RequestMetrics,
     check_http_limits,
     create_gateway,
     gateway_of,
@@ -45,6 +53,7 @@ class GatewayConfig:
     lease_timeout: float = 30.0
     ui_reader_url: str | None = None  # set: the episode browser at /ui, behind the admin key
     metrics_port: int | None = None
+    metrics_host: str = METRICS_HOST
     max_body_bytes: int = MAX_BODY_BYTES
     read_timeout: float = READ_TIMEOUT
 
@@ -88,7 +97,9 @@ async def serve_gateway(
         lease_timeout=config.lease_timeout,
     )
     async with (
-        running("gateway", stop=stop, metrics_port=config.metrics_port) as runtime,
+        running(
+            "gateway", stop=stop, metrics_port=config.metrics_port, metrics_host=config.metrics_host
+        ) as runtime,
         episode_services(connections) as services,
     ):
         if services.recovered:
@@ -116,6 +127,7 @@ async def serve_gateway(
             port=config.port,
             max_body_bytes=config.max_body_bytes,
             read_timeout=config.read_timeout,
+            outermost=lambda app: RequestMetrics(app, runtime.registry, buckets=LATENCY_BUCKETS),
         )
         url = await server.start()
         runtime.check("nats", lambda: services.connection.is_connected)

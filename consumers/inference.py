@@ -25,7 +25,7 @@ from nats.aio.client import Client as NatsConnection
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from consumers.runtime import LATENCY_BUCKETS, Runtime, serve_metrics, tune_gc
+from consumers.runtime import LATENCY_BUCKETS, METRICS_HOST, Runtime, serve_metrics, tune_gc
 from pipeline.errors import ConfigError
 from pipeline.inference import DEFAULT_BUDGET_TOKENS, QUEUE_GROUP, Backend, InferenceService, request_subject
 from pipeline.settings import nats_inbox_prefix
@@ -47,6 +47,7 @@ class InferenceConfig:
     heartbeat_interval: float = 5.0
     held_tokens: int = DEFAULT_BUDGET_TOKENS
     metrics_port: int | None = None  # /metrics and /health over HTTP (0: a free port)
+    metrics_host: str = METRICS_HOST
     script: Path | None = (
         None  # torch backend: answer with this script's replies (pipeline/inference/script.py)
     )
@@ -193,7 +194,7 @@ def create_app(
         await requests.start(broker.connection)  # flushes: every subscription, versions too, is in place
         await catch_up()
         if config.metrics_port is not None:
-            metrics.enter_context(serve_metrics(runtime, "0.0.0.0", config.metrics_port))
+            metrics.enter_context(serve_metrics(runtime, config.metrics_host, config.metrics_port))
 
     @app.on_shutdown
     async def stop_requests() -> None:
@@ -260,6 +261,7 @@ def instrument(runtime: Runtime, service: InferenceService) -> None:
     runtime.gauge("turnstile_inference_in_flight", "requests being generated now", lambda: service.in_flight)
     runtime.gauge(
         "turnstile_inference_policy_version",
-        "the policy version whose weights answer requests",
-        lambda: service.backend.policy_version,
+        "the policy version whose weights answer requests, by policy",
+        lambda: {(service.policy,): service.backend.policy_version},
+        ["policy"],
     )

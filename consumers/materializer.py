@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from consumers.runtime import Runtime, running, serve_through_outages
+from consumers.runtime import METRICS_HOST, Runtime, running, serve_through_outages
 from pipeline.materialize import Materializer, MaterializerConfig, MaterializerMetrics, drop_rebuild
 
 log = logging.getLogger(__name__)
@@ -21,11 +21,14 @@ async def serve_materializer(
     *,
     stop: asyncio.Event | None = None,
     metrics_port: int | None = None,
+    metrics_host: str = METRICS_HOST,
 ) -> Materializer:
     """Fold until SIGINT/SIGTERM (or ``stop``); each step commits its outputs and checkpoint together, so
     when PostgreSQL restarts (or its disk fills) the service waits for it and goes on from the checkpoint
     with a materializer opened anew (``serve_through_outages``): nothing is lost or folded twice."""
-    async with running(f"materializer {config.name}", stop=stop, metrics_port=metrics_port) as runtime:
+    async with running(
+        f"materializer {config.name}", stop=stop, metrics_port=metrics_port, metrics_host=metrics_host
+    ) as runtime:
         current = [Materializer(database_url, config)]
         metrics = MaterializerMetrics(database_url)
         instrument(runtime, lambda: current[0], metrics)

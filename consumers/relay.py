@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
-from consumers.runtime import connect_nats, running
+from consumers.runtime import METRICS_HOST, connect_nats, running
 from pipeline.batches import OutboxRelay
 from pipeline.log import create_engine
 
@@ -22,6 +22,7 @@ class RelayConfig:
     poll_interval: float = 1.0
     outbox_retention: float = 86_400.0
     metrics_port: int | None = None
+    metrics_host: str = METRICS_HOST
 
 
 async def serve_relay(
@@ -30,7 +31,9 @@ async def serve_relay(
     """Run the relay until stopped (Ctrl-C, SIGTERM or ``stop``); the relay, or None if stopped before
     NATS could be reached (``ConfigError`` if it cannot be reached within ``runtime.CONNECT_FOR``)."""
     console = console or Console(stderr=True)
-    async with running("relay", stop=stop, metrics_port=config.metrics_port) as runtime:
+    async with running(
+        "relay", stop=stop, metrics_port=config.metrics_port, metrics_host=config.metrics_host
+    ) as runtime:
         engine = create_engine(config.database_url, pool_size=2)
         try:
             connection = await connect_nats(config.nats_url, stop=runtime.stop)

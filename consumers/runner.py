@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from consumers.runtime import Connections, Runtime, episode_services, running, stop_on_signals
+from consumers.runtime import METRICS_HOST, Connections, Runtime, episode_services, running, stop_on_signals
 from pipeline.episodes import Agent, EpisodeOutcome, RewardFunction
 from pipeline.runners import (
     Runner,
@@ -94,6 +94,7 @@ async def serve_runner(
     stop: asyncio.Event | None = None,
     console: Console | None = None,
     metrics_port: int | None = None,
+    metrics_host: str = METRICS_HOST,
     max_batches_ahead: int | None = None,
     trainer: str = "trainer",
 ) -> TaskWorker:
@@ -102,7 +103,7 @@ async def serve_runner(
     no new task while the trainer ``trainer`` has more batches than that waiting (``TrainerBacklog``)."""
     console = console or Console(stderr=True)
     async with (
-        running("runner", stop=stop, metrics_port=metrics_port) as runtime,
+        running("runner", stop=stop, metrics_port=metrics_port, metrics_host=metrics_host) as runtime,
         episode_services(connections, recover=True) as services,
     ):
         runner = Runner(
@@ -117,7 +118,7 @@ async def serve_runner(
             runner.pace = TrainerBacklog(services.connection, trainer, max_batches_ahead)
         worker = TaskWorker(runner, services.connection, ack_wait=ack_wait)
         runtime.check("nats", lambda: services.connection.is_connected)
-        instrument(runtime, runner.stats, worker)
+        instrument(runtime, runner.stats, worker, config.policy)
         console.print(
             f"runner [bold]{services.lease.runner_id}[/bold] taking tasks from tasks.{config.policy} "
             f"({config.concurrency} episodes at most)"
@@ -134,8 +135,8 @@ async def serve_runner(
     return worker
 
 
-def instrument(runtime: Runtime, stats: RunStats, worker: TaskWorker) -> None:
-    """Episodes by outcome, turns, open episodes, tasks, and the reward of finished episodes."""
+def instrument(runtime: Runtime, stats: RunStats, worker: TaskWorker, policy: str) -> None:
+    """Episodes by outcome, turns, open episodes, tasks, and the reward of finished episodes (by policy)."""
     runtime.counter(
         "turnstile_runner_episodes_total",
         "episodes finished, by outcome (done: any ending but failure or cancellation)",
@@ -154,11 +155,29 @@ def instrument(runtime: Runtime, stats: RunStats, worker: TaskWorker) -> None:
     runtime.counter(
         "turnstile_runner_tasks_refused_total", "tasks that could not be read", lambda: worker.tasks_refused
     )
+    reward_metrics(runtime, stats, policy)
+
+
+def reward_metrics(runtime: Runtime, stats: RunStats, policy: str) -> None:
+    """The reward of finished episodes as two counters, the sum of positive rewards and the sum of negative
+    ones' magnitudes, beside the count of rewarded episodes.
+
+    Not one signed sum: a counter must never fall (Prometheus reads a fall as a restart, so ``rate()`` of a
+    signed sum under negative rewards is nonsense: -2 where every reward was -1), and a histogram's
+    ``_sum`` has the same flaw. The mean is (rate(positive) - rate(negative)) / rate(rewarded episodes), as
+    Prometheus' documentation advises for observations that can be negative."""
     runtime.counter(
-        "turnstile_runner_reward_sum_total", "the sum of episode rewards", lambda: stats.reward_sum
+        "turnstile_runner_reward_total",
+        "the sum of finished episodes' rewards of each sign, as magnitudes (negative: the sum of -reward "
+        "over episodes whose reward was below 0), by policy",
+        lambda: {(policy, "positive"): stats.reward_gained, (policy, "negative"): stats.reward_lost},
+        ["policy", "sign"],
     )
     runtime.counter(
-        "turnstile_runner_rewarded_episodes_total", "episodes with a reward", lambda: stats.rewards
+        "turnstile_runner_rewarded_episodes_total",
+        "finished episodes with a reward, by policy",
+        lambda: {(policy,): stats.rewards},
+        ["policy"],
     )
 
 

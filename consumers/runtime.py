@@ -12,9 +12,11 @@
 - Health and metrics: a service registers named checks and Prometheus metrics on its ``Runtime``
   (``counter``/``gauge``: values read from the service's own counters when scraped; ``histogram``: observed
   as things happen; ``poll``: a value fetched every few seconds, such as a lag read from the database).
-  With a metrics port (``--metrics-port``), ``running`` serves them over HTTP: ``/metrics`` in Prometheus'
-  text format, ``/health`` as JSON (200 healthy, 503 not). Every service gets ``turnstile_service_healthy``
-  and ``turnstile_service_info``; the endpoint is here, not in each service.
+  With a metrics port (``--metrics-port``), ``running`` serves them over HTTP on ``--metrics-host``
+  (127.0.0.1 unless a container's own address must be reached): ``/metrics`` in Prometheus' text format,
+  ``/health`` as JSON (200 healthy, 503 not). Every service gets ``turnstile_service_healthy``,
+  ``turnstile_service_info`` and prometheus_client's ``process_*`` metrics (CPU seconds, resident memory,
+  open files); the endpoint is here, not in each service.
 
 stamina rather than tenacity directly: it is tenacity with production defaults (jittered exponential
 backoff, a bound on time and attempts) and typed async retry contexts, which is all a connect needs.
@@ -39,7 +41,14 @@ from typing import Any, Final, Protocol, TypeVar
 import nats
 import stamina
 from nats.aio.client import Client as NatsConnection
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -55,6 +64,9 @@ stamina.instrumentation.set_on_retry_hooks([])
 
 LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 """Seconds: from a millisecond (an instant backend) to the minutes of a long generation."""
+METRICS_HOST: Final = "127.0.0.1"
+"""Where ``/metrics`` listens unless told: this machine only. A container's Prometheus reaches a service
+at the container's address, so docker-compose.yml passes ``--metrics-host 0.0.0.0``."""
 CONNECT_FOR: Final = 60.0
 """Seconds a service keeps trying to reach NATS or PostgreSQL at start before it gives up."""
 
@@ -125,6 +137,9 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.registry.register(self._read)
+        # CPU seconds, resident and virtual memory, open files and start time, read from /proc at each scrape
+        # (Linux; elsewhere the collector serves nothing)
+        ProcessCollector(registry=self.registry)
         self.gauge(
             "turnstile_service_healthy", "1 when every health check of the service passes", self._healthy
         )
@@ -255,7 +270,7 @@ async def running(
     *,
     stop: asyncio.Event | None = None,
     metrics_port: int | None = None,
-    metrics_host: str = "0.0.0.0",
+    metrics_host: str = METRICS_HOST,
 ) -> AsyncIterator[Runtime]:
     """The service's runtime for the block: ``runtime.stop`` is set by SIGINT, SIGTERM or the caller. With
     ``metrics_port`` (0: a free one) its metrics and health are served over HTTP while the block runs."""

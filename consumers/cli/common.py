@@ -158,6 +158,13 @@ MetricsPort = Annotated[
         show_default=False,
     ),
 ]
+MetricsHost = Annotated[
+    str,
+    typer.Option(
+        envvar="TURNSTILE_METRICS_HOST",
+        help="the address /metrics and /health listen on (0.0.0.0: every interface, as in a container)",
+    ),
+]
 
 # -- options of `turnstile serve materializer` and `turnstile rematerialize` --
 

@@ -16,6 +16,7 @@ from consumers.cli.common import (
     MaxBodyMib,
     MaxTokens,
     MaxTurns,
+    MetricsHost,
     MetricsPort,
     ReadTimeout,
     Retries,
@@ -64,6 +65,7 @@ def inference(
         "see pipeline/inference/script.py), scored by the model: engine token ids and logprobs",
     ),
     metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = "127.0.0.1",
 ) -> None:
     """Answer LLM requests for POLICY over NATS (queue group `inference`), reloading published versions."""
 
@@ -80,6 +82,7 @@ def inference(
         max_batch=max_batch,
         held_tokens=held_tokens,
         metrics_port=metrics_port,
+        metrics_host=metrics_host,
         script=script,
         database_url=optional_database_url(),
     )
@@ -115,6 +118,7 @@ def runner(
     ),
     trainer: str = typer.Option("trainer", help="the trainer whose backlog --max-batches-ahead watches"),
     metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = "127.0.0.1",
 ) -> None:
     """Take tasks from the TASKS work queue and run AGENT on them, on as many machines as you like."""
 
@@ -152,6 +156,7 @@ def runner(
             ack_wait=ack_wait,
             console=console,
             metrics_port=metrics_port,
+            metrics_host=metrics_host,
             max_batches_ahead=max_batches_ahead,
             trainer=trainer,
         )
@@ -163,6 +168,7 @@ def runner(
 def materializer(
     name: str = typer.Option("main", help="the read models' name (main: the public tables)"),
     metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = "127.0.0.1",
     config: MaterializerConfig | None = None,
 ) -> None:
     """Fold the log into read models and training batches as events arrive (exactly once)."""
@@ -173,7 +179,11 @@ def materializer(
     setup_logging()
     assert config is not None  # with_materializer_options gives it
     console.print(f"materializer {name!r} running ({config.semantics()})")
-    done = run(serve_materializer(Settings().require_database_url(), config, metrics_port=metrics_port))
+    done = run(
+        serve_materializer(
+            Settings().require_database_url(), config, metrics_port=metrics_port, metrics_host=metrics_host
+        )
+    )
     console.print(f"materializer stopped at position {done.position}")
 
 
@@ -188,6 +198,7 @@ def relay(
         "keep); `batches` keeps its size and sha256 and `turnstile rematerialize` rebuilds the same bytes",
     ),
     metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = "127.0.0.1",
 ) -> None:
     """Publish the materializer's batches to JetStream BATCHES (batches.<policy>), each once."""
 
@@ -208,6 +219,7 @@ def relay(
         poll_interval=poll_interval,
         outbox_retention=outbox_retention,
         metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
     run(serve_relay(config, console=console))
     console.print("relay stopped")
@@ -257,6 +269,7 @@ def trainer(
         "\\[default: CHECKPOINTS/tracking]",
     ),
     metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = "127.0.0.1",
 ) -> None:
     """PPO-clip on the batch stream; checkpoints and publishes new policy versions (exactly once)."""
 
@@ -294,6 +307,7 @@ def trainer(
         track=track,
         track_dir=track_dir,
         metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
     stats = run(serve_trainer(config))
     console.print(f"trainer stopped at policy version {stats.version} ({stats.trained} batches trained)")
@@ -335,6 +349,7 @@ def gateway(
     max_body_mib: MaxBodyMib = 32.0,
     read_timeout: ReadTimeout = 30.0,
     metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = "127.0.0.1",
 ) -> None:
     """Serve the OpenAI- and Anthropic-compatible gateway: every call of a session is a recorded turn."""
     import os
@@ -366,6 +381,7 @@ def gateway(
         heartbeat_timeout=heartbeat_timeout,
         ui_reader_url=settings.require_reader_url() if ui else None,
         metrics_port=metrics_port,
+        metrics_host=metrics_host,
         max_body_bytes=round(max_body_mib * 1024 * 1024),
         read_timeout=read_timeout,
     )

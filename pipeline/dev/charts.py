@@ -195,10 +195,18 @@ def throughput(
     policy: str = "",
 ) -> Chart:
     """Rows (bucket start in seconds since the first turn, count): turns recorded and episodes finished per
-    second, averaged over buckets of ``bucket_s`` seconds."""
+    second, averaged over buckets of ``bucket_s`` seconds.
+
+    The queries return only buckets that hold something; every bucket from the first to the last of either
+    series is drawn, empty ones at 0, so a stall shows as the drop to zero it was rather than as a line
+    drawn across it between the buckets on either side."""
+    slots = 1 + max((round(t / bucket_s) for t, _ in (*turns, *episodes)), default=-1)
 
     def per_second(rows: Sequence[tuple[float, int]]) -> tuple[list[float], list[float]]:
-        return [t / 60 for t, _ in rows], [count / bucket_s for _, count in rows]
+        counts = [0] * slots
+        for t, count in rows:
+            counts[round(t / bucket_s)] += count
+        return [slot * bucket_s / 60 for slot in range(slots)], [count / bucket_s for count in counts]
 
     turn_x, turn_y = per_second(turns)
     episode_x, episode_y = per_second(episodes)

@@ -4,6 +4,7 @@
 from pipeline.gateway.app import create_gateway, gateway_of
 from pipeline.gateway.http_error import GatewayError
 from pipeline.gateway.limits import MAX_BODY_BYTES, READ_TIMEOUT, BoundedRequests, check_http_limits
+from pipeline.gateway.metrics import RequestMetrics
 from pipeline.gateway.server import HttpServer, serving_http
 from pipeline.gateway.service import EndSpec, Gateway, RewardSpec, SessionSpec
 from pipeline.gateway.sessions import SessionEntry, SessionRegistry, key_digest
@@ -16,6 +17,7 @@ __all__ = [
     "Gateway",
     "GatewayError",
     "HttpServer",
+    "RequestMetrics",
     "RewardSpec",
     "SessionEntry",
     "SessionRegistry",

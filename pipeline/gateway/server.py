@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Literal
 
 import uvicorn
@@ -45,9 +45,13 @@ class HttpServer:
         lifespan: Literal["on", "off"] = "on",
         max_body_bytes: int = MAX_BODY_BYTES,
         read_timeout: float | None = READ_TIMEOUT,
+        outermost: Callable[[Any], Any] | None = None,
     ) -> None:
+        """``outermost``: middleware around everything, the bounds' refusals too (``RequestMetrics``)."""
         # every request bounded (pipeline/gateway/limits.py): its body's size, and the time its parts take
         self.app = BoundedRequests(app, max_body_bytes=max_body_bytes, read_timeout=read_timeout)
+        if outermost is not None:
+            self.app = outermost(self.app)
         self.read_timeout = read_timeout
         self.host, self.port = host, port
         self.handle_signals = handle_signals

@@ -391,6 +391,14 @@ class RerunSummary:
         )
 
 
+def names_agent_code(agent: str) -> bool:
+    """Whether an episode's recorded ``agent`` names code a rerun can load (``package.module:Name``, what a
+    runner records). A gateway session records the name its client gave (``gateway`` unless told): the
+    agent ran outside Turnstile (a CLI, another machine), so there is nothing to rerun."""
+    module, _, attribute = agent.partition(":")
+    return bool(module and attribute)
+
+
 async def rerun_by_id(
     store: EventStore,
     episode_id: str,
@@ -406,6 +414,11 @@ async def rerun_by_id(
     """
     replayed = await load_episode(store, episode_id, until=until)
     spec = agent or replayed.episode.started.agent
+    if not agent and spec and not names_agent_code(spec):
+        raise ConfigError(
+            f"episode {episode_id} was recorded through the gateway by {spec!r}, an agent that ran outside "
+            "Turnstile: there is no code of it to rerun; name one with --agent package.module:Name"
+        )
     if not spec:
         raise ConfigError(f"episode {episode_id} records no agent; name the one to rerun with --agent")
     agents = {} if agents is None else agents

@@ -94,6 +94,9 @@ class RunStats:
     turns: int = 0
     rewards: int = 0
     reward_sum: float = 0.0
+    # the sum split by sign, each a total that never falls (what a Prometheus counter must be)
+    reward_gained: float = 0.0
+    reward_lost: float = 0.0
     task_errors: int = 0
     # failed episodes by cause: the last line of the error ("ExceptionType: message")
     causes: Counter[str] = field(default_factory=Counter)
@@ -122,6 +125,10 @@ class RunStats:
         if outcome.reward is not None:
             self.rewards += 1
             self.reward_sum += outcome.reward
+            if outcome.reward >= 0:
+                self.reward_gained += outcome.reward
+            else:
+                self.reward_lost -= outcome.reward
 
 
 # Failures that are not the agent's: no agent change fixes them, so a run that meets them exits non-zero.

@@ -41,6 +41,7 @@ from pipeline.replay import (
     UnreadableEpisode,
     load_episode,
     load_tokenizer,
+    names_agent_code,
     rerun_by_id,
     resolve_episode_id,
 )
@@ -361,7 +362,9 @@ def episodes_router(browser: Browser, page: _Page, error_page: _Page) -> APIRout
             )
         return page(
             request, "episode.html", view=view, samples=sample_rows, read_model=row, rerun=result,
-            reruns=browser.reruns, rerun_agent=browser.rerun_agent,
+            # a gateway episode's agent ran outside Turnstile: no link to a rerun that cannot run it
+            reruns=browser.reruns and names_agent_code(replayed.episode.started.agent),
+            rerun_agent=browser.rerun_agent,
         )  # fmt: skip
 
     @router.get("/episodes/{episode_id}", response_class=HTMLResponse)

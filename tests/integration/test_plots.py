@@ -72,10 +72,21 @@ def test_reward_by_version_band_is_the_95_percent_interval_of_the_mean() -> None
 def test_throughput_is_counts_per_second_over_minutes() -> None:
     chart = throughput([(0.0, 100), (30.0, 40)], [(30.0, 15)], 10.0)
     turns, episodes = chart.series
-    assert list(turns.x) == [0.0, 0.5]
-    assert list(turns.y) == [10.0, 4.0]
-    assert list(episodes.y) == [1.5]
+    assert list(turns.x) == pytest.approx([0.0, 1 / 6, 2 / 6, 0.5])
+    assert list(turns.y) == [10.0, 0.0, 0.0, 4.0]
+    assert list(episodes.x) == list(turns.x)
+    assert list(episodes.y) == [0.0, 0.0, 0.0, 1.5]
     assert chart.y_from_zero
+
+
+def test_a_stall_in_throughput_is_drawn_at_zero_not_joined_across() -> None:
+    """3 minutes without a turn between two busy minutes (buckets of 60 s): the line drops to 0 and stays
+    there for the stall; before, it ran straight from 2.4 to 0.6 turns/s across it."""
+    chart = throughput([(0.0, 144), (240.0, 36)], [], 60.0)
+    turns, _ = chart.series
+    assert list(turns.y) == [2.4, 0.0, 0.0, 0.0, 0.6]
+    line = figure(chart).axes[0].get_lines()[0]
+    assert list(line.get_ydata()) == [2.4, 0.0, 0.0, 0.0, 0.6]
 
 
 def test_staleness_shows_training_time_staleness_and_the_skipped_share(tmp_path: Path) -> None:
@@ -176,10 +187,12 @@ def test_charts_from_the_read_models_match_the_hand_computed_figures(
     assert (list(lag.low or []), list(lag.high or [])) == ([1.0], [2.0])
     assert (list(trained.x), list(trained.y)) == ([1.0], [2.0])
     assert stale.notes == ("skipped 0 of 1 batches taken (0%)",)
-    # 7 turns of main, all at the same second: one bucket of 1 s; episodes finish 10, 20 and 70 s later
+    # 7 turns of main, all at the same second: buckets of 1 s; episodes finish 10, 20 and 70 s later; both
+    # series span every bucket from 0 to 70 s, the empty ones at 0 (a gap is drawn as the zero it was)
     turns, episodes = rates.series
-    assert (list(turns.x), list(turns.y)) == ([0.0], [7.0])
-    assert list(episodes.x) == pytest.approx([10 / 60, 20 / 60, 70 / 60])
+    assert list(turns.x) == list(episodes.x) == pytest.approx([n / 60 for n in range(71)])
+    assert list(turns.y) == [7.0] + [0.0] * 70
+    assert [n for n, rate in enumerate(episodes.y) if rate] == [10, 20, 70]
 
 
 def test_turnstile_plot_draws_every_chart_and_refuses_an_unknown_one(

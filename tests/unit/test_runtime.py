@@ -194,3 +194,12 @@ async def test_a_metrics_port_in_use_is_a_clear_error() -> None:
         with pytest.raises(ConfigError, match=r"cannot serve metrics on 127\.0\.0\.1"):
             async with running("second", metrics_port=runtime.metrics_address[1], metrics_host="127.0.0.1"):
                 pass
+
+
+async def test_metrics_listen_on_this_machine_only_unless_told_and_include_process_cpu_and_memory() -> None:
+    async with running("svc", metrics_port=0) as runtime:
+        assert runtime.metrics_address is not None
+        assert runtime.metrics_address[0] == "127.0.0.1"  # a container passes --metrics-host 0.0.0.0
+        _, text = await asyncio.to_thread(scrape, runtime.metrics_address)
+        assert (sample(text, "process_cpu_seconds_total") or 0) > 0
+        assert (sample(text, "process_resident_memory_bytes") or 0) > 10 * 2**20  # this Python process
