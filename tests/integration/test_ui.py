@@ -332,6 +332,25 @@ async def test_a_rerun_shows_the_divergence_beside_the_recorded_turn(
     assert await store.head() == before  # nothing written
 
 
+async def test_a_gateway_episode_offers_no_rerun_link_and_its_rerun_says_why(
+    store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    """A gateway session records the name its client gave, not code: its agent ran outside Turnstile."""
+    await record_counting_episode(store)
+    await record_counting_episode(store, "gateway-1", agent="gateway")
+    app = create_app(login_url(database_url, logins["turnstile_reader"]), reruns=True)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ui") as client:
+        runner_page = await client.get("/episodes/counting-1")
+        gateway_page = await client.get("/episodes/gateway-1")
+        rerun = await client.get("/episodes/gateway-1/rerun")
+    await app.state.browser.close()
+    assert 'id="rerun-link"' in runner_page.text
+    assert gateway_page.status_code == 200
+    assert 'id="rerun-link"' not in gateway_page.text
+    assert rerun.status_code == 400
+    assert "recorded through the gateway" in rerun.text
+
+
 def test_turnstile_ui_refuses_to_start_on_a_superuser_login_or_a_bad_option(database_url: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
     env["TURNSTILE_READER_URL"] = database_url  # the tests' server login is a superuser

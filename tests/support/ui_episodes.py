@@ -217,16 +217,15 @@ def _counting_turn(messages: list[ChatMessage], text: str) -> TurnCompleted:
     )
 
 
-async def record_counting_episode(store: EventStore, episode_id: str = "counting-1") -> list[TurnCompleted]:
+async def record_counting_episode(
+    store: EventStore,
+    episode_id: str = "counting-1",
+    agent: str = "tests.support.replay_agents:CountingAgent",
+) -> list[TurnCompleted]:
     """``tests.support.replay_agents:CountingAgent``'s three turns as it asks for them (not materialized): a
-    rerun of it is identical, and ``RewordedCountingAgent`` diverges at turn 2."""
-    started = EpisodeStarted(
-        episode_id=episode_id,
-        task={"id": 7},
-        task_id="7",
-        agent="tests.support.replay_agents:CountingAgent",
-        policy="p",
-    )
+    rerun of it is identical, and ``RewordedCountingAgent`` diverges at turn 2. ``agent``: the agent the
+    episode records (``gateway``: as a gateway session records it)."""
+    started = EpisodeStarted(episode_id=episode_id, task={"id": 7}, task_id="7", agent=agent, policy="p")
     turns = [_counting_turn([ChatMessage(role="user", content="task 7: count to three")], "one")]
     for n in (2, 3):
         previous = turns[-1]
