@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI
 from rich.console import Console
@@ -118,6 +119,10 @@ async def serve_gateway(
             runner_id=services.lease.runner_id,
             public_url=config.public_url,
         )
+
+        def metered(app: Any) -> RequestMetrics:
+            return RequestMetrics(app, runtime.registry, buckets=LATENCY_BUCKETS)
+
         browser = None
         if config.ui_reader_url is not None:
             browser = mount_browser(app, config.ui_reader_url, config.admin_key)
@@ -127,7 +132,8 @@ async def serve_gateway(
             port=config.port,
             max_body_bytes=config.max_body_bytes,
             read_timeout=config.read_timeout,
-            outermost=lambda app: RequestMetrics(app, runtime.registry, buckets=LATENCY_BUCKETS),
+            # counted only where they are served: a gateway without --metrics-port pays nothing for them
+            outermost=None if config.metrics_port is None else metered,
         )
         url = await server.start()
         runtime.check("nats", lambda: services.connection.is_connected)
