@@ -347,3 +347,17 @@ def test_failed_episodes_are_counted_in_metrics_by_kind_of_error_not_by_message(
         causes=Counter({"ValueError: boom": 2, "ValueError: other": 1, "InferenceTimeout: 30 s": 1})
     )
     assert _by_kind(stats) == {("ValueError",): 3.0, ("InferenceTimeout",): 1.0}
+
+
+def test_rewards_are_summed_by_sign_so_that_each_metric_only_grows() -> None:
+    from pipeline.episodes import EpisodeOutcome
+    from pipeline.runners.runner import RunStats
+
+    stats = RunStats()
+    totals = []
+    for n, reward in enumerate([2.0, -1.0, -3.0, None, 0.5]):
+        stats.count(EpisodeOutcome(f"e{n}", "done", reward, turns=1))
+        totals.append((stats.reward_gained, stats.reward_lost, stats.rewards))
+    assert totals == [(2, 0, 1), (2, 1, 2), (2, 4, 3), (2, 4, 3), (2.5, 4, 4)]  # never down
+    assert stats.reward_sum == 2.5 - 4
+    assert stats.mean_reward == (2.5 - 4) / 4
