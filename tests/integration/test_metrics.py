@@ -53,9 +53,10 @@ def samples(port: int) -> dict[str, float]:
     return found
 
 
-async def test_the_gateway_counts_requests_by_route_and_status_times_them_and_counts_errors_by_kind(
-    servers: Servers, database_url: str
-) -> None:
+@contextlib.asynccontextmanager
+async def gateway_service(servers: Servers, database_url: str) -> AsyncIterator[tuple[str, int]]:
+    """``serve_gateway`` (the service ``turnstile serve gateway`` runs) with its metrics on a free port, in
+    front of a scripted inference consumer of a policy of its own: (its URL, its metrics port)."""
     policy = f"metrics-{uuid.uuid4().hex[:8]}"
     metrics_port = free_port()
     config = GatewayConfig(
@@ -68,27 +69,42 @@ async def test_the_gateway_counts_requests_by_route_and_status_times_them_and_co
     async with serving(inference, RuleBackend(calculator_rule)):
         service = asyncio.create_task(serve_gateway(config, stop=stop, ready=ready.set_result))
         try:
-            url = await asyncio.wait_for(ready, 60)
-            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-                admin = {"Authorization": f"Bearer {ADMIN}"}
-                session = (await client.post("/admin/sessions", json={}, headers=admin)).json()
-                key = {"Authorization": f"Bearer {session['api_key']}"}
-                chat = {"model": "m", "messages": [{"role": "user", "content": "What is 3 + 4?"}]}
-                answers = [
-                    await client.post("/v1/chat/completions", json=chat, headers=key),
-                    await client.post("/v1/chat/completions", json={"model": "m"}, headers=key),
-                    await client.post(
-                        "/v1/chat/completions", json=chat, headers={"Authorization": "Bearer x"}
-                    ),
-                    await client.get(f"/admin/sessions/{session['session_id']}", headers=admin),
-                    await client.get("/no/such/path"),
-                    await client.post("/v1/chat/completions", content=b"x" * (2 * 1024 * 1024), headers=key),
-                ]
-            assert [a.status_code for a in answers] == [200, 400, 401, 200, 404, 413]
-            found = await asyncio.to_thread(samples, metrics_port)
+            yield await asyncio.wait_for(ready, 60), metrics_port
         finally:
             stop.set()
             await asyncio.wait_for(service, 60)
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 3 + 4?"}]}
+
+
+async def open_session(client: httpx.AsyncClient) -> tuple[dict[str, Any], dict[str, str]]:
+    """``POST /admin/sessions``: the session, and the headers that carry its key."""
+    session: dict[str, Any] = (
+        await client.post("/admin/sessions", json={}, headers={"Authorization": f"Bearer {ADMIN}"})
+    ).json()
+    return session, {"Authorization": f"Bearer {session['api_key']}"}
+
+
+async def test_the_gateway_counts_requests_by_route_and_status_times_them_and_counts_errors_by_kind(
+    servers: Servers, database_url: str
+) -> None:
+    async with (
+        gateway_service(servers, database_url) as (url, metrics_port),
+        httpx.AsyncClient(base_url=url, timeout=60) as client,
+    ):
+        session, key = await open_session(client)
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        answers = [
+            await client.post("/v1/chat/completions", json=CHAT, headers=key),
+            await client.post("/v1/chat/completions", json={"model": "m"}, headers=key),
+            await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer x"}),
+            await client.get(f"/admin/sessions/{session['session_id']}", headers=admin),
+            await client.get("/no/such/path"),
+            await client.post("/v1/chat/completions", content=b"x" * (2 * 1024 * 1024), headers=key),
+        ]
+        assert [a.status_code for a in answers] == [200, 400, 401, 200, 404, 413]
+        found = await asyncio.to_thread(samples, metrics_port)
 
     def requests(route: str, method: str, status: int) -> float | None:
         return found.get(f"turnstile_gateway_requests_total{{method={method},route={route},status={status}}}")
@@ -111,7 +127,8 @@ async def test_the_gateway_counts_requests_by_route_and_status_times_them_and_co
         "turnstile_gateway_errors_total{kind=not_found,route=none}": 1,
         "turnstile_gateway_errors_total{kind=request_too_large,route=none}": 1,
     }
-    assert found[f"turnstile_gateway_policy_version_served{{policy={policy}}}"] == 0
+    served = [n for name, n in found.items() if name.startswith("turnstile_gateway_policy_version_served")]
+    assert served == [0]  # the consumer's version, under its policy's label
     assert found["process_cpu_seconds_total{}"] > 0
     assert found["process_resident_memory_bytes{}"] > 0
 
@@ -215,18 +232,40 @@ async def services() -> AsyncIterator[tuple[list[Runtime], RunStats, dict[str, A
         yield [runner_runtime, trainer_a, trainer_b], runner, observe
 
 
+async def gateway_calls(client: httpx.AsyncClient, stop: asyncio.Event) -> None:
+    """A turn and a call with a wrong key every 0.2 s, while Prometheus scrapes the gateway."""
+    _, key = await open_session(client)
+    while not stop.is_set():
+        assert (await client.post("/v1/chat/completions", json=CHAT, headers=key)).status_code == 200
+        wrong = await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer x"})
+        assert wrong.status_code == 401
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.2)
+
+
 @pytest.mark.prometheus
 async def test_the_dashboard_reads_true_means_sizes_and_versions_per_policy_from_a_real_prometheus(
-    tmp_path: Path,
+    tmp_path: Path, servers: Servers, database_url: str
 ) -> None:
     panels = dashboard_queries()
     (reward,) = panels["Reward of finished episodes (mean, by policy)"]
     (batch_size,) = panels["Batch size (samples per learner step, mean)"]
     trained, _ = panels["Policy version by policy: trained vs served"]
-    async with services() as (runtimes, runner, observe):
+    (gateway_requests,) = panels["Gateway requests per second by route and status"]
+    (gateway_errors,) = panels["Gateway errors by kind (/s)"]
+    gateway_p50, _ = panels["Gateway latency p50 / p95 by route (s)"]
+    async with (
+        services() as (runtimes, runner, observe),
+        gateway_service(servers, database_url) as (url, gateway_port),
+        httpx.AsyncClient(base_url=url, timeout=60) as client,
+    ):
         targets = [f"127.0.0.1:{r.metrics_address[1]}" for r in runtimes if r.metrics_address is not None]
+        targets.append(f"127.0.0.1:{gateway_port}")
         stop = asyncio.Event()
-        work = asyncio.create_task(outcomes_and_steps(runner, observe, stop))
+        work = [
+            asyncio.create_task(outcomes_and_steps(runner, observe, stop)),
+            asyncio.create_task(gateway_calls(client, stop)),
+        ]
         try:
             with prometheus(tmp_path, targets) as base:
 
@@ -236,7 +275,9 @@ async def test_the_dashboard_reads_true_means_sizes_and_versions_per_policy_from
                         sizes = await asyncio.to_thread(query, base, batch_size)
                     except OSError:  # not listening yet
                         return False
-                    return len(means) == 1 and len(sizes) == 2 and all(map(math.isfinite, means.values()))
+                    errors = await asyncio.to_thread(query, base, gateway_errors)
+                    finite = all(map(math.isfinite, [*means.values(), *errors.values()]))
+                    return len(means) == 1 and len(sizes) == 2 and bool(errors) and finite
 
                 await wait_until(ready, 120, "Prometheus to hold two scrapes of each service")
                 # (approximate: a scrape may read the sum and the count either side of one more episode)
@@ -260,11 +301,24 @@ async def test_the_dashboard_reads_true_means_sizes_and_versions_per_policy_from
                 for title, exprs in panels.items():
                     for expr in exprs:
                         assert isinstance(await asyncio.to_thread(query, base, expr), dict), title
-                cpu = await asyncio.to_thread(query, base, panels["CPU by service (cores)"][0])
-                assert len(cpu) == len(targets)
+                # the gateway's calls by route and status, its refusals by kind, its latency by route
+                requests = await asyncio.to_thread(query, base, gateway_requests)
+                chat = ("route", "/v1/chat/completions")
+                assert {key for key in requests if chat in key} == {
+                    (chat, ("status", "200")), (chat, ("status", "401"))
+                }  # fmt: skip
+                assert set(await asyncio.to_thread(query, base, gateway_errors)) == {
+                    (("kind", "invalid_api_key"),)
+                }
+                latency = await asyncio.to_thread(query, base, gateway_p50)
+                assert 0 < latency[(chat,)] < 60
+                # every service's CPU and memory, on lines of their own
+                for title in ("CPU by service (cores)", "Resident memory by service"):
+                    (expr,) = panels[title]
+                    assert len(await asyncio.to_thread(query, base, expr)) == len(targets), title
         finally:
             stop.set()
-            await work
+            await asyncio.gather(*work)
 
 
 def test_every_metric_the_dashboard_names_is_documented() -> None:
