@@ -158,6 +158,9 @@ MetricsPort = Annotated[
         show_default=False,
     ),
 ]
+METRICS_HOST = "127.0.0.1"
+"""``--metrics-host``'s default, as ``consumers.runtime.METRICS_HOST`` (not imported from there: the CLI
+imports a service's modules only when that service runs)."""
 MetricsHost = Annotated[
     str,
     typer.Option(

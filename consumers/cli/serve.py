@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from consumers.cli.common import (
+    METRICS_HOST,
     Agent,
     Backend,
     Concurrency,
@@ -65,7 +66,7 @@ def inference(
         "see pipeline/inference/script.py), scored by the model: engine token ids and logprobs",
     ),
     metrics_port: MetricsPort = None,
-    metrics_host: MetricsHost = "127.0.0.1",
+    metrics_host: MetricsHost = METRICS_HOST,
 ) -> None:
     """Answer LLM requests for POLICY over NATS (queue group `inference`), reloading published versions."""
 
@@ -118,7 +119,7 @@ def runner(
     ),
     trainer: str = typer.Option("trainer", help="the trainer whose backlog --max-batches-ahead watches"),
     metrics_port: MetricsPort = None,
-    metrics_host: MetricsHost = "127.0.0.1",
+    metrics_host: MetricsHost = METRICS_HOST,
 ) -> None:
     """Take tasks from the TASKS work queue and run AGENT on them, on as many machines as you like."""
 
@@ -168,7 +169,7 @@ def runner(
 def materializer(
     name: str = typer.Option("main", help="the read models' name (main: the public tables)"),
     metrics_port: MetricsPort = None,
-    metrics_host: MetricsHost = "127.0.0.1",
+    metrics_host: MetricsHost = METRICS_HOST,
     config: MaterializerConfig | None = None,
 ) -> None:
     """Fold the log into read models and training batches as events arrive (exactly once)."""
@@ -198,7 +199,7 @@ def relay(
         "keep); `batches` keeps its size and sha256 and `turnstile rematerialize` rebuilds the same bytes",
     ),
     metrics_port: MetricsPort = None,
-    metrics_host: MetricsHost = "127.0.0.1",
+    metrics_host: MetricsHost = METRICS_HOST,
 ) -> None:
     """Publish the materializer's batches to JetStream BATCHES (batches.<policy>), each once."""
 
@@ -269,7 +270,7 @@ def trainer(
         "\\[default: CHECKPOINTS/tracking]",
     ),
     metrics_port: MetricsPort = None,
-    metrics_host: MetricsHost = "127.0.0.1",
+    metrics_host: MetricsHost = METRICS_HOST,
 ) -> None:
     """PPO-clip on the batch stream; checkpoints and publishes new policy versions (exactly once)."""
 
@@ -349,7 +350,7 @@ def gateway(
     max_body_mib: MaxBodyMib = 32.0,
     read_timeout: ReadTimeout = 30.0,
     metrics_port: MetricsPort = None,
-    metrics_host: MetricsHost = "127.0.0.1",
+    metrics_host: MetricsHost = METRICS_HOST,
 ) -> None:
     """Serve the OpenAI- and Anthropic-compatible gateway: every call of a session is a recorded turn."""
     import os

@@ -203,3 +203,10 @@ async def test_metrics_listen_on_this_machine_only_unless_told_and_include_proce
         _, text = await asyncio.to_thread(scrape, runtime.metrics_address)
         assert (sample(text, "process_cpu_seconds_total") or 0) > 0
         assert (sample(text, "process_resident_memory_bytes") or 0) > 10 * 2**20  # this Python process
+
+
+def test_the_cli_and_the_runtime_default_to_the_same_metrics_host() -> None:
+    from consumers.cli.common import METRICS_HOST as CLI_DEFAULT
+    from consumers.runtime import METRICS_HOST
+
+    assert CLI_DEFAULT == METRICS_HOST == "127.0.0.1"
