@@ -21,6 +21,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 NO_ROUTE: Final = "none"
 """The route label of a request that reached no route: an unknown path, or a body refused before routing."""
+METHODS: Final = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+"""Methods named in the ``method`` label; any other is ``other`` (a client may send any token as a method,
+and each would be a series of its own)."""
 ERROR_BODY_BYTES: Final = 4096
 """Bytes of an error answer read for its kind: error bodies are a line of JSON."""
 
@@ -70,7 +73,8 @@ class RequestMetrics:
         try:
             await self.app(scope, receive, answer.send)
         finally:
-            route, method = route_label(scope), scope["method"]
+            route = route_label(scope)
+            method = scope["method"] if scope["method"] in METHODS else "other"
             self.seconds.labels(route, method).observe(time.perf_counter() - started)
             if answer.status is not None:  # none: the client left before any answer began
                 self.requests.labels(route, method, str(answer.status)).inc()

@@ -102,8 +102,9 @@ async def test_the_gateway_counts_requests_by_route_and_status_times_them_and_co
             await client.get(f"/admin/sessions/{session['session_id']}", headers=admin),
             await client.get("/no/such/path"),
             await client.post("/v1/chat/completions", content=b"x" * (2 * 1024 * 1024), headers=key),
+            await client.request("PROPFIND", "/v1/models"),  # WebDAV: the HTTP parser takes it
         ]
-        assert [a.status_code for a in answers] == [200, 400, 401, 200, 404, 413]
+        assert [a.status_code for a in answers] == [200, 400, 401, 200, 404, 413, 405]
         found = await asyncio.to_thread(samples, metrics_port)
 
     def requests(route: str, method: str, status: int) -> float | None:
@@ -118,6 +119,7 @@ async def test_the_gateway_counts_requests_by_route_and_status_times_them_and_co
     assert not [name for name in found if session["session_id"] in name]
     assert requests("none", "GET", 404) == 1  # no route: one series for every unknown path
     assert requests("none", "POST", 413) == 1  # refused before routing, by the body bound
+    assert requests("/v1/models", "other", 405) == 1  # any method a client makes up: one series
     assert found["turnstile_gateway_request_seconds_count{method=POST,route=/v1/chat/completions}"] == 3
     assert found["turnstile_gateway_request_seconds_sum{method=POST,route=/v1/chat/completions}"] > 0
     errors = {name: n for name, n in found.items() if name.startswith("turnstile_gateway_errors_total")}
@@ -126,6 +128,7 @@ async def test_the_gateway_counts_requests_by_route_and_status_times_them_and_co
         "turnstile_gateway_errors_total{kind=invalid_api_key,route=/v1/chat/completions}": 1,
         "turnstile_gateway_errors_total{kind=not_found,route=none}": 1,
         "turnstile_gateway_errors_total{kind=request_too_large,route=none}": 1,
+        "turnstile_gateway_errors_total{kind=invalid_request_error,route=/v1/models}": 1,  # the 405
     }
     served = [n for name, n in found.items() if name.startswith("turnstile_gateway_policy_version_served")]
     assert served == [0]  # the consumer's version, under its policy's label
