@@ -107,12 +107,14 @@ class _Answer:
 
 
 def route_label(scope: Scope) -> str:
-    """The template of the route that answered (``/v1/chat/completions``, ``/admin/sessions/{session_id}``),
-    a mounted app's prefix (``/ui``), or ``NO_ROUTE``."""
+    """The template of the route that answered (``/v1/chat/completions``, ``/admin/sessions/{session_id}``,
+    ``/ui/episodes/{episode_id}`` in the mounted episode browser), a mounted app's prefix when it answered
+    before its routes (``/ui``: the admin key's refusal), or ``NO_ROUTE``."""
     route = scope.get("route")
     path = getattr(route, "path", None)
-    if not isinstance(path, str):
-        return NO_ROUTE
+    root = scope.get("root_path", "")
     if isinstance(route, Mount):
-        return path or NO_ROUTE
-    return f"{scope.get('root_path', '')}{path}"
+        return route.path or NO_ROUTE
+    if isinstance(path, str):
+        return f"{root}{path}"
+    return root or NO_ROUTE

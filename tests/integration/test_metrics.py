@@ -33,7 +33,7 @@ from pipeline.dev.embedded import free_port
 from pipeline.episodes import EpisodeOutcome
 from pipeline.runners import RunStats
 from pipeline.training import StepRecord, TrainerStats
-from tests.conftest import Servers
+from tests.conftest import Servers, login_url
 from tests.support.backends import RuleBackend, calculator_rule
 from tests.support.serving import serving
 from tests.support.waiting import wait_until
@@ -55,14 +55,17 @@ def samples(port: int) -> dict[str, float]:
 
 
 @contextlib.asynccontextmanager
-async def gateway_service(servers: Servers, database_url: str) -> AsyncIterator[tuple[str, int]]:
+async def gateway_service(
+    servers: Servers, database_url: str, ui_reader_url: str | None = None
+) -> AsyncIterator[tuple[str, int]]:
     """``serve_gateway`` (the service ``turnstile serve gateway`` runs) with its metrics on a free port, in
-    front of a scripted inference consumer of a policy of its own: (its URL, its metrics port)."""
+    front of a scripted inference consumer of a policy of its own (``ui_reader_url``: with the episode
+    browser at /ui): (its URL, its metrics port)."""
     policy = f"metrics-{uuid.uuid4().hex[:8]}"
     metrics_port = free_port()
     config = GatewayConfig(
         database_url, servers.nats_url, admin_key=ADMIN, policy_default=policy, port=0,
-        metrics_port=metrics_port, max_body_bytes=1024 * 1024,
+        metrics_port=metrics_port, max_body_bytes=1024 * 1024, ui_reader_url=ui_reader_url,
     )  # fmt: skip
     stop = asyncio.Event()
     ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -88,10 +91,11 @@ async def open_session(client: httpx.AsyncClient) -> tuple[dict[str, Any], dict[
 
 
 async def test_the_gateway_counts_requests_by_route_and_status_times_them_and_counts_errors_by_kind(
-    servers: Servers, database_url: str
+    servers: Servers, database_url: str, logins: dict[str, tuple[str, str]]
 ) -> None:
+    reader = login_url(database_url, logins["turnstile_reader"])
     async with (
-        gateway_service(servers, database_url) as (url, metrics_port),
+        gateway_service(servers, database_url, reader) as (url, metrics_port),
         httpx.AsyncClient(base_url=url, timeout=60) as client,
     ):
         session, key = await open_session(client)
@@ -104,8 +108,10 @@ async def test_the_gateway_counts_requests_by_route_and_status_times_them_and_co
             await client.get("/no/such/path"),
             await client.post("/v1/chat/completions", content=b"x" * (2 * 1024 * 1024), headers=key),
             await client.request("PROPFIND", "/v1/models"),  # WebDAV: the HTTP parser takes it
+            await client.get("/ui/episodes"),  # the episode browser, without the admin key
+            await client.get("/ui/episodes", auth=("admin", ADMIN)),
         ]
-        assert [a.status_code for a in answers] == [200, 400, 401, 200, 404, 413, 405]
+        assert [a.status_code for a in answers] == [200, 400, 401, 200, 404, 413, 405, 401, 200]
         found = await asyncio.to_thread(samples, metrics_port)
 
     def requests(route: str, method: str, status: int) -> float | None:
@@ -121,6 +127,8 @@ async def test_the_gateway_counts_requests_by_route_and_status_times_them_and_co
     assert requests("none", "GET", 404) == 1  # no route: one series for every unknown path
     assert requests("none", "POST", 413) == 1  # refused before routing, by the body bound
     assert requests("/v1/models", "other", 405) == 1  # any method a client makes up: one series
+    assert requests("/ui", "GET", 401) == 1  # refused by the browser's guard, before its routes
+    assert requests("/ui/episodes", "GET", 200) == 1
     assert found["turnstile_gateway_request_seconds_count{method=POST,route=/v1/chat/completions}"] == 3
     assert found["turnstile_gateway_request_seconds_sum{method=POST,route=/v1/chat/completions}"] > 0
     errors = {name: n for name, n in found.items() if name.startswith("turnstile_gateway_errors_total")}
@@ -130,6 +138,7 @@ async def test_the_gateway_counts_requests_by_route_and_status_times_them_and_co
         "turnstile_gateway_errors_total{kind=not_found,route=none}": 1,
         "turnstile_gateway_errors_total{kind=request_too_large,route=none}": 1,
         "turnstile_gateway_errors_total{kind=invalid_request_error,route=/v1/models}": 1,  # the 405
+        "turnstile_gateway_errors_total{kind=http_401,route=/ui}": 1,  # a page, not a JSON error
     }
     served = [n for name, n in found.items() if name.startswith("turnstile_gateway_policy_version_served")]
     assert served == [0]  # the consumer's version, under its policy's label
