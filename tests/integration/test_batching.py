@@ -17,6 +17,7 @@ import pytest
 
 from pipeline.errors import ConfigError
 from pipeline.inference.backends import Generation
+from pipeline.inference.backends.steps import Plan, Row
 from pipeline.inference.backends.torch_backend import TorchBackend
 from schemas import ChatMessage, LLMRequest, SamplingParams
 from tests.support.reference import recomputed_logprobs
@@ -191,3 +192,26 @@ async def test_a_weight_swap_waits_for_the_running_requests_and_newcomers_get_th
 def test_a_step_too_small_for_the_batch_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ConfigError, match="max_batch_tokens at least max_batch"):
         TorchBackend(tiny_model_dir, max_batch=8, max_batch_tokens=4)
+
+
+async def test_a_step_that_fails_outside_any_request_fails_its_requests_and_the_backend_serves_on(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault of the step itself (a bug, not a request's own failure: injected here, once) answers the
+    requests it held with the error instead of leaving them waiting forever; the next one is served."""
+    backend = TorchBackend(tiny_model_dir, max_batch=4)
+    real_step = backend.stepper.step
+
+    def broken_once(plan: Plan, model: Any) -> list[Row]:
+        monkeypatch.setattr(backend.stepper, "step", real_step)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(backend.stepper, "step", broken_once)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            await backend.generate(ask("first", max_tokens=8))
+        after = await backend.generate(ask("second", max_tokens=8))
+    finally:
+        await backend.close()
+    assert after.completion_token_ids
+    assert backend.running == 0

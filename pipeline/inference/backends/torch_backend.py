@@ -265,11 +265,24 @@ class TorchBackend:
                 self._waiting.append(await self._queue.get())
             async with self._swap:
                 while (plan := self._plan()) is not None:
-                    finished = await asyncio.to_thread(self.stepper.step, plan, self.model)
+                    try:
+                        finished = await asyncio.to_thread(self.stepper.step, plan, self.model)
+                    except Exception as error:  # a fault of the step's own: the consumer stays up
+                        log.exception("a batch step failed; failing the requests it held")
+                        finished = self._abandon(plan, error)
                     if self._chunked is not None and (self._chunked.done or not self._chunked.unfed):
                         self._chunked = None  # its prefill is done: it is in the batch, finished or failed
                     for row in finished:
                         self._reply(row)
+
+    def _abandon(self, plan: Plan, error: Exception) -> list[Row]:
+        """Every request of a step that failed outside any one request's work, failed with its error; the
+        batch starts again empty."""
+        rows = [*self.stepper.batch.rows, *plan.whole, *plan.forced, *([plan.chunk[0]] if plan.chunk else [])]
+        self.stepper.batch.clear()
+        for row in rows:
+            row.fail(error)
+        return rows
 
     def _plan(self) -> Plan | None:
         """The next step: the rows leaving, and the newcomers admitted within ``max_batch`` running requests
