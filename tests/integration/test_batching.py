@@ -9,18 +9,23 @@ and the logprobs of a plain forward pass over it.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from consumers.inference import InferenceConfig
 from pipeline.errors import ConfigError
 from pipeline.inference.backends import Generation
 from pipeline.inference.backends.steps import Plan, Row
 from pipeline.inference.backends.torch_backend import TorchBackend
+from pipeline.inference.client import NatsLLMClient
 from schemas import ChatMessage, LLMRequest, SamplingParams
+from tests.conftest import Servers
 from tests.support.reference import recomputed_logprobs
+from tests.support.serving import serving
 from tests.support.waiting import wait_until
 
 LONG_STORY = "Write a long story."
@@ -109,6 +114,30 @@ async def test_a_short_request_beside_a_4096_token_generation_finishes_while_tha
     assert len(generation.completion_token_ids) == 4096
     assert generation.finish_reason == "length"
     assert_exact(long_model_dir, generation)
+
+
+async def test_through_a_consumer_a_short_call_is_answered_while_a_long_one_generates(
+    servers: Servers, long_model_dir: Path
+) -> None:
+    """The user's path: two calls to one torch consumer over NATS, the second sent while the first
+    generates; its reply arrives first, and the first one still completes."""
+    policy = f"p{uuid.uuid4().hex[:8]}"
+    config = InferenceConfig(servers.nats_url, policy, model=long_model_dir, consumer_id="c")
+    client = await NatsLLMClient.connect(servers.nats_url)
+    try:
+        async with serving(config) as service:
+            backend = service.backend
+            assert isinstance(backend, TorchBackend)
+            story = ask(LONG_STORY, max_tokens=1024, temperature=0).model_copy(update={"policy": policy})
+            long = asyncio.create_task(client(story))
+            await wait_until(lambda: backend.steps >= 50, 120, "the long call to be generating")
+            short = await client(ask("hi", max_tokens=8).model_copy(update={"policy": policy}))
+            assert not long.done(), "the short call was answered while the long one generates"
+            first = await long
+    finally:
+        await client.close()
+    assert 0 < len(short.completion_token_ids) <= 8
+    assert len(first.completion_token_ids) == 1024
 
 
 async def test_a_cancelled_request_leaves_the_batch_and_the_others_are_untouched(
