@@ -168,6 +168,24 @@ async def test_a_cancelled_request_leaves_the_batch_and_the_others_are_untouched
     assert backend.running == 0
 
 
+async def test_a_long_request_leaving_takes_its_columns_with_it(tiny_model_dir: Path) -> None:
+    """A newcomer is padded to the long request's width when it joins; once the long one finishes, the
+    batch's cache shrinks to the newcomer's own length instead of carrying the padding to its end."""
+    backend = TorchBackend(tiny_model_dir, max_batch=4)
+    try:
+        # greedy, both run to their budgets (no end-of-message token on these prompts)
+        long = asyncio.create_task(backend.generate(ask("old", max_tokens=240, temperature=0)))
+        await wait_until(lambda: backend.steps >= 120, 60, "the long request to be half-way")
+        later = asyncio.create_task(backend.generate(ask("hi", max_tokens=400, temperature=0)))
+        generation = await long
+        widest = len(generation.prompt_token_ids) + len(generation.completion_token_ids)
+        assert not later.done()
+        await wait_until(lambda: 0 < backend.stepper.batch.width < widest - 60, 60, "the padding to go")
+        await later
+    finally:
+        await backend.close()
+
+
 async def test_no_more_than_max_batch_requests_run_at_once(tiny_model_dir: Path) -> None:
     backend = TorchBackend(tiny_model_dir, max_batch=2)
     seen: list[int] = []
