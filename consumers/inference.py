@@ -44,6 +44,10 @@ class InferenceConfig:
     consumer_id: str = ""
     max_in_flight: int = 1024
     max_batch: int = 16
+    """torch backend: requests running at once (continuous batching)."""
+    max_batch_tokens: int = 2048
+    """torch backend: tokens fed in one step (a token per running request plus prefill; a longer prompt
+    is prefilled in chunks)."""
     heartbeat_interval: float = 5.0
     held_tokens: int = DEFAULT_BUDGET_TOKENS
     metrics_port: int | None = None  # /metrics and /health over HTTP (0: a free port)
@@ -81,7 +85,9 @@ def create_backend(config: InferenceConfig) -> Backend:
     from pipeline.inference.backends.torch_backend import TorchBackend
 
     script = Script.load(config.script) if config.script is not None else None
-    return TorchBackend(config.model, max_batch=config.max_batch, script=script)
+    return TorchBackend(
+        config.model, max_batch=config.max_batch, max_batch_tokens=config.max_batch_tokens, script=script
+    )
 
 
 class RequestSubscriptions:

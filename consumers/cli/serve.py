@@ -53,7 +53,15 @@ def inference(
     consumer_id: str = typer.Option(
         "", help="this consumer's id in sticky subjects \\[default: host-pid-random]"
     ),
-    max_batch: int = typer.Option(16, help="torch backend: requests batched together"),
+    max_batch: int = typer.Option(
+        16, min=1, help="torch backend: requests running at once (they join and leave at token boundaries)"
+    ),
+    max_batch_tokens: int = typer.Option(
+        2048,
+        min=1,
+        help="torch backend: tokens fed to the model in one step, a token per running request plus prefill "
+        "(a longer prompt is prefilled in chunks between decode steps); at least --max-batch",
+    ),
     held_tokens: int = typer.Option(
         DEFAULT_BUDGET_TOKENS,
         min=0,
@@ -81,6 +89,7 @@ def inference(
         model=model_dir,
         consumer_id=consumer_id,
         max_batch=max_batch,
+        max_batch_tokens=max_batch_tokens,
         held_tokens=held_tokens,
         metrics_port=metrics_port,
         metrics_host=metrics_host,

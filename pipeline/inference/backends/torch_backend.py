@@ -1,9 +1,15 @@
-"""A transformers causal LM served with torch (CPU or GPU), several requests batched together.
+"""A transformers causal LM served with torch (CPU or GPU), requests batched continuously.
 
-Requests that arrive while a batch runs wait and form the next batch (static batching). Each batch is a
-left-padded prefill and a decode loop over the KV cache; every row samples with its own temperature,
-top-p, top-k, seed, stop strings and max_tokens. Logprobs are ``log_softmax`` of the raw logits, before
-temperature or truncation, as vLLM reports them.
+Requests join and leave the running batch at token boundaries (continuous batching). Each step of the
+scheduler is one decode forward pass over the batch (a token for every running request) and, in the same
+step, the prefill of the requests admitted: all of a newcomer's prompt when it fits the step's token budget
+(``max_batch_tokens``, decode tokens included), else a chunk of it per step until it is done. A prefilled
+request joins the batch's shared KV cache (``ragged.RaggedBatch``: one transformers ``DynamicCache``,
+right-aligned rows, left padding masked); a finished one leaves it at once and its reply goes out, while the
+others go on. At most ``max_batch`` requests run at once (prefilling included); the rest wait in order.
+Every row samples with its own temperature, top-p, top-k, seed, stop strings and token budget
+(``max_tokens``, cut to the context). Logprobs are ``log_softmax`` of the raw logits, before temperature or
+truncation, as vLLM reports them, and a row's logits in the batch are those of a forward pass over it alone.
 
 A model whose every layer attends within a sliding window (``turnstile model init-long``) is run on the tail
 of each prompt only: the logits at a position depend on at most ``layers * (window - 1)`` tokens before it
@@ -12,53 +18,49 @@ pass over the whole prompt at a cost that does not grow with the prompt.
 
 With a ``Script`` (``--script FILE``) the backend does not sample: the first matching rule's reply text,
 as the tokenizer's ids, is the completion, scored by one forward pass over prompt + completion (teacher
-forcing) — what the engine would have returned had it sampled that text.
+forcing) — what the engine would have returned had it sampled that text. Such a request is scored in the
+step that admits it and never joins the batch.
 
-A new policy version goes in between batches: the batch running finishes on the old weights and its replies
-carry the old version, every later batch runs on the new ones. Its weights are copied into the model in
-place when the checkpoint is the same model with other values (``weights.in_place_refusal``); otherwise
-(another shape or configuration) a whole new model is loaded from the checkpoint, logged and counted in
-``restarts``.
+A new policy version goes in when no request is running, so no request mixes two versions: once the new
+weights are read from disk, admission pauses, the requests running finish on the old weights (their replies
+carry the old version), the weights change, and admission resumes on the new ones (what vLLM does too).
+Its weights are copied into the model in place when the checkpoint is the same model with other values
+(``weights.in_place_refusal``); otherwise (another shape or configuration) a whole new model is loaded from
+the checkpoint, logged and counted in ``restarts``.
+
+A request whose caller stops waiting (its task cancelled: the consumer stops, the requester went away)
+leaves the batch at the next step; the others are not touched.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import random
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pipeline.errors import ConfigError
 from pipeline.inference.backends import Generation
+from pipeline.inference.backends.steps import Plan, Row, Stepper
 from pipeline.inference.backends.weights import in_place_refusal, read_weights, state_refusal
 from pipeline.inference.chat import ChatRenderer, token_bytes
 from pipeline.inference.client import RequestRejected
 from pipeline.inference.script import Script, describe
-from schemas import FinishReason, LLMRequest, SamplingParams
+from schemas import FinishReason, LLMRequest
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(slots=True)
-class _Row:
-    request: LLMRequest
-    prompt: list[int]
-    prefix_break: bool
-    render_drift: bool | None
-    future: asyncio.Future[Generation]
-    forced: tuple[list[int], FinishReason] | None = None
-    """The scripted completion and how it ends (teacher forcing); None: sample."""
-    completion: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    started_at: float = 0.0
-    first_token_at: float = 0.0
+DEFAULT_MAX_BATCH = 16
+DEFAULT_MAX_BATCH_TOKENS = 2048
+"""Tokens one step feeds the model (a token per running request, plus prefill): a newcomer's prompt longer
+than what is left is prefilled in chunks over several steps, so no step stalls the batch for long."""
 
 
 def attention_reach(config: Any) -> int | None:
@@ -82,15 +84,24 @@ class TorchBackend:
         *,
         device: str | None = None,
         dtype: torch.dtype = torch.float32,
-        max_batch: int = 16,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         policy_version: int = 0,
         script: Script | None = None,
         in_place: bool = True,
     ) -> None:
-        """``in_place=False``: every version loaded as a whole new model (the fallback; a baseline)."""
+        """``max_batch``: requests running at once; ``max_batch_tokens``: tokens fed in one step (at least
+        ``max_batch``, so a step always has room for a chunk of a newcomer's prompt). ``in_place=False``:
+        every version loaded as a whole new model (the fallback; a baseline)."""
+        if max_batch < 1 or max_batch_tokens < max_batch:
+            raise ConfigError(
+                f"max_batch must be 1 or more and max_batch_tokens at least max_batch, got {max_batch} and "
+                f"{max_batch_tokens}"
+            )
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = dtype
         self.max_batch = max_batch
+        self.max_batch_tokens = max_batch_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.model = load_model(model_dir, self.device, dtype)
         self.policy_version = policy_version
@@ -107,12 +118,26 @@ class TorchBackend:
         self.renderer = ChatRenderer(self.tokenizer, stop_ids=self.eos_ids)  # the glue knows what we stop on
         for problem in self.renderer.diagnose():
             log.warning("chat template %s: %s", self.renderer.template_id, problem)
-        self.pad_id = (
-            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
-        )
-        self._queue: asyncio.Queue[_Row] = asyncio.Queue()
-        self._swap = asyncio.Lock()  # held while a batch runs; a weight swap waits for it
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.stepper = Stepper(self.device, pad_id, self._finished)
+        self._queue: asyncio.Queue[Row] = asyncio.Queue()
+        self._waiting: deque[Row] = deque()
+        self._chunked: Row | None = None
+        """The row whose prompt is being prefilled in chunks (one at a time, in arrival order)."""
+        self._swap = asyncio.Lock()  # held while any request runs; a weight swap waits for it
+        self._swaps_waiting = 0
+        """Weight swaps ready and waiting for the running requests to finish: no admission meanwhile."""
         self._worker: asyncio.Task[None] | None = None
+
+    @property
+    def steps(self) -> int:
+        """Decode steps run so far: a running request gains one token per step."""
+        return self.stepper.steps
+
+    @property
+    def running(self) -> int:
+        """Requests in the batch or being prefilled."""
+        return len(self.stepper.batch) + (self._chunked is not None)
 
     def _eos_ids(self) -> list[int]:
         ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
@@ -130,15 +155,22 @@ class TorchBackend:
                 "policy's engine returned",
             )
         prompt = self.renderer.prompt(request)
-        if len(prompt.token_ids) >= self.context_length:
+        length = len(prompt.token_ids)
+        if length >= self.context_length:
             raise RequestRejected(
-                "messages",
-                f"the prompt is {len(prompt.token_ids)} tokens; the model's context is {self.context_length}",
+                "messages", f"the prompt is {length} tokens; the model's context is {self.context_length}"
             )
-        future = asyncio.get_running_loop().create_future()
-        row = _Row(request, prompt.token_ids, prompt.prefix_break, prompt.render_drift, future)
+        row = Row(
+            request,
+            prompt.token_ids,
+            start=self._tail_start(length),
+            budget=min(request.sampling.max_tokens, self.context_length - length),
+            prefix_break=prompt.prefix_break,
+            render_drift=prompt.render_drift,
+            future=asyncio.get_running_loop().create_future(),
+        )
         if self.script is not None:
-            row.forced = self._scripted(request, len(prompt.token_ids))
+            row.forced = self._scripted(request, length)
         if self._worker is None:
             self._worker = asyncio.create_task(self._run(), name="torch-backend-batches")
         await self._queue.put(row)
@@ -172,14 +204,15 @@ class TorchBackend:
         return token_bytes(self.tokenizer, token_id)
 
     async def load_version(self, version: int, checkpoint: str) -> None:
-        """The checkpoint's weights, read from disk while batches run, then swapped in between two batches."""
+        """The checkpoint's weights, read from disk while requests run, then swapped in once the requests
+        running have finished (admission pauses meanwhile: no request mixes two versions)."""
         started = time.monotonic()
         refusal = (
             "in-place loading is off" if not self.in_place else in_place_refusal(self.checkpoint, checkpoint)
         )
         weights = None if refusal is not None else await asyncio.to_thread(read_weights, checkpoint)
         if weights is not None:
-            async with self._swap:  # no batch runs while the values change
+            async with self._between_requests():
                 refusal = state_refusal(self.model, weights)
                 if refusal is None:
                     await asyncio.to_thread(self._overwrite, weights)
@@ -190,7 +223,7 @@ class TorchBackend:
                 "policy version %d: loading a whole new model from %s: %s", version, checkpoint, refusal
             )
             model = await asyncio.to_thread(load_model, checkpoint, self.device, self.dtype)
-            async with self._swap:
+            async with self._between_requests():
                 self.model, self.policy_version, self.checkpoint = model, version, checkpoint
                 self.reach = attention_reach(model.config)
                 self.restarts += 1
@@ -202,6 +235,16 @@ class TorchBackend:
             how,
             time.monotonic() - started,
         )
+
+    @contextlib.asynccontextmanager
+    async def _between_requests(self) -> AsyncIterator[None]:
+        """Held when no request runs: admission pauses until the running ones finish, then resumes after."""
+        self._swaps_waiting += 1
+        try:
+            async with self._swap:
+                yield
+        finally:
+            self._swaps_waiting -= 1
 
     @torch.no_grad()
     def _overwrite(self, weights: dict[str, torch.Tensor]) -> None:
@@ -215,172 +258,105 @@ class TorchBackend:
             self._worker = None
 
     async def _run(self) -> None:
+        """The scheduler: while requests wait or run, plan a step, run it off the loop, send what finished.
+        The swap lock is held from the first admission until nothing runs (or a swap waits for it)."""
         while True:
-            batch = [await self._queue.get()]
-            while len(batch) < self.max_batch and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+            if not self._waiting:
+                self._waiting.append(await self._queue.get())
             async with self._swap:
-                version = self.policy_version
-                await self._generate_isolated(batch)
-            for row in batch:
-                if row.future.done():
-                    continue
-                row.future.set_result(
-                    Generation(
-                        prompt_token_ids=row.prompt,
-                        completion_token_ids=row.completion,
-                        completion_logprobs=row.logprobs,
-                        top_logprobs=row.top if row.request.top_logprobs is not None else None,
-                        text=self._text(row.completion),
-                        finish_reason=row.finish_reason or "length",
-                        policy_version=version,
-                        prefix_break=row.prefix_break,
-                        # the renderer continues as [*prefix ids, *new ids] unless it broke the prefix
-                        extends_prefix=row.request.prefix is not None and not row.prefix_break,
-                        render_drift=row.render_drift,
-                        chat_template=self.renderer.template_id,
-                        started_at=row.started_at,
-                        first_token_at=row.first_token_at,
-                    )
-                )
+                while (plan := self._plan()) is not None:
+                    try:
+                        finished = await asyncio.to_thread(self.stepper.step, plan, self.model)
+                    except Exception as error:  # a fault of the step's own: the consumer stays up
+                        log.exception("a batch step failed; failing the requests it held")
+                        finished = self._abandon(plan, error)
+                    if self._chunked is not None and (self._chunked.done or not self._chunked.unfed):
+                        self._chunked = None  # its prefill is done: it is in the batch, finished or failed
+                    for row in finished:
+                        self._reply(row)
 
-    async def _generate_isolated(self, batch: list[_Row]) -> None:
-        """Generate a batch; if it fails, each row again alone, so one bad request fails alone."""
-        try:
-            await asyncio.to_thread(self._generate_batch, batch, self.model)
-        except Exception as error:
-            if len(batch) == 1:
-                log.exception("request %s failed", batch[0].request.request_id)
-                if not batch[0].future.done():
-                    batch[0].future.set_exception(error)
-                return
-            log.warning("a batch of %d failed (%s); generating each request alone", len(batch), error)
-            for row in batch:
-                row.completion.clear()
-                row.logprobs.clear()
-                row.top.clear()
-                row.finish_reason = None
-                await self._generate_isolated([row])
+    def _abandon(self, plan: Plan, error: Exception) -> list[Row]:
+        """Every request of a step that failed outside any one request's work, failed with its error; the
+        batch starts again empty."""
+        rows = [*self.stepper.batch.rows, *plan.whole, *plan.forced, *([plan.chunk[0]] if plan.chunk else [])]
+        self.stepper.batch.clear()
+        for row in rows:
+            row.fail(error)
+        return rows
+
+    def _plan(self) -> Plan | None:
+        """The next step: the rows leaving, and the newcomers admitted within ``max_batch`` running requests
+        and ``max_batch_tokens`` fed (arrival order; none while a swap waits). None: nothing to do."""
+        leaving = self._leaving()
+        running = len(self.stepper.batch) - len(leaving) + (self._chunked is not None)
+        tokens = self.max_batch_tokens - running
+        whole: list[Row] = []
+        forced: list[Row] = []
+        admitting = not self._swaps_waiting and self._chunked is None
+        while admitting and self._waiting and running < self.max_batch:
+            row = self._waiting[0]
+            cost = row.unfed + (len(row.forced[0]) if row.forced is not None else 0)
+            if cost > tokens and (whole or forced or row.forced is None):
+                if not whole and not forced:  # more than a step holds: prefilled in chunks from now on
+                    self._chunked = self._waiting.popleft()
+                    self._chunked.version = self.policy_version
+                break  # a scripted row is scored in one pass, over the budget if it must, when alone
+            self._waiting.popleft()
+            row.version = self.policy_version
+            (forced if row.forced is not None else whole).append(row)
+            tokens -= cost
+            running += row.forced is None
+        chunk = (self._chunked, min(tokens, self._chunked.unfed)) if self._chunked is not None else None
+        if not (leaving or whole or forced or chunk or len(self.stepper.batch)):
+            return None
+        return Plan(leaving, whole, chunk, forced)
+
+    def _leaving(self) -> list[Row]:
+        """Take in the requests queued since the last step; the running ones whose caller stopped waiting
+        (they leave the batch in the next step), and forget the waiting ones that did."""
+        while not self._queue.empty():
+            self._waiting.append(self._queue.get_nowait())
+        self._waiting = deque(row for row in self._waiting if not row.future.done())
+        leaving = [row for row in self.stepper.batch.rows if row.future.done()]
+        if self._chunked is not None and self._chunked.future.done():
+            self._chunked = None  # its own cache goes with it
+        return leaving
+
+    def _reply(self, row: Row) -> None:
+        if row.future.done():
+            return  # its caller stopped waiting
+        if row.error is not None:
+            row.future.set_exception(row.error)
+            return
+        row.future.set_result(
+            Generation(
+                prompt_token_ids=row.prompt,
+                completion_token_ids=row.completion,
+                completion_logprobs=row.logprobs,
+                top_logprobs=row.top if row.request.top_logprobs is not None else None,
+                text=self._text(row.completion),
+                finish_reason=row.finish_reason or "length",
+                policy_version=row.version,
+                prefix_break=row.prefix_break,
+                # the renderer continues as [*prefix ids, *new ids] unless it broke the prefix
+                extends_prefix=row.request.prefix is not None and not row.prefix_break,
+                render_drift=row.render_drift,
+                chat_template=self.renderer.template_id,
+                started_at=row.started_at,
+                first_token_at=row.first_token_at,
+            )
+        )
 
     def _text(self, completion: list[int]) -> str:
         ids = completion[:-1] if completion and completion[-1] in self.eos_ids else completion
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
-    @torch.inference_mode()
-    def _generate_batch(self, rows: list[_Row], model: Any) -> None:
-        for row in rows:
-            if row.forced is not None:
-                self._teacher_force(row, model)
-        rows = [row for row in rows if row.forced is None]
-        if rows:
-            self._sample_batch(rows, model)
-
-    def _teacher_force(self, row: _Row, model: Any) -> None:
-        """Score the scripted completion with one forward pass over the prompt's tail + the completion."""
-        assert row.forced is not None
-        row.started_at = time.monotonic()
-        completion, finish_reason = row.forced
-        start = self._tail_start(len(row.prompt))
-        ids = [*row.prompt[start:], *completion]
-        positions = torch.arange(start, start + len(ids), device=self.device)[None]
-        logits = model(input_ids=torch.tensor([ids], device=self.device), position_ids=positions).logits[0]
-        scored = torch.log_softmax(logits[len(row.prompt) - start - 1 : -1].float(), dim=-1)
-        chosen = scored.gather(1, torch.tensor(completion, device=self.device)[:, None])[:, 0]
-        row.completion, row.logprobs = list(completion), [float(v) for v in chosen]
-        if row.request.top_logprobs is not None:
-            row.top = [_top(position, row.request.top_logprobs) for position in scored]
-        row.first_token_at = time.monotonic()
-        row.finish_reason = finish_reason
-
-    def _sample_batch(self, rows: list[_Row], model: Any) -> None:
-        """Left-padded prefill of each prompt's tail at its true positions, then a decode loop."""
-        started = time.monotonic()
-        starts = [self._tail_start(len(row.prompt)) for row in rows]
-        width = max(len(row.prompt) - start for row, start in zip(rows, starts, strict=True))
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        positions = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (row, start) in enumerate(zip(rows, starts, strict=True)):
-            row.started_at = started
-            fed = len(row.prompt) - start
-            input_ids[i, width - fed :] = torch.tensor(row.prompt[start:])
-            attention[i, width - fed :] = 1
-            positions[i, width - fed :] = torch.arange(start, len(row.prompt))
-        generators = [_generator(row.request.sampling) for row in rows]
-        budgets = [
-            min(row.request.sampling.max_tokens, self.context_length - len(row.prompt)) for row in rows
-        ]
-        cache = None
-        step_ids, step_positions = input_ids.to(self.device), positions.to(self.device)
-        attention = attention.to(self.device)
-        for _ in range(max(budgets)):
-            output = model(
-                input_ids=step_ids,
-                attention_mask=attention,
-                position_ids=step_positions,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            cache = output.past_key_values
-            logits = output.logits[:, -1, :].float()
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-            next_ids = []
-            for i, row in enumerate(rows):
-                if row.finish_reason is not None:
-                    next_ids.append(self.pad_id)
-                    continue
-                token = _sample(logits[i], row.request.sampling, generators[i])
-                row.completion.append(token)
-                row.logprobs.append(float(raw_logprobs[i, token]))
-                if row.request.top_logprobs is not None:
-                    row.top.append(_top(raw_logprobs[i], row.request.top_logprobs))
-                if len(row.completion) == 1:
-                    row.first_token_at = time.monotonic()
-                row.finish_reason = self._finished(row, budgets[i])
-                next_ids.append(token)
-            if all(row.finish_reason is not None for row in rows):
-                break
-            step_ids = torch.tensor(next_ids, device=self.device)[:, None]
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-            step_positions = step_positions[:, -1:] + 1
-
-    def _finished(self, row: _Row, budget: int) -> FinishReason | None:
+    def _finished(self, row: Row) -> FinishReason | None:
         if row.completion[-1] in self.eos_ids:
             return "stop"
         stops = row.request.sampling.stop
         if stops and any(stop in self._text(row.completion) for stop in stops):
             return "stop"
-        if len(row.completion) >= budget:
+        if len(row.completion) >= row.budget:
             return "length"
         return None
-
-
-def _top(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    """The ``k`` most likely (token id, logprob) at one position (none for k = 0)."""
-    if k == 0:
-        return []
-    best = torch.topk(logprobs, min(k, logprobs.shape[-1]))
-    return [(int(t), float(v)) for v, t in zip(best.values, best.indices, strict=True)]
-
-
-def _generator(sampling: SamplingParams) -> torch.Generator:
-    seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
-    return torch.Generator().manual_seed(seed)
-
-
-def _sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
-    if sampling.temperature == 0:
-        return int(torch.argmax(logits))
-    scores = logits.cpu() / sampling.temperature
-    if sampling.top_k is not None and sampling.top_k < scores.numel():
-        kth = torch.topk(scores, sampling.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        ordered, order = torch.sort(scores, descending=True)
-        cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
-        drop = (
-            cumulative - torch.softmax(ordered, dim=-1) >= sampling.top_p
-        )  # keep the token that crosses top_p
-        scores = scores.scatter(0, order[drop], float("-inf"))
-    probabilities = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probabilities, 1, generator=generator))
