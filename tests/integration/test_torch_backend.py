@@ -116,6 +116,16 @@ async def test_concurrent_episodes_over_two_torch_consumers_continue_token_exact
         torch_consumer(servers, policy, tiny_model_dir, "t1"),
         torch_consumer(servers, policy, tiny_model_dir, "t2"),
     ):
+        # both in the queue group before the episodes start: on a loaded machine the second consumer's
+        # subscription can reach the server after a burst of first calls, which then all go to the first
+        seen: set[str] = set()
+
+        async def both_answer() -> bool:
+            reply = await client(ask("warm-up", policy=policy, episode=f"w{uuid.uuid4().hex}", max_tokens=1))
+            seen.add(reply.consumer_id)
+            return seen == {"t1", "t2"}
+
+        await wait_until(both_answer, 120, "both consumers answering in the queue group", every=0)
 
         async def episode(index: int) -> list[str]:
             episode_id = f"e{index}"
