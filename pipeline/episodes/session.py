@@ -27,9 +27,9 @@ from pipeline.episodes.lineage import reply_changes, restored_call, schemas_by_n
 from pipeline.episodes.openai_client import episode_openai_client
 from pipeline.episodes.refusals import InvalidLLMCall, MaxTurnsExceeded
 from pipeline.episodes.reply import ChatReply
-from pipeline.errors import TurnstileError, describe_validation_error
+from pipeline.errors import TurnstileError, WrongExpectedVersion, describe_validation_error
 from pipeline.inference import InferenceError, LLMClient, PrefixUnknown
-from pipeline.log import AppendResult, Store
+from pipeline.log import AppendResult, RecordedEvent, Store
 from schemas import (
     ChatMessage,
     EpisodeFinished,
@@ -151,7 +151,7 @@ class EpisodeSession:
         self._contexts: list[_Context] = []
         self._version = 0
         self._lock = asyncio.Lock()
-        self._appends: set[asyncio.Task[AppendResult]] = set()
+        self._appends: set[asyncio.Task[AppendResult | None]] = set()
         self._started_at = time.monotonic()
         self._calls = 0
         self._sampling_defaults = self.started.sampling.model_dump()
@@ -164,6 +164,96 @@ class EpisodeSession:
         """Turns recorded as not yet delivered (``TurnCompleted.delivered`` False)."""
         self._delivered: list[uuid.UUID] = []
         """Turns handed to a live client since the last append, recorded with the next (``TurnDelivered``)."""
+        self.shared = False
+        """The stream is written by other sessions too (gateway replicas, ``from_log``): a lost append whose
+        stream moved on by deliveries only is made again (``_only_deliveries_since``)."""
+
+    @classmethod
+    def from_log(
+        cls,
+        store: Store,
+        llm: LLMClient,
+        recorded: Sequence[RecordedEvent],
+        *,
+        max_turns: int | None = None,
+        runner_id: str | None = None,
+    ) -> EpisodeSession:
+        """The session of an episode recorded elsewhere (another gateway replica), from its stream as read:
+        what a call needs to continue it (its turns as conversations that later turns extend token-exactly,
+        the tool calls it made, its version for the next append) is rebuilt from the events themselves."""
+        if not recorded or not isinstance(recorded[0].event, EpisodeStarted):
+            raise TurnstileError(
+                f"{recorded[0].stream if recorded else 'the stream'} holds no EpisodeStarted"
+            )
+        started = recorded[0].event
+        session = cls(
+            store,
+            llm,
+            policy=started.policy,
+            task=started.task,
+            task_id=started.task_id,
+            agent=started.agent,
+            episode_id=started.episode_id,
+            group_id=started.group_id,
+            group_size=started.group_size,
+            sampling=started.sampling,
+            tags=started.tags,
+            retry_of=started.retry_of,
+            max_turns=max_turns,
+            runner_id=runner_id,
+        )
+        session.started = started
+        session.shared = True
+        session._started_at -= max(0.0, time.time() - recorded[0].recorded_at.timestamp())
+        session._apply(recorded)
+        return session
+
+    async def refresh(self) -> None:
+        """Catch up with what others appended to the stream since this session last wrote or read it (one
+        read of the events after its version, usually none): gateway replicas serve one session in turns."""
+        async with self._lock:
+            self._apply(await self.store.read_stream(self.stream, after_version=self._version))
+
+    def _apply(self, recorded: Sequence[RecordedEvent]) -> None:
+        """Take in events recorded by another writer, in stream order, as if this session had written them."""
+        by_id = {context.turn.turn_id: context for context in self._contexts}
+        for record in recorded:
+            if record.version <= self._version:
+                continue
+            self._version = record.version
+            event = record.event
+            if event is None:
+                continue  # a type this reader does not know: kept in the log, nothing to continue from
+            self.events.append(event)
+            if isinstance(event, TurnDelivered):
+                self._awaiting.difference_update(event.turn_ids)
+            elif isinstance(event, TurnCompleted):
+                context = recorded_context(event, by_id.get(event.parent_turn_id or uuid.UUID(int=0)))
+                by_id[event.turn_id] = context
+                self._contexts.append(context)
+                self.turns.append(recorded_reply(context))
+                self._minted.update((call.id, (event.turn_id, call)) for call in event.reply.tool_calls)
+                self._calls += 1
+                if event.delivered is False:
+                    self._awaiting.add(event.turn_id)
+
+    def undelivered_turn(
+        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec]
+    ) -> ChatReply | None:
+        """The recorded turn, still awaiting delivery, whose conversation is exactly ``messages`` and
+        ``tools``: a call retried after the gateway that recorded it stopped before handing the reply over
+        (answered from this turn, not generated and recorded again)."""
+        if not self._awaiting:
+            return None
+        for context, reply in zip(reversed(self._contexts), reversed(self.turns), strict=False):
+            if (
+                context.turn.turn_id in self._awaiting
+                and context.tools == list(tools)
+                and len(context.messages) == len(messages)
+                and all(map(same_message, messages, context.messages))
+            ):
+                return reply
+        return None
 
     @property
     def policy(self) -> str:
@@ -543,7 +633,13 @@ class EpisodeSession:
                     changes += found
         return TurnEdit(turn_id=edited, changes=changes) if edited is not None else None
 
-    async def _append(self, events: list[Event]) -> AppendResult:
+    async def record_delivered(self) -> None:
+        """Record the deliveries ``mark_delivered`` noted now, in an append of their own (gateway replicas:
+        the session's next event may be written by another replica, which does not know of them)."""
+        if self._delivered and not self.finished:
+            await self._append([])
+
+    async def _append(self, events: list[Event]) -> AppendResult | None:
         # Shielded: if the agent is cancelled while its turn is being appended, the append still completes
         # (and `finish` waits for it), so the stream's expected version stays right.
         task = asyncio.create_task(self._append_in_order(events))
@@ -551,17 +647,86 @@ class EpisodeSession:
         task.add_done_callback(self._appends.discard)
         return await asyncio.shield(task)
 
-    async def _append_in_order(self, events: list[Event]) -> AppendResult:
+    async def _append_in_order(self, events: list[Event]) -> AppendResult | None:
         async with self._lock:
-            if self._delivered:
-                events = [TurnDelivered(turn_ids=list(self._delivered)), *events]
-            metadata = {RUNNER_METADATA: self.runner_id} if self.runner_id and not self._version else None
-            result = await self.store.append(self.stream, events, self._version, metadata=metadata)
-            self._version = result.version
-            self.events.extend(events)
-            if isinstance(events[0], TurnDelivered):
-                del self._delivered[: len(events[0].turn_ids)]
-            return result
+            while True:
+                written = (
+                    [TurnDelivered(turn_ids=list(self._delivered)), *events] if self._delivered else events
+                )
+                if not written or (not events and self.finished):
+                    return None  # deliveries only, and nothing left to record them in
+                metadata = {RUNNER_METADATA: self.runner_id} if self.runner_id and not self._version else None
+                try:
+                    result = await self.store.append(self.stream, written, self._version, metadata=metadata)
+                except WrongExpectedVersion:
+                    if not await self._only_deliveries_since(annotations_only=not events):
+                        raise
+                    continue
+                self._version = result.version
+                self.events.extend(written)
+                if isinstance(written[0], TurnDelivered):
+                    del self._delivered[: len(written[0].turn_ids)]
+                return result
+
+    async def _only_deliveries_since(self, *, annotations_only: bool) -> bool:
+        """After a lost append: caught up with the stream, whether appending again at its new version is
+        right. Another gateway replica serving the session (``from_log``) may have recorded deliveries
+        (``TurnDelivered``), which change no conversation: after them a turn is appended as it was. A
+        delivery of this session's own (``annotations_only``) may go after anything but the end. Anything
+        else (a turn, a reward, the end) moved the session on, and the write is refused."""
+        if not self.shared:
+            return False
+        moved = await self.store.read_stream(self.stream, after_version=self._version)
+        self._apply(moved)
+        if annotations_only:
+            return not self.finished
+        return bool(moved) and all(isinstance(record.event, TurnDelivered) for record in moved)
+
+
+def recorded_context(turn: TurnCompleted, parent: _Context | None) -> _Context:
+    """A recorded turn as a conversation to continue, from its parent's (``parent``: the context of its
+    ``parent_turn_id``, None for a root). A turn records what it adds: its messages after the first
+    ``prefix_messages`` of the parent's conversation, its tools unless they are the parent's."""
+    if turn.parent_turn_id is not None and parent is None:
+        raise TurnstileError(
+            f"turn {turn.turn_id} continues turn {turn.parent_turn_id}, which is not recorded before it"
+        )
+    inherited = [*parent.messages, parent.reply][: turn.prefix_messages] if parent is not None else []
+    tools = parent.tools if parent is not None and turn.tools_from_parent else turn.request.tools
+    return _Context(
+        turn=turn,
+        messages=[*inherited, *turn.request.messages],
+        tools=list(tools),
+        reply=ChatMessage(
+            role="assistant",
+            content=turn.reply.text,
+            tool_calls=turn.reply.tool_calls or None,
+            reasoning_content=turn.reply.reasoning,
+        ),
+        parent=parent if turn.prefix_tokens else None,
+        length=turn.prefix_tokens + len(turn.prompt_token_ids) + len(turn.completion_token_ids),
+        tokens_key=None,  # which consumer holds the tokens is not recorded: the next call sends them
+    )
+
+
+def recorded_reply(context: _Context) -> ChatReply:
+    """What ``chat`` returned for a recorded turn (without the per-token alternatives, which are not
+    recorded)."""
+    turn = context.turn
+    return ChatReply(
+        turn_id=turn.turn_id,
+        text=turn.reply.text,
+        tool_calls=list(turn.reply.tool_calls),
+        finish_reason=turn.reply.finish_reason,
+        prompt_ids=context.prompt_ids,
+        completion_token_ids=turn.completion_token_ids,
+        completion_logprobs=turn.completion_logprobs,
+        policy_version=turn.policy_version,
+        reasoning=turn.reply.reasoning,
+        parent_turn_id=turn.parent_turn_id,
+        prefix_tokens=turn.prefix_tokens,
+        added_prompt_ids=turn.prompt_token_ids,
+    )
 
 
 def all_of(items: Sequence[object], kind: type[T]) -> TypeGuard[Sequence[T]]:

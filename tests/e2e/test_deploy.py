@@ -27,6 +27,7 @@ from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 import psycopg
 import pytest
 
@@ -40,6 +41,7 @@ from pipeline.batches.relay import (
     read_batch_message,
 )
 from pipeline.dev.embedded import EmbeddedPostgres, free_port
+from pipeline.gateway.shared import BUCKET, SharedRecord, SharedSessions
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.db import create_engine
@@ -83,8 +85,8 @@ def test_every_compose_command_parses_with_the_turnstile_cli() -> None:
         for args in check_compose.turnstile_invocations(service)
     }
     assert set(commands) == {
-        "migrate", "model", "inference", "inference-gpu", "materializer", "relay", "trainer", "gateway",
-        "runner", "submit", "ui",
+        "migrate", "model", "inference", "inference-gpu", "materializer", "relay", "trainer", "gateway-1",
+        "gateway-2", "runner", "submit", "ui",
     }  # fmt: skip
     assert commands["model"] == ["model", "init-tiny", "/models/.tiny-build"]
     for args in {tuple(args[: 2 if args[0] in ("serve", "model") else 1]) for args in commands.values()}:
@@ -104,7 +106,7 @@ def test_the_compose_check_finds_what_is_wrong() -> None:
     services["runner"]["command"] = [a.replace("--agent", "--agnet") for a in services["runner"]["command"]]
     services["trainer"]["command"] = ["serve", "trainer", "--policy", "p"]
     services["relay"]["environment"]["TURNSTILE_NATS_URL"] = "nats://stranger:pw@nats:4222"
-    services["gateway"]["environment"]["TURNSTILE_DATABASE_URL"] = (
+    services["gateway-1"]["environment"]["TURNSTILE_DATABASE_URL"] = (
         "postgresql://stranger:pw@postgres/turnstile"
     )
     services["materializer"]["depends_on"] = {"migrations": {"condition": "service_completed_successfully"}}
@@ -113,7 +115,7 @@ def test_the_compose_check_finds_what_is_wrong() -> None:
     assert "service runner: `turnstile serve runner`: No such option: --agnet" in found
     assert "service trainer: `turnstile serve trainer`: Missing option '--model'" in found
     assert "service relay: NATS user 'stranger' is not in deploy/nats.conf" in found
-    assert "service gateway: PostgreSQL user 'stranger' is not made by deploy/postgres-init.sql" in found
+    assert "service gateway-1: PostgreSQL user 'stranger' is not made by deploy/postgres-init.sql" in found
     assert "service materializer: depends on 'migrations', which is no service" in found
     assert "service nats: nats.conf reads TURNSTILE_TRAINER_PASSWORD" in found
     with pytest.raises(check_compose.ComposeError, match="TURNSTILE_X is required: say so"):
@@ -176,6 +178,29 @@ async def test_runners_use_the_task_queue_and_the_gateway_only_sends_requests(
 
     await gateway.nc.publish(f"tasks.{policy}", b"{}")
     assert await gateway.refused("publish", f"tasks.{policy}")
+
+
+async def test_only_the_gateway_reaches_the_bucket_its_replicas_share(
+    connect: Callable[[str], Awaitable[Connected]],
+) -> None:
+    gateway = await connect("gateway")
+    shared = await SharedSessions.open(jetstream(gateway.nc))  # made by the first gateway, with its login
+    record = SharedRecord(f"deploy-{uuid.uuid4().hex}", uuid.uuid4().hex * 2, max_turns=3)
+    await shared.add(record)
+    assert await shared.get(record.digest) == record
+    assert record.session_id in {found.session_id for found in await shared.open_sessions()}
+    await shared.end(record, "done")
+    assert (await shared.get(record.digest) or record).ended == "done"
+    assert await shared.open_session(record.session_id) is None
+    assert gateway.errors == []
+
+    for role in ("runner", "relay", "trainer", "inference"):
+        other = await connect(role)
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.Error)):
+            await SharedSessions.open(jetstream(other.nc, timeout=1.0))
+        await other.nc.publish(f"$KV.{BUCKET}.key.{record.digest}", b"{}")
+        assert await other.refused("publish", f"$KV.{BUCKET}.key.{record.digest}")
+    assert (await shared.get(record.digest) or record).ended == "done"  # nothing forged
 
 
 async def test_a_runner_request_is_answered_by_an_inference_consumer_with_heartbeats(
