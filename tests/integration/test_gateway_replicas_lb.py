@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from consumers.inference import InferenceConfig
 from pipeline.log import EventStore
@@ -28,6 +29,8 @@ from tests.support.backends import Generation, RuleBackend, calculator_rule
 from tests.support.load_balancer import haproxy
 from tests.support.serving import serving
 from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.slow  # two gateway processes start (about 20 s on an idle machine)
 
 ADMIN = "admin-" + uuid.uuid4().hex
 QUESTIONS = ["What is 2 + 2?", "What is 3 + 4?", "What is 5 + 6?"]
@@ -55,18 +58,14 @@ class HeldBackend(RuleBackend):
 
 @contextlib.asynccontextmanager
 async def replicas_behind_haproxy(
-    servers: Servers, policy: str, directory: Path
+    database_url: str, nats_url: str, policy: str, directory: Path
 ) -> AsyncIterator[tuple[str, list[tuple[str, int]]]]:
     """Two gateway processes and HAProxy in front: the balancer's URL, and each replica's URL and pid."""
     pids: list[int] = []
     shared = ("--shared-sessions",)
     async with (
-        gateway_process(
-            servers.database_url, servers.nats_url, policy, ADMIN, pids=pids, options=shared
-        ) as one,
-        gateway_process(
-            servers.database_url, servers.nats_url, policy, ADMIN, pids=pids, options=shared
-        ) as two,
+        gateway_process(database_url, nats_url, policy, ADMIN, pids=pids, options=shared) as one,
+        gateway_process(database_url, nats_url, policy, ADMIN, pids=pids, options=shared) as two,
         haproxy([one.removeprefix("http://"), two.removeprefix("http://")], directory) as balancer,
     ):
         yield balancer, list(zip([one, two], pids, strict=True))
@@ -89,14 +88,14 @@ async def listed_by(url: str) -> set[str]:
 
 
 async def test_killing_the_replica_that_holds_a_call_loses_no_turn(
-    servers: Servers, store: EventStore, tmp_path: Path
+    servers: Servers, database_url: str, store: EventStore, tmp_path: Path
 ) -> None:
     policy = new_policy()
     backend = HeldBackend()
     config = InferenceConfig(servers.nats_url, policy, backend="scripted", heartbeat_interval=0.5)
     async with (
         serving(config, backend),
-        replicas_behind_haproxy(servers, policy, tmp_path) as (url, replicas),
+        replicas_behind_haproxy(database_url, servers.nats_url, policy, tmp_path) as (url, replicas),
         httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}) as admin,
     ):
         created = await admin.post("/admin/sessions", json={"task": {"q": QUESTIONS}}, timeout=30)
