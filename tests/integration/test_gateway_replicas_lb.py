@@ -6,12 +6,8 @@ recorded once, in one token-exact lineage."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import os
-import signal
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +20,9 @@ from pipeline.log import EventStore
 from schemas import EpisodeFinished, LLMRequest, TurnDelivered
 from tests.conftest import Servers
 from tests.integration.test_gateway import assert_token_exact_child, events_of, new_policy, turns_of
-from tests.support.agent_gateway import gateway_process, lineages
+from tests.support.agent_gateway import lineages
 from tests.support.backends import Generation, RuleBackend, calculator_rule
-from tests.support.load_balancer import haproxy
+from tests.support.load_balancer import Replica, gateway_replicas, kill_holding_replica, sessions_held
 from tests.support.serving import serving
 from tests.support.waiting import wait_until
 
@@ -56,37 +52,6 @@ class HeldBackend(RuleBackend):
         return await super().generate(request)
 
 
-@contextlib.asynccontextmanager
-async def replicas_behind_haproxy(
-    database_url: str, nats_url: str, policy: str, directory: Path
-) -> AsyncIterator[tuple[str, list[tuple[str, int]]]]:
-    """Two gateway processes and HAProxy in front: the balancer's URL, and each replica's URL and pid."""
-    pids: list[int] = []
-    shared = ("--shared-sessions",)
-    async with (
-        gateway_process(database_url, nats_url, policy, ADMIN, pids=pids, options=shared) as one,
-        gateway_process(database_url, nats_url, policy, ADMIN, pids=pids, options=shared) as two,
-        haproxy([one.removeprefix("http://"), two.removeprefix("http://")], directory) as balancer,
-    ):
-        yield balancer, list(zip([one, two], pids, strict=True))
-
-
-async def holding_replica(replicas: list[tuple[str, int]], session_id: str) -> tuple[str, int]:
-    """The replica with a call of the session in flight (asked directly, not through the balancer)."""
-    headers = {"Authorization": f"Bearer {ADMIN}"}
-    async with httpx.AsyncClient(headers=headers, timeout=30) as http:
-        for url, pid in replicas:
-            listed = (await http.get(f"{url}/admin/sessions")).json()["data"]
-            if any(s["session_id"] == session_id and s["calls_in_flight"] for s in listed):
-                return url, pid
-    raise AssertionError("no replica holds the call")
-
-
-async def listed_by(url: str) -> set[str]:
-    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as http:
-        return {s["session_id"] for s in (await http.get(f"{url}/admin/sessions")).json()["data"]}
-
-
 async def test_killing_the_replica_that_holds_a_call_loses_no_turn(
     servers: Servers, database_url: str, store: EventStore, tmp_path: Path
 ) -> None:
@@ -95,7 +60,7 @@ async def test_killing_the_replica_that_holds_a_call_loses_no_turn(
     config = InferenceConfig(servers.nats_url, policy, backend="scripted", heartbeat_interval=0.5)
     async with (
         serving(config, backend),
-        replicas_behind_haproxy(database_url, servers.nats_url, policy, tmp_path) as (url, replicas),
+        gateway_replicas(database_url, servers.nats_url, policy, ADMIN, tmp_path) as (url, replicas),
         httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}) as admin,
     ):
         created = await admin.post("/admin/sessions", json={"task": {"q": QUESTIONS}}, timeout=30)
@@ -104,12 +69,14 @@ async def test_killing_the_replica_that_holds_a_call_loses_no_turn(
         assert session["base_url"] == f"{url}/v1"  # handed out as the client reached it: the balancer
         client = openai.AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=5)
         messages: list[dict[str, Any]] = []
-        killed: tuple[str, int] | None = None
+        killed: Replica | None = None
         for round_, question in enumerate(QUESTIONS):
             messages.append({"role": "user", "content": question})
             if round_ == 1:  # round-robin, no affinity: both replicas have served the session by now
-                for replica_url, _ in replicas:
-                    assert session["session_id"] in await listed_by(replica_url)
+                for replica in replicas:
+                    assert session["session_id"] in {
+                        s["session_id"] for s in await sessions_held(replica, ADMIN)
+                    }
 
                 async def recorded_delivered() -> bool:
                     turns = await turns_of(store, session["session_id"])
@@ -120,8 +87,7 @@ async def test_killing_the_replica_that_holds_a_call_loses_no_turn(
             call = asyncio.create_task(client.chat.completions.create(model="main", messages=messages))  # type: ignore[arg-type]
             if round_ == 1:
                 await asyncio.wait_for(backend.arrived.wait(), 60)
-                killed = await holding_replica(replicas, session["session_id"])
-                os.kill(killed[1], signal.SIGKILL)
+                killed = await kill_holding_replica(replicas, ADMIN, session["session_id"])
                 backend.release.set()
             completion = await call
             reply = completion.choices[0].message

@@ -1,5 +1,6 @@
 """Debian's HAProxy on deploy/haproxy.cfg (what docker-compose.yml runs in front of the gateway replicas), on
-a free loopback port, with the config's servers pointed at the given addresses."""
+a free loopback port, with the config's servers pointed at the given addresses; two gateway replicas behind
+it, and the replica that holds a call, to kill."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from pipeline.dev.embedded import free_port
+from tests.support.agent_gateway import gateway_process
 from tests.support.waiting import wait_until
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "haproxy.cfg"
@@ -73,3 +79,42 @@ async def haproxy(servers: list[str], directory: Path) -> AsyncIterator[str]:
         if process.returncode is None:
             process.terminate()
             await process.wait()
+
+
+@dataclass(frozen=True)
+class Replica:
+    url: str
+    pid: int
+
+
+@contextlib.asynccontextmanager
+async def gateway_replicas(
+    database_url: str, nats_url: str, policy: str, admin_key: str, directory: Path
+) -> AsyncIterator[tuple[str, list[Replica]]]:
+    """Two ``turnstile serve gateway --shared-sessions`` processes and HAProxy in front: the balancer's URL,
+    and the replicas."""
+    pids: list[int] = []
+    shared = ("--shared-sessions",)
+    async with (
+        gateway_process(database_url, nats_url, policy, admin_key, pids=pids, options=shared) as one,
+        gateway_process(database_url, nats_url, policy, admin_key, pids=pids, options=shared) as two,
+        haproxy([one.removeprefix("http://"), two.removeprefix("http://")], directory) as balancer,
+    ):
+        yield balancer, [Replica(url, pid) for url, pid in zip([one, two], pids, strict=True)]
+
+
+async def sessions_held(replica: Replica, admin_key: str) -> list[dict[str, Any]]:
+    """``GET /admin/sessions`` of one replica, asked directly (not through the balancer)."""
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {admin_key}"}, timeout=30) as http:
+        listed: list[dict[str, Any]] = (await http.get(f"{replica.url}/admin/sessions")).json()["data"]
+    return listed
+
+
+async def kill_holding_replica(replicas: list[Replica], admin_key: str, session_id: str) -> Replica:
+    """SIGKILL the replica that has a call of the session in flight; that replica."""
+    for replica in replicas:
+        held = await sessions_held(replica, admin_key)
+        if any(s["session_id"] == session_id and s["calls_in_flight"] for s in held):
+            os.kill(replica.pid, signal.SIGKILL)
+            return replica
+    raise AssertionError(f"no replica has a call of session {session_id} in flight")
