@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 TOUCH_EVERY_MAX: Final = 5.0
 """Seconds between two notes of a session's use in the bucket, at most (less with short timeouts)."""
+LIST_EVERY_MAX: Final = 60.0
+"""Seconds between two listings of every open session for the idle timeout, at most."""
 RETRY_NOW: Final = {"Retry-After": "0"}
 
 
@@ -69,6 +71,7 @@ class Replicas:
         self.llm = llm
         self.registry = registry
         self.touch_every = min([TOUCH_EVERY_MAX, *(t / 4 for t in timeouts if t)])
+        self._listed_at = float("-inf")
 
     async def share(self, entry: SessionEntry) -> None:
         """A session this replica started: in the bucket, for the others."""
@@ -171,6 +174,9 @@ class Replicas:
         """The sessions, of any replica, with no call for ``idle_timeout`` seconds and none in flight here,
         caught up with the log (the caller ends them; if another replica does too, the stream's expected
         version lets one of them through)."""
+        if time.monotonic() - self._listed_at < min(idle_timeout / 4, LIST_EVERY_MAX):
+            return []  # listed lately (the reaper runs every few seconds; the listing reads every session)
+        self._listed_at = time.monotonic()
         cutoff = time.time() - idle_timeout
         local_cutoff = time.monotonic() - idle_timeout
         async with self._reaching():

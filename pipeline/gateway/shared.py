@@ -32,7 +32,9 @@ from nats.js.kv import KeyValue
 BUCKET: Final = "GATEWAY_SESSIONS"
 KEPT_S: Final = 7 * 24 * 3600.0
 """How long the bucket keeps a key after its last write (``max_age``): ended sessions are forgotten then
-(their keys get 401 instead of 409); an open session's key is written again at least every idle timeout."""
+(their keys get 401 instead of 409). A session's ``key.`` record is written when it starts and when it ends:
+a session shared by replicas lasts at most this long (the idle timeout, an hour by default, ends it first
+unless calls keep coming)."""
 
 
 @dataclass(frozen=True, slots=True)
