@@ -43,6 +43,9 @@ the history it carries.
 this one, in the same run, on the same servers and consumer: "gateway@before" rows, and the long
 conversation for both; ``--before-without httptools`` leaves out what that checkout's install lacks.
 
+``--shared`` adds ``gateway-shared`` rows: the same gateway as a replica that shares its sessions
+(``--shared-sessions``, a KV bucket of its own; one replica, so every call finds its session current).
+
 ``--in-process`` measures only what the gateway adds: the long conversation through ``llm.chat`` and through
 the gateway app called straight through ASGI, in one process with an in-memory log and an instant client
 (no servers, no sockets: ``time.process_time`` per turn), for this checkout and ``--before``'s.
