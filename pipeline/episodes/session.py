@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import json
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeGuard, TypeVar
 
 import jsonschema
 from pydantic import ValidationError
 
+from pipeline.episodes.contexts import TurnContext, recorded_context, recorded_reply
 from pipeline.episodes.fold import Episode, fold_episode
 from pipeline.episodes.lineage import reply_changes, restored_call, schemas_by_name
 from pipeline.episodes.openai_client import episode_openai_client
@@ -72,38 +71,6 @@ def slot_episode_id(group_id: str, slot: int, attempt: int) -> str:
     return uuid.uuid5(EPISODE_NAMESPACE, f"{group_id}/{slot}/{attempt}").hex
 
 
-@dataclass(frozen=True, slots=True)
-class _Context:
-    """A recorded turn as a conversation that later turns may extend (token-exact continuation).
-
-    Its token ids are held as the recorded turn holds them, what it adds to its parent's context (a chain):
-    a session's memory grows with what its episode adds, not with the history of every turn."""
-
-    turn: TurnCompleted
-    messages: list[ChatMessage]
-    tools: list[ToolSpec]
-    reply: ChatMessage
-    parent: _Context | None
-    length: int
-    """Prompt + completion ids of the whole turn."""
-    tokens_key: str | None
-    """Under which the consumer that answered keeps the whole turn (``LLMResponse.tokens_key``)."""
-
-    def token_ids(self) -> list[int]:
-        """The whole turn's prompt + completion ids, gathered along the chain."""
-        parts: list[list[int]] = []
-        node: _Context | None = self
-        end = self.length
-        while node is not None and end > 0:
-            own = node.turn.prefix_tokens
-            parts.append([*node.turn.prompt_token_ids, *node.turn.completion_token_ids][: end - own])
-            end, node = own, node.parent
-        return list(itertools.chain.from_iterable(reversed(parts)))
-
-    def prompt_ids(self) -> list[int]:
-        return self.token_ids()[: self.length - len(self.turn.completion_token_ids)]
-
-
 class EpisodeSession:
     """One episode's stream. ``await session.start()``, ``await session.chat(...)`` per LLM call,
     ``await session.reward(...)``, ``await session.finish(...)``."""
@@ -148,7 +115,7 @@ class EpisodeSession:
         self.turns: list[ChatReply] = []
         self.max_turns_hit = False
         self.llm_seconds = 0.0
-        self._contexts: list[_Context] = []
+        self._contexts: list[TurnContext] = []
         self._version = 0
         self._lock = asyncio.Lock()
         self._appends: set[asyncio.Task[AppendResult | None]] = set()
@@ -330,7 +297,7 @@ class EpisodeSession:
             self._awaiting.add(turn.turn_id)
         await self._append([turn])
         self._minted.update((call.id, (turn.turn_id, call)) for call in response.tool_calls)
-        context = _Context(
+        context = TurnContext(
             turn=turn,
             messages=request.messages,
             tools=request.tools,
@@ -381,7 +348,7 @@ class EpisodeSession:
                 return [*context.messages, context.reply]
         return None
 
-    async def _call(self, request: LLMRequest, parent: _Context | None) -> LLMResponse:
+    async def _call(self, request: LLMRequest, parent: TurnContext | None) -> LLMResponse:
         """Send the request: continuing a turn, by naming the tokens its consumer holds (only the new
         messages travel), else, or when that consumer does not hold them, with the tokens themselves."""
         if parent is None:
@@ -465,7 +432,7 @@ class EpisodeSession:
         sampling: SamplingParams | Mapping[str, Any] | None,
         tool_choice: ToolChoice | None = None,
         top_logprobs: int | None = None,
-    ) -> tuple[LLMRequest, _Context | None, int]:
+    ) -> tuple[LLMRequest, TurnContext | None, int]:
         """The request, the recorded turn it continues (if any) and how many of its leading messages are
         that turn's conversation and reply (recorded there, not again)."""
         if isinstance(sampling, SamplingParams):
@@ -535,7 +502,7 @@ class EpisodeSession:
             }
         )
 
-    def _parent(self, request: LLMRequest) -> _Context | None:
+    def _parent(self, request: LLMRequest) -> TurnContext | None:
         """The latest recorded turn whose conversation and reply begin this request's messages."""
         for context in reversed(self._contexts):
             count = len(context.messages)
@@ -681,52 +648,6 @@ class EpisodeSession:
         if annotations_only:
             return not self.finished
         return bool(moved) and all(isinstance(record.event, TurnDelivered) for record in moved)
-
-
-def recorded_context(turn: TurnCompleted, parent: _Context | None) -> _Context:
-    """A recorded turn as a conversation to continue, from its parent's (``parent``: the context of its
-    ``parent_turn_id``, None for a root). A turn records what it adds: its messages after the first
-    ``prefix_messages`` of the parent's conversation, its tools unless they are the parent's."""
-    if turn.parent_turn_id is not None and parent is None:
-        raise TurnstileError(
-            f"turn {turn.turn_id} continues turn {turn.parent_turn_id}, which is not recorded before it"
-        )
-    inherited = [*parent.messages, parent.reply][: turn.prefix_messages] if parent is not None else []
-    tools = parent.tools if parent is not None and turn.tools_from_parent else turn.request.tools
-    return _Context(
-        turn=turn,
-        messages=[*inherited, *turn.request.messages],
-        tools=list(tools),
-        reply=ChatMessage(
-            role="assistant",
-            content=turn.reply.text,
-            tool_calls=turn.reply.tool_calls or None,
-            reasoning_content=turn.reply.reasoning,
-        ),
-        parent=parent if turn.prefix_tokens else None,
-        length=turn.prefix_tokens + len(turn.prompt_token_ids) + len(turn.completion_token_ids),
-        tokens_key=None,  # which consumer holds the tokens is not recorded: the next call sends them
-    )
-
-
-def recorded_reply(context: _Context) -> ChatReply:
-    """What ``chat`` returned for a recorded turn (without the per-token alternatives, which are not
-    recorded)."""
-    turn = context.turn
-    return ChatReply(
-        turn_id=turn.turn_id,
-        text=turn.reply.text,
-        tool_calls=list(turn.reply.tool_calls),
-        finish_reason=turn.reply.finish_reason,
-        prompt_ids=context.prompt_ids,
-        completion_token_ids=turn.completion_token_ids,
-        completion_logprobs=turn.completion_logprobs,
-        policy_version=turn.policy_version,
-        reasoning=turn.reply.reasoning,
-        parent_turn_id=turn.parent_turn_id,
-        prefix_tokens=turn.prefix_tokens,
-        added_prompt_ids=turn.prompt_token_ids,
-    )
 
 
 def all_of(items: Sequence[object], kind: type[T]) -> TypeGuard[Sequence[T]]:

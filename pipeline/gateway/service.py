@@ -334,7 +334,7 @@ class Gateway:
 
     async def reap_idle(self) -> list[str]:
         """End the gateway's sessions unused for ``idle_timeout`` seconds as ``timeout`` (shared by replicas:
-        every replica's sessions, see ``Replicas.reap_idle``)."""
+        every replica's sessions, see ``Replicas.idle_sessions``)."""
         if self.idle_timeout is None:
             return []
         if self.replicas is not None:
