@@ -43,6 +43,9 @@ the history it carries.
 this one, in the same run, on the same servers and consumer: "gateway@before" rows, and the long
 conversation for both; ``--before-without httptools`` leaves out what that checkout's install lacks.
 
+``--shared`` adds ``gateway-shared`` rows: the same gateway as a replica that shares its sessions
+(``--shared-sessions``, a KV bucket of its own; one replica, so every call finds its session current).
+
 ``--in-process`` measures only what the gateway adds: the long conversation through ``llm.chat`` and through
 the gateway app called straight through ASGI, in one process with an in-memory log and an instant client
 (no servers, no sockets: ``time.process_time`` per turn), for this checkout and ``--before``'s.
@@ -641,12 +644,21 @@ async def serve_consumer(nats_url: str, policy: str = POLICY) -> None:
     await app.stop()
 
 
-async def serve_gateway(database_url: str, nats_url: str, admin_key: str) -> None:
+async def serve_gateway(database_url: str, nats_url: str, admin_key: str, mode: str = "single") -> None:
+    """The gateway; ``mode`` ``shared``: as a replica sharing its sessions (``--shared-sessions``)."""
     from pipeline.gateway import HttpServer, create_gateway
 
     store = await EventStore.connect(database_url)
     llm = await NatsLLMClient.connect(nats_url)
-    server = HttpServer(create_gateway(store, llm, admin_key=admin_key, policy_default=POLICY))
+    options: dict[str, Any] = {}  # none for a --before checkout, which may not know them
+    if mode == "shared":
+        import nats
+
+        from pipeline.gateway import SharedSessions
+
+        connection = await nats.connect(nats_url)
+        options["shared"] = await SharedSessions.open(connection.jetstream(), f"BENCH_{uuid.uuid4().hex[:8]}")
+    server = HttpServer(create_gateway(store, llm, admin_key=admin_key, policy_default=POLICY, **options))
     await server.start()
     tune_gc()  # as `turnstile serve gateway` does once started (consumers.runtime.running)
     profile = os.environ.get(PROFILE_ENV)
@@ -741,11 +753,13 @@ async def measure(
             if "llm.openai()" in args.paths:
                 make = lambda _: InProcessOpenAIEpisode(store, llm)  # noqa: E731
                 results += await measure_path("llm.openai()", make, args, processes)
-            gateways = [("gateway", None)] if {"gateway", "gateway-lean"} & set(args.paths) else []
+            gateways = [("gateway", None, "single")] if {"gateway", "gateway-lean"} & set(args.paths) else []
+            if args.shared and gateways:
+                gateways.append(("gateway-shared", None, "shared"))
             if args.before:
-                gateways.append(("gateway@before", without(args.before, args.before_without)))
-            for label, tree in gateways:
-                async with child("gateway", database_url, found.nats_url, ADMIN_KEY, tree=tree) as (
+                gateways.append(("gateway@before", without(args.before, args.before_without), "single"))
+            for label, tree, mode in gateways:
+                async with child("gateway", database_url, found.nats_url, ADMIN_KEY, mode, tree=tree) as (
                     gateway_pid,
                     url,
                 ):
@@ -991,6 +1005,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"default {','.join(LONG_DIALECTS)}",
     )
     add("--in-process", action="store_true", help="only the gateway's own cost: in process, no servers")
+    add(
+        "--shared",
+        action="store_true",
+        help="also a gateway that shares its sessions with replicas (gateway-shared: --shared-sessions)",
+    )
     add("--before", default=None, help="another checkout whose gateway runs beside this one (gateway@before)")
     add(
         "--before-without",

@@ -3,7 +3,9 @@
 Wiring only: the store, a NATS LLM client and a runner lease (each session's EpisodeStarted records the
 lease's id, so if the gateway dies its open sessions are closed ``aborted`` by the next runner or gateway
 that starts), the app from ``pipeline.gateway`` on uvicorn, and a clean stop on Ctrl-C / SIGTERM that ends
-the open sessions as ``cancelled``.
+the open sessions as ``cancelled``. With ``--shared-sessions`` the sessions live in the log and the NATS KV
+bucket GATEWAY_SESSIONS instead, for every replica to serve (``pipeline.gateway.replicas``): no lease is
+recorded with them and a stop leaves them open.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from pipeline.gateway import (
     READ_TIMEOUT,
     HttpServer,
     RequestMetrics,
+    SharedSessions,
     check_http_limits,
     create_gateway,
     gateway_of,
 )
+from pipeline.settings import jetstream
 from pipeline.ui import KeyGuard, create_app
 
 
@@ -52,6 +56,7 @@ class GatewayConfig:
     public_url: str | None = None
     heartbeat_timeout: float = 15.0
     lease_timeout: float = 30.0
+    shared_sessions: bool = False
     ui_reader_url: str | None = None  # set: the episode browser at /ui, behind the admin key
     metrics_port: int | None = None
     metrics_host: str = METRICS_HOST
@@ -107,6 +112,7 @@ async def serve_gateway(
             console.print(
                 f"closed {len(services.recovered)} episodes left open by stopped runners as aborted"
             )
+        shared = await SharedSessions.open(jetstream(services.connection)) if config.shared_sessions else None
         app = create_gateway(
             services.store,
             services.llm,
@@ -118,6 +124,7 @@ async def serve_gateway(
             gone_after=config.gone_after,
             runner_id=services.lease.runner_id,
             public_url=config.public_url,
+            shared=shared,
         )
 
         def metered(app: Any) -> RequestMetrics:

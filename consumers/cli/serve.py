@@ -350,6 +350,13 @@ def gateway(
         None, help="the URL clients reach the gateway at, for the base_url it hands out \\[default: Host]"
     ),
     heartbeat_timeout: HeartbeatTimeout = 15.0,
+    shared_sessions: bool = typer.Option(
+        False,
+        "--shared-sessions",
+        help="serve sessions with the other gateway replicas that share this NATS and log: any replica "
+        "serves any session (behind a load balancer with no affinity), and a stopping replica leaves its "
+        "sessions open for the others (docs/gateway.md#replicas)",
+    ),
     ui: bool = typer.Option(
         False,
         "--ui",
@@ -389,6 +396,7 @@ def gateway(
         gone_after=gone_after or None,
         public_url=public_url,
         heartbeat_timeout=heartbeat_timeout,
+        shared_sessions=shared_sessions,
         ui_reader_url=settings.require_reader_url() if ui else None,
         metrics_port=metrics_port,
         metrics_host=metrics_host,

@@ -10,26 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import json
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeGuard, TypeVar
 
 import jsonschema
 from pydantic import ValidationError
 
+from pipeline.episodes.contexts import TurnContext, recorded_context, recorded_reply
 from pipeline.episodes.fold import Episode, fold_episode
 from pipeline.episodes.lineage import reply_changes, restored_call, schemas_by_name
 from pipeline.episodes.openai_client import episode_openai_client
 from pipeline.episodes.refusals import InvalidLLMCall, MaxTurnsExceeded
 from pipeline.episodes.reply import ChatReply
-from pipeline.errors import TurnstileError, describe_validation_error
+from pipeline.errors import TurnstileError, WrongExpectedVersion, describe_validation_error
 from pipeline.inference import InferenceError, LLMClient, PrefixUnknown
-from pipeline.log import AppendResult, Store
+from pipeline.log import AppendResult, RecordedEvent, Store
 from schemas import (
     ChatMessage,
     EpisodeFinished,
@@ -70,38 +69,6 @@ def slot_episode_id(group_id: str, slot: int, attempt: int) -> str:
     """The id of attempt ``attempt`` at slot ``slot`` of a task group: the same on every runner, so a
     redelivered task finds the episodes its first runner left behind."""
     return uuid.uuid5(EPISODE_NAMESPACE, f"{group_id}/{slot}/{attempt}").hex
-
-
-@dataclass(frozen=True, slots=True)
-class _Context:
-    """A recorded turn as a conversation that later turns may extend (token-exact continuation).
-
-    Its token ids are held as the recorded turn holds them, what it adds to its parent's context (a chain):
-    a session's memory grows with what its episode adds, not with the history of every turn."""
-
-    turn: TurnCompleted
-    messages: list[ChatMessage]
-    tools: list[ToolSpec]
-    reply: ChatMessage
-    parent: _Context | None
-    length: int
-    """Prompt + completion ids of the whole turn."""
-    tokens_key: str | None
-    """Under which the consumer that answered keeps the whole turn (``LLMResponse.tokens_key``)."""
-
-    def token_ids(self) -> list[int]:
-        """The whole turn's prompt + completion ids, gathered along the chain."""
-        parts: list[list[int]] = []
-        node: _Context | None = self
-        end = self.length
-        while node is not None and end > 0:
-            own = node.turn.prefix_tokens
-            parts.append([*node.turn.prompt_token_ids, *node.turn.completion_token_ids][: end - own])
-            end, node = own, node.parent
-        return list(itertools.chain.from_iterable(reversed(parts)))
-
-    def prompt_ids(self) -> list[int]:
-        return self.token_ids()[: self.length - len(self.turn.completion_token_ids)]
 
 
 class EpisodeSession:
@@ -148,10 +115,10 @@ class EpisodeSession:
         self.turns: list[ChatReply] = []
         self.max_turns_hit = False
         self.llm_seconds = 0.0
-        self._contexts: list[_Context] = []
+        self._contexts: list[TurnContext] = []
         self._version = 0
         self._lock = asyncio.Lock()
-        self._appends: set[asyncio.Task[AppendResult]] = set()
+        self._appends: set[asyncio.Task[AppendResult | None]] = set()
         self._started_at = time.monotonic()
         self._calls = 0
         self._sampling_defaults = self.started.sampling.model_dump()
@@ -164,6 +131,96 @@ class EpisodeSession:
         """Turns recorded as not yet delivered (``TurnCompleted.delivered`` False)."""
         self._delivered: list[uuid.UUID] = []
         """Turns handed to a live client since the last append, recorded with the next (``TurnDelivered``)."""
+        self.shared = False
+        """The stream is written by other sessions too (gateway replicas, ``from_log``): a lost append whose
+        stream moved on by deliveries only is made again (``_only_deliveries_since``)."""
+
+    @classmethod
+    def from_log(
+        cls,
+        store: Store,
+        llm: LLMClient,
+        recorded: Sequence[RecordedEvent],
+        *,
+        max_turns: int | None = None,
+        runner_id: str | None = None,
+    ) -> EpisodeSession:
+        """The session of an episode recorded elsewhere (another gateway replica), from its stream as read:
+        what a call needs to continue it (its turns as conversations that later turns extend token-exactly,
+        the tool calls it made, its version for the next append) is rebuilt from the events themselves."""
+        if not recorded or not isinstance(recorded[0].event, EpisodeStarted):
+            raise TurnstileError(
+                f"{recorded[0].stream if recorded else 'the stream'} holds no EpisodeStarted"
+            )
+        started = recorded[0].event
+        session = cls(
+            store,
+            llm,
+            policy=started.policy,
+            task=started.task,
+            task_id=started.task_id,
+            agent=started.agent,
+            episode_id=started.episode_id,
+            group_id=started.group_id,
+            group_size=started.group_size,
+            sampling=started.sampling,
+            tags=started.tags,
+            retry_of=started.retry_of,
+            max_turns=max_turns,
+            runner_id=runner_id,
+        )
+        session.started = started
+        session.shared = True
+        session._started_at -= max(0.0, time.time() - recorded[0].recorded_at.timestamp())
+        session._apply(recorded)
+        return session
+
+    async def refresh(self) -> None:
+        """Catch up with what others appended to the stream since this session last wrote or read it (one
+        read of the events after its version, usually none): gateway replicas serve one session in turns."""
+        async with self._lock:
+            self._apply(await self.store.read_stream(self.stream, after_version=self._version))
+
+    def _apply(self, recorded: Sequence[RecordedEvent]) -> None:
+        """Take in events recorded by another writer, in stream order, as if this session had written them."""
+        by_id = {context.turn.turn_id: context for context in self._contexts}
+        for record in recorded:
+            if record.version <= self._version:
+                continue
+            self._version = record.version
+            event = record.event
+            if event is None:
+                continue  # a type this reader does not know: kept in the log, nothing to continue from
+            self.events.append(event)
+            if isinstance(event, TurnDelivered):
+                self._awaiting.difference_update(event.turn_ids)
+            elif isinstance(event, TurnCompleted):
+                context = recorded_context(event, by_id.get(event.parent_turn_id or uuid.UUID(int=0)))
+                by_id[event.turn_id] = context
+                self._contexts.append(context)
+                self.turns.append(recorded_reply(context))
+                self._minted.update((call.id, (event.turn_id, call)) for call in event.reply.tool_calls)
+                self._calls += 1
+                if event.delivered is False:
+                    self._awaiting.add(event.turn_id)
+
+    def undelivered_turn(
+        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec]
+    ) -> ChatReply | None:
+        """The recorded turn, still awaiting delivery, whose conversation is exactly ``messages`` and
+        ``tools``: a call retried after the gateway that recorded it stopped before handing the reply over
+        (answered from this turn, not generated and recorded again)."""
+        if not self._awaiting:
+            return None
+        for context, reply in zip(reversed(self._contexts), reversed(self.turns), strict=False):
+            if (
+                context.turn.turn_id in self._awaiting
+                and context.tools == list(tools)
+                and len(context.messages) == len(messages)
+                and all(map(same_message, messages, context.messages))
+            ):
+                return reply
+        return None
 
     @property
     def policy(self) -> str:
@@ -240,7 +297,7 @@ class EpisodeSession:
             self._awaiting.add(turn.turn_id)
         await self._append([turn])
         self._minted.update((call.id, (turn.turn_id, call)) for call in response.tool_calls)
-        context = _Context(
+        context = TurnContext(
             turn=turn,
             messages=request.messages,
             tools=request.tools,
@@ -291,7 +348,7 @@ class EpisodeSession:
                 return [*context.messages, context.reply]
         return None
 
-    async def _call(self, request: LLMRequest, parent: _Context | None) -> LLMResponse:
+    async def _call(self, request: LLMRequest, parent: TurnContext | None) -> LLMResponse:
         """Send the request: continuing a turn, by naming the tokens its consumer holds (only the new
         messages travel), else, or when that consumer does not hold them, with the tokens themselves."""
         if parent is None:
@@ -375,7 +432,7 @@ class EpisodeSession:
         sampling: SamplingParams | Mapping[str, Any] | None,
         tool_choice: ToolChoice | None = None,
         top_logprobs: int | None = None,
-    ) -> tuple[LLMRequest, _Context | None, int]:
+    ) -> tuple[LLMRequest, TurnContext | None, int]:
         """The request, the recorded turn it continues (if any) and how many of its leading messages are
         that turn's conversation and reply (recorded there, not again)."""
         if isinstance(sampling, SamplingParams):
@@ -445,7 +502,7 @@ class EpisodeSession:
             }
         )
 
-    def _parent(self, request: LLMRequest) -> _Context | None:
+    def _parent(self, request: LLMRequest) -> TurnContext | None:
         """The latest recorded turn whose conversation and reply begin this request's messages."""
         for context in reversed(self._contexts):
             count = len(context.messages)
@@ -543,7 +600,13 @@ class EpisodeSession:
                     changes += found
         return TurnEdit(turn_id=edited, changes=changes) if edited is not None else None
 
-    async def _append(self, events: list[Event]) -> AppendResult:
+    async def record_delivered(self) -> None:
+        """Record the deliveries ``mark_delivered`` noted now, in an append of their own (gateway replicas:
+        the session's next event may be written by another replica, which does not know of them)."""
+        if self._delivered and not self.finished:
+            await self._append([])
+
+    async def _append(self, events: list[Event]) -> AppendResult | None:
         # Shielded: if the agent is cancelled while its turn is being appended, the append still completes
         # (and `finish` waits for it), so the stream's expected version stays right.
         task = asyncio.create_task(self._append_in_order(events))
@@ -551,17 +614,40 @@ class EpisodeSession:
         task.add_done_callback(self._appends.discard)
         return await asyncio.shield(task)
 
-    async def _append_in_order(self, events: list[Event]) -> AppendResult:
+    async def _append_in_order(self, events: list[Event]) -> AppendResult | None:
         async with self._lock:
-            if self._delivered:
-                events = [TurnDelivered(turn_ids=list(self._delivered)), *events]
-            metadata = {RUNNER_METADATA: self.runner_id} if self.runner_id and not self._version else None
-            result = await self.store.append(self.stream, events, self._version, metadata=metadata)
-            self._version = result.version
-            self.events.extend(events)
-            if isinstance(events[0], TurnDelivered):
-                del self._delivered[: len(events[0].turn_ids)]
-            return result
+            while True:
+                written = (
+                    [TurnDelivered(turn_ids=list(self._delivered)), *events] if self._delivered else events
+                )
+                if not written or (not events and self.finished):
+                    return None  # deliveries only, and nothing left to record them in
+                metadata = {RUNNER_METADATA: self.runner_id} if self.runner_id and not self._version else None
+                try:
+                    result = await self.store.append(self.stream, written, self._version, metadata=metadata)
+                except WrongExpectedVersion:
+                    if not await self._only_deliveries_since(annotations_only=not events):
+                        raise
+                    continue
+                self._version = result.version
+                self.events.extend(written)
+                if isinstance(written[0], TurnDelivered):
+                    del self._delivered[: len(written[0].turn_ids)]
+                return result
+
+    async def _only_deliveries_since(self, *, annotations_only: bool) -> bool:
+        """After a lost append: caught up with the stream, whether appending again at its new version is
+        right. Another gateway replica serving the session (``from_log``) may have recorded deliveries
+        (``TurnDelivered``), which change no conversation: after them a turn is appended as it was. A
+        delivery of this session's own (``annotations_only``) may go after anything but the end. Anything
+        else (a turn, a reward, the end) moved the session on, and the write is refused."""
+        if not self.shared:
+            return False
+        moved = await self.store.read_stream(self.stream, after_version=self._version)
+        self._apply(moved)
+        if annotations_only:
+            return not self.finished
+        return bool(moved) and all(isinstance(record.event, TurnDelivered) for record in moved)
 
 
 def all_of(items: Sequence[object], kind: type[T]) -> TypeGuard[Sequence[T]]:

@@ -8,6 +8,7 @@ from pipeline.gateway.metrics import RequestMetrics
 from pipeline.gateway.server import HttpServer, serving_http
 from pipeline.gateway.service import EndSpec, Gateway, RewardSpec, SessionSpec
 from pipeline.gateway.sessions import SessionEntry, SessionRegistry, key_digest
+from pipeline.gateway.shared import SharedSessions
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -22,6 +23,7 @@ __all__ = [
     "SessionEntry",
     "SessionRegistry",
     "SessionSpec",
+    "SharedSessions",
     "check_http_limits",
     "create_gateway",
     "gateway_of",

@@ -24,6 +24,7 @@ from pipeline.gateway.http_error import GatewayError
 from pipeline.gateway.routes import admin_router, chat_router, health_router, models_router, session_router
 from pipeline.gateway.service import GONE_AFTER, Gateway
 from pipeline.gateway.sessions import SessionRegistry
+from pipeline.gateway.shared import SharedSessions
 from pipeline.inference import LLMClient
 from pipeline.log import Store
 
@@ -44,11 +45,13 @@ def create_gateway(
     gone_after: float | None = GONE_AFTER,
     runner_id: str | None = None,
     public_url: str | None = None,
+    shared: SharedSessions | None = None,
 ) -> FastAPI:
     """The gateway app; its ``Gateway`` is ``app.state.gateway`` (also ``gateway_of(app)``).
 
     With no ``store``/``llm`` and no ``admin_key`` it serves only sessions registered in ``registry``
-    (how ``pipeline.runners.proxy`` runs one inside a runner).
+    (how ``pipeline.runners.proxy`` runs one inside a runner). With ``shared``, its sessions are served by
+    any replica that shares the bucket (``pipeline.gateway.replicas``).
     """
     gateway = Gateway(
         store,
@@ -63,6 +66,7 @@ def create_gateway(
         gone_after=gone_after,
         runner_id=runner_id,
         public_url=public_url,
+        shared=shared,
     )
 
     @contextlib.asynccontextmanager

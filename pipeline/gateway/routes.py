@@ -39,7 +39,7 @@ from pipeline.gateway.openapi import (
     model_schema,
     openapi_body,
 )
-from pipeline.gateway.service import AFTER_END, EndSpec, Gateway, RewardSpec, SessionSpec, describe
+from pipeline.gateway.service import EndSpec, Gateway, RewardSpec, SessionSpec, describe
 from pipeline.gateway.sessions import SessionEntry
 
 REQUEST_SCHEMAS: Final = {
@@ -58,7 +58,7 @@ def chat_router(gateway: Gateway) -> APIRouter:
     def chat_route(dialect: Dialect) -> Callable[[Request], Awaitable[Response]]:
         async def chat(request: Request) -> Response:
             async def answer() -> Response:
-                entry = gateway.session_of(request)
+                entry = await gateway.session_of(request)
                 call = dialect.parse(
                     await json_body(request),
                     defaults=entry.session.started.sampling,
@@ -99,7 +99,7 @@ def chat_router(gateway: Gateway) -> APIRouter:
 
     async def count_tokens(request: Request) -> Response:
         async def answer() -> Response:
-            gateway.session_of(request)
+            await gateway.session_of(request)
             return JSONResponse({"input_tokens": count_tokens_estimate(await json_body(request))})
 
         return await respond(ANTHROPIC, answer)
@@ -122,14 +122,14 @@ def models_router(gateway: Gateway) -> APIRouter:
     async def models(request: Request) -> Response:
         async def answer() -> Response:
             return JSONResponse(
-                {"object": "list", "data": [model_object(m) for m in _models_of(gateway, request)]}
+                {"object": "list", "data": [model_object(m) for m in await _models_of(gateway, request)]}
             )
 
         return await respond(OPENAI, answer)
 
     async def model(request: Request, name: str) -> Response:
         async def answer() -> Response:
-            if name not in _models_of(gateway, request):
+            if name not in await _models_of(gateway, request):
                 raise GatewayError(
                     404, f"The model {name!r} does not exist", param="model", code="model_not_found"
                 )
@@ -147,18 +147,21 @@ def session_router(gateway: Gateway) -> APIRouter:
     router = APIRouter()
 
     async def own_session(request: Request) -> Response:
-        return await respond(OPENAI, lambda: json_answer(describe(gateway.session_of(request))))
+        async def answer() -> Response:
+            return json_answer(describe(await gateway.session_of(request)))
+
+        return await respond(OPENAI, answer)
 
     async def own_reward(request: Request) -> Response:
         async def answer() -> Response:
-            entry = gateway.session_of(request)
+            entry = await gateway.session_of(request)
             return json_answer(await gateway.reward(entry, parse_spec(RewardSpec, await json_body(request))))
 
         return await respond(OPENAI, answer)
 
     async def own_end(request: Request) -> Response:
         async def answer() -> Response:
-            entry = gateway.session_of(request)
+            entry = await gateway.session_of(request)
             return json_answer(
                 await gateway.end(entry, parse_spec(EndSpec, await json_body(request, empty={})))
             )
@@ -200,30 +203,26 @@ def admin_router(gateway: Gateway) -> APIRouter:
 
         return await respond(OPENAI, answer)
 
-    def admin_entry(request: Request, session_id: str) -> SessionEntry:
+    async def admin_entry(request: Request, session_id: str) -> SessionEntry:
         gateway.require_admin(request)
-        entry = gateway.registry.get(session_id)
-        if entry is None:
-            ended = gateway.registry.ended(session_id)
-            if ended is not None:
-                raise ended.conflict(AFTER_END)
-            message = f"no session {session_id!r} was started here (GET /admin/sessions lists the open ones)"
-            raise GatewayError(404, message)
-        return entry
+        return await gateway.session_by_id(session_id)
 
     async def admin_session(request: Request, session_id: str) -> Response:
-        return await respond(OPENAI, lambda: json_answer(describe(admin_entry(request, session_id))))
+        async def answer() -> Response:
+            return json_answer(describe(await admin_entry(request, session_id)))
+
+        return await respond(OPENAI, answer)
 
     async def admin_reward(request: Request, session_id: str) -> Response:
         async def answer() -> Response:
-            entry = admin_entry(request, session_id)
+            entry = await admin_entry(request, session_id)
             return json_answer(await gateway.reward(entry, parse_spec(RewardSpec, await json_body(request))))
 
         return await respond(OPENAI, answer)
 
     async def admin_end(request: Request, session_id: str) -> Response:
         async def answer() -> Response:
-            entry = admin_entry(request, session_id)
+            entry = await admin_entry(request, session_id)
             return json_answer(
                 await gateway.end(entry, parse_spec(EndSpec, await json_body(request, empty={})))
             )
@@ -261,8 +260,8 @@ def health_router() -> APIRouter:
     return router
 
 
-def _models_of(gateway: Gateway, request: Request) -> list[str]:
+async def _models_of(gateway: Gateway, request: Request) -> list[str]:
     if gateway.is_admin(request):
         policies = {entry.session.policy for entry in gateway.registry.entries()}
         return sorted(policies | ({gateway.policy_default} if gateway.policy_default else set()))
-    return [gateway.session_of(request).session.policy]
+    return [(await gateway.session_of(request)).session.policy]

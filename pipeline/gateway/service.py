@@ -33,9 +33,11 @@ from pipeline.episodes import (
     chat_result,
     wanted_detail,
 )
-from pipeline.errors import InvalidEvent, StoreUnavailable, WrongExpectedVersion
+from pipeline.errors import InvalidEvent, StoreUnavailable, TurnstileError, WrongExpectedVersion
 from pipeline.gateway.http_error import GatewayError
+from pipeline.gateway.replicas import Replicas
 from pipeline.gateway.sessions import Answer, Listener, RetryKeys, SessionEntry, SessionRegistry, key_digest
+from pipeline.gateway.shared import SharedSessions
 from pipeline.inference import (
     InferenceError,
     InferenceTimeout,
@@ -127,6 +129,7 @@ class Gateway:
         gone_after: float | None = GONE_AFTER,
         runner_id: str | None = None,
         public_url: str | None = None,
+        shared: SharedSessions | None = None,
     ) -> None:
         self.store = store
         self.llm = llm
@@ -143,6 +146,13 @@ class Gateway:
         self.served_versions: dict[str, int] = {}
         self._published: dict[str, tuple[float, int | None]] = {}
         self._starting = 0
+        self.replicas: Replicas | None = None
+        """Set: sessions are shared with other gateway replicas (``pipeline.gateway.replicas``)."""
+        if shared is not None:
+            if store is None or llm is None:
+                raise TurnstileError("a gateway that shares its sessions needs a store and an LLM client")
+            timeouts = (idle_timeout, gone_after)
+            self.replicas = Replicas(shared, store, llm, self.registry, timeouts=timeouts)
 
     # -- auth --
 
@@ -155,17 +165,41 @@ class Gateway:
         if not self.is_admin(request):
             raise GatewayError(401, "invalid admin key: send Authorization: Bearer <admin key>")
 
-    def session_of(self, request: Request) -> SessionEntry:
+    async def session_of(self, request: Request) -> SessionEntry:
+        """The open session the request's key names (shared by replicas: caught up with the log first, or
+        taken up from the log when another replica started it)."""
         keys = list(request_keys(request))
         for key in keys:
             entry = self.registry.lookup(key)
             if entry is not None:
+                if self.replicas is not None:
+                    await self.replicas.current(entry)
                 return entry
         for key in keys:
             ended = self.registry.ended_by_key(key)
             if ended is not None:
                 raise ended.conflict(AFTER_END)
+        if self.replicas is not None:
+            for key in keys:
+                entry = await self.replicas.adopt(key_digest(key).hex())
+                if entry is not None:
+                    return entry
         raise GatewayError(401, BAD_KEY)
+
+    async def session_by_id(self, session_id: str) -> SessionEntry:
+        """The open session ``session_id`` (the admin's routes), as ``session_of``."""
+        entry = self.registry.get(session_id)
+        if entry is not None:
+            if self.replicas is not None:
+                await self.replicas.current(entry)
+            return entry
+        ended = self.registry.ended(session_id)
+        if ended is not None:
+            raise ended.conflict(AFTER_END)
+        if self.replicas is not None and (entry := await self.replicas.adopt_by_id(session_id)) is not None:
+            return entry
+        message = f"no session {session_id!r} was started here (GET /admin/sessions lists the open ones)"
+        raise GatewayError(404, message)
 
     # -- admission --
 
@@ -230,7 +264,8 @@ class Gateway:
                 sampling=spec.sampling,
                 tags=spec.tags,
                 max_turns=spec.max_turns,
-                runner_id=self.runner_id,
+                # shared by replicas: no replica's lease, so that one that dies leaves them to the others
+                runner_id=self.runner_id if self.replicas is None else None,
             )
             try:
                 await session.start()
@@ -244,6 +279,8 @@ class Gateway:
             entry = self.registry.get(session.episode_id)
             assert entry is not None
             entry.untrained_models = tuple(spec.untrained_models)
+            if self.replicas is not None:
+                await self.replicas.share(entry)
             return session, api_key
         finally:
             self._starting -= 1
@@ -261,6 +298,10 @@ class Gateway:
             await session.reward(spec.value, turn_id, source=spec.source)
         except InvalidLLMCall as error:
             raise GatewayError(400, str(error), param="turn_id" if turn_id else "value") from None
+        except WrongExpectedVersion:
+            if self.replicas is None:
+                raise
+            raise await self.replicas.lost_race(entry, "the reward was not recorded") from None
         return {"session_id": entry.session_id, "turn_id": turn_id, "value": spec.value}
 
     async def end(self, entry: SessionEntry, spec: EndSpec) -> dict[str, Any]:
@@ -280,13 +321,30 @@ class Gateway:
         elif spec.termination is None and session.turns and session.turns[-1].finish_reason == "length":
             termination = "truncated"
         self.registry.mark_ended(entry.session_id, termination)
-        await session.finish(termination, error=spec.error, metrics=spec.metrics)
+        try:
+            await session.finish(termination, error=spec.error, metrics=spec.metrics)
+        except WrongExpectedVersion:
+            if self.replicas is None:
+                raise
+            self.registry.add(entry)  # still open: another replica recorded something first
+            raise await self.replicas.lost_race(entry, "the session was not ended") from None
+        if self.replicas is not None:
+            await self.replicas.ended(entry, termination)
         return describe(entry) | {"termination": termination, "open": False}
 
     async def reap_idle(self) -> list[str]:
-        """End the gateway's sessions unused for ``idle_timeout`` seconds as ``timeout``."""
+        """End the gateway's sessions unused for ``idle_timeout`` seconds as ``timeout`` (shared by replicas:
+        every replica's sessions, see ``Replicas.idle_sessions``)."""
         if self.idle_timeout is None:
             return []
+        if self.replicas is not None:
+            reaped = []
+            for entry in await self.replicas.idle_sessions(self.idle_timeout):
+                error = f"no call for {self.idle_timeout:g} s (the gateways' --idle-timeout)"
+                with contextlib.suppress(GatewayError):  # ended or used meanwhile, on another replica
+                    await self.end(entry, EndSpec(termination="timeout", error=error))
+                    reaped.append(entry.session_id)
+            return reaped
         cutoff = time.monotonic() - self.idle_timeout
         reaped = []
         for entry in self.registry.entries():
@@ -306,6 +364,9 @@ class Gateway:
         for entry in self.registry.entries():
             gone = entry.disconnected_at
             if entry.owned and not entry.calls and gone is not None and max(gone, entry.last_used) < cutoff:
+                if self.replicas is not None and await self.replicas.called_elsewhere(entry, cutoff):
+                    entry.disconnected_at = None  # the client went on on another replica
+                    continue
                 error = (
                     f"the client went away (a reply found its connection closed) and made no call for "
                     f"{self.gone_after:g} s (the gateway's --gone-after)"
@@ -323,13 +384,18 @@ class Gateway:
         entry.disconnected_at = None
         turn_ids = ((result.extra or {}).get("turnstile") or {}).get("turn_ids") or []
         entry.session.mark_delivered([uuid.UUID(turn_id) for turn_id in turn_ids])
+        if self.replicas is not None:
+            entry.start(self.replicas.record_delivered(entry))
         for answer in entry.answers.values():
             done = answer.task.done() and not answer.task.cancelled() and answer.task.exception() is None
             if done and answer.task.result() is result:
                 answer.delivered = True
 
     async def close_all(self, termination: Termination = "cancelled") -> None:
-        """End every open session the gateway started (when it stops)."""
+        """End every open session the gateway started (when it stops); sessions shared by replicas stay
+        open, for the others to serve."""
+        if self.replicas is not None:
+            return
         for entry in self.registry.entries():
             if entry.owned:
                 with contextlib.suppress(Exception):
@@ -347,6 +413,10 @@ class Gateway:
         and recorded again), else ``chat``. Its turns are recorded as not delivered until ``delivered`` says
         the reply was handed to a live client (the call's, or a retry's)."""
         prior = entry.prior(keys)
+        if prior is None and self.replicas is not None and keys.retry_count != 0:
+            recorded = self.replicas.recorded_answer(entry, call)
+            if recorded is not None:
+                return recorded
         if prior is not None:
             prior.listeners.append(listener)
             try:
@@ -416,6 +486,10 @@ class Gateway:
             raise GatewayError(502, str(error)) from None
         except StoreUnavailable as error:
             raise GatewayError(503, str(error)) from None
+        except WrongExpectedVersion:
+            if self.replicas is None:
+                raise
+            raise await self.replicas.lost_race(entry, "this call was not recorded") from None
         for reply in replies:
             known = self.served_versions.get(session.policy, -1)
             self.served_versions[session.policy] = max(known, reply.policy_version)
@@ -454,6 +528,7 @@ def describe(entry: SessionEntry) -> dict[str, Any]:
         "last_turn_id": str(session.turns[-1].turn_id) if session.turns else None,
         "reward": sum(rewards) if rewards else None,
         "open": True,
+        "calls_in_flight": len(entry.calls),
     }
 
 

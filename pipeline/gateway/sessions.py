@@ -19,6 +19,7 @@ from pipeline.dialects import ParseMemo
 from pipeline.episodes import EpisodeSession
 from pipeline.errors import TurnstileError
 from pipeline.gateway.http_error import GatewayError
+from pipeline.gateway.shared import SharedRecord
 
 _T = TypeVar("_T")
 
@@ -113,6 +114,13 @@ class SessionEntry:
         self.untrained_models: tuple[str, ...] = ()
         """Patterns (``fnmatch``, case-sensitive) of request ``model`` names whose calls are side calls, not
         for training (``SessionSpec.untrained_models``)."""
+        self.shared: SharedRecord | None = None
+        """The session as gateway replicas share it (``pipeline.gateway.shared``); None: this gateway's
+        own."""
+        self.touched_at = float("-inf")
+        """When this replica last noted a call for the others (wall clock, ``SharedSessions.touch``)."""
+        self.arguments_seen = 0
+        """How many of the session's turns ``tool_arguments`` holds the calls of."""
 
     def prior(self, keys: RetryKeys) -> Answer | None:
         """The earlier call ``keys`` retry, if any: the same ``Idempotency-Key``; or the same body when the
@@ -180,10 +188,17 @@ class SessionRegistry:
         if session.episode_id in self._by_id:
             raise TurnstileError(f"session {session.episode_id} is already registered")
         api_key = "ts-" + secrets.token_urlsafe(32)
-        entry = SessionEntry(session, key_digest(api_key), owned=owned)
+        self.add(SessionEntry(session, key_digest(api_key), owned=owned))
+        return api_key
+
+    def add(self, entry: SessionEntry) -> SessionEntry:
+        """Hold ``entry`` under its key's digest (a session another gateway replica started: its key is
+        known here by its digest only, or one that ``close`` took away and that stays open after all)."""
         self._by_digest[entry.digest] = entry
         self._by_id[entry.session_id] = entry
-        return api_key
+        if self._ended.pop(entry.session_id, None) is not None:
+            self._ended_digests.pop(entry.digest, None)
+        return entry
 
     def lookup(self, api_key: str) -> SessionEntry | None:
         digest = key_digest(api_key)
@@ -216,9 +231,10 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    async def close(self, session_id: str, *, cancel: bool = False) -> SessionEntry | None:
+    async def close(self, session_id: str, *, cancel: bool = False, wait: bool = True) -> SessionEntry | None:
         """Forget the session (its key stops working at once), then wait for its calls in flight to be
-        recorded, or cancel them (``cancel``)."""
+        recorded (unless not ``wait``: a call that finds its session ended elsewhere), or cancel them
+        (``cancel``)."""
         entry = self._by_id.pop(session_id, None)
         if entry is None:
             return None
@@ -228,7 +244,7 @@ class SessionRegistry:
         while len(self._ended) > self._ended_kept:
             _, oldest = self._ended.popitem(last=False)
             self._ended_digests.pop(oldest.digest, None)
-        calls = list(entry.calls)
+        calls = list(entry.calls) if wait or cancel else []
         if cancel:
             for call in calls:
                 call.cancel()

@@ -27,6 +27,7 @@ from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 import psycopg
 import pytest
 
@@ -40,6 +41,7 @@ from pipeline.batches.relay import (
     read_batch_message,
 )
 from pipeline.dev.embedded import EmbeddedPostgres, free_port
+from pipeline.gateway.shared import BUCKET, SharedRecord, SharedSessions
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.db import create_engine
@@ -51,6 +53,7 @@ from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
 from tests.conftest import login_url
 from tests.integration.test_relay import insert_batch
 from tests.support.backends import RuleBackend, echo_rule
+from tests.support.load_balancer import SERVER, haproxy_binary, localized_config
 from tests.support.roles import Connected, RoleNats, start_deploy_nats
 from tests.support.serving import serving
 from tests.support.waiting import wait_until
@@ -83,8 +86,8 @@ def test_every_compose_command_parses_with_the_turnstile_cli() -> None:
         for args in check_compose.turnstile_invocations(service)
     }
     assert set(commands) == {
-        "migrate", "model", "inference", "inference-gpu", "materializer", "relay", "trainer", "gateway",
-        "runner", "submit", "ui",
+        "migrate", "model", "inference", "inference-gpu", "materializer", "relay", "trainer", "gateway-1",
+        "gateway-2", "runner", "submit", "ui",
     }  # fmt: skip
     assert commands["model"] == ["model", "init-tiny", "/models/.tiny-build"]
     for args in {tuple(args[: 2 if args[0] in ("serve", "model") else 1]) for args in commands.values()}:
@@ -104,7 +107,7 @@ def test_the_compose_check_finds_what_is_wrong() -> None:
     services["runner"]["command"] = [a.replace("--agent", "--agnet") for a in services["runner"]["command"]]
     services["trainer"]["command"] = ["serve", "trainer", "--policy", "p"]
     services["relay"]["environment"]["TURNSTILE_NATS_URL"] = "nats://stranger:pw@nats:4222"
-    services["gateway"]["environment"]["TURNSTILE_DATABASE_URL"] = (
+    services["gateway-1"]["environment"]["TURNSTILE_DATABASE_URL"] = (
         "postgresql://stranger:pw@postgres/turnstile"
     )
     services["materializer"]["depends_on"] = {"migrations": {"condition": "service_completed_successfully"}}
@@ -113,7 +116,7 @@ def test_the_compose_check_finds_what_is_wrong() -> None:
     assert "service runner: `turnstile serve runner`: No such option: --agnet" in found
     assert "service trainer: `turnstile serve trainer`: Missing option '--model'" in found
     assert "service relay: NATS user 'stranger' is not in deploy/nats.conf" in found
-    assert "service gateway: PostgreSQL user 'stranger' is not made by deploy/postgres-init.sql" in found
+    assert "service gateway-1: PostgreSQL user 'stranger' is not made by deploy/postgres-init.sql" in found
     assert "service materializer: depends on 'migrations', which is no service" in found
     assert "service nats: nats.conf reads TURNSTILE_TRAINER_PASSWORD" in found
     with pytest.raises(check_compose.ComposeError, match="TURNSTILE_X is required: say so"):
@@ -176,6 +179,29 @@ async def test_runners_use_the_task_queue_and_the_gateway_only_sends_requests(
 
     await gateway.nc.publish(f"tasks.{policy}", b"{}")
     assert await gateway.refused("publish", f"tasks.{policy}")
+
+
+async def test_only_the_gateway_reaches_the_bucket_its_replicas_share(
+    connect: Callable[[str], Awaitable[Connected]],
+) -> None:
+    gateway = await connect("gateway")
+    shared = await SharedSessions.open(jetstream(gateway.nc))  # made by the first gateway, with its login
+    record = SharedRecord(f"deploy-{uuid.uuid4().hex}", uuid.uuid4().hex * 2, max_turns=3)
+    await shared.add(record)
+    assert await shared.get(record.digest) == record
+    assert record.session_id in {found.session_id for found in await shared.open_sessions()}
+    await shared.end(record, "done")
+    assert (await shared.get(record.digest) or record).ended == "done"
+    assert await shared.open_session(record.session_id) is None
+    assert gateway.errors == []
+
+    for role in ("runner", "relay", "trainer", "inference"):
+        other = await connect(role)
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.Error)):
+            await SharedSessions.open(jetstream(other.nc, timeout=1.0))
+        await other.nc.publish(f"$KV.{BUCKET}.key.{record.digest}", b"{}")
+        assert await other.refused("publish", f"$KV.{BUCKET}.key.{record.digest}")
+    assert (await shared.get(record.digest) or record).ended == "done"  # nothing forged
 
 
 async def test_a_runner_request_is_answered_by_an_inference_consumer_with_heartbeats(
@@ -384,7 +410,8 @@ class LocalCompose:
         }
         self.directory = directory
         self.hosts: dict[str, str] = {}
-        self.ports: dict[int, int] = {}
+        self.ports: dict[int, int] = {}  # published container port -> its port here
+        self.own_ports: dict[str, dict[int, int]] = {}  # each service's container ports -> ports here
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.healthy: set[str] = set()
         self.servers: list[EmbeddedPostgres] = []
@@ -402,13 +429,15 @@ class LocalCompose:
                 found[target].mkdir(exist_ok=True)
         return found
 
-    def localize(self, text: str, service: dict[str, Any]) -> str:
+    def localize(self, text: str, service: dict[str, Any], name: str | None = None) -> str:
+        """``text`` with container paths, hosts and ports as they are here (``name``: the service's own
+        ports first, for what it says of 127.0.0.1 inside its container)."""
         for target, source in sorted(self.paths(service).items(), key=lambda item: -len(item[0])):
             # a container path where a path begins: an argument, or a word of a shell script
             text = re.sub(rf"(?<!\S){re.escape(target)}(?=/|\s|;|$)", str(source), text)
         for host, address in self.hosts.items():
             text = text.replace(host, address)
-        for container_port, port in self.ports.items():
+        for container_port, port in {**self.ports, **self.own_ports.get(name or "", {})}.items():
             text = text.replace(f"127.0.0.1:{container_port}", f"127.0.0.1:{port}")
         return text
 
@@ -420,14 +449,24 @@ class LocalCompose:
             env[key] = self.localize(value, service)
         return env
 
-    def argv(self, service: dict[str, Any]) -> list[str]:
+    def listen(self, name: str, container_port: int) -> int:
+        """A free port here for ``name``'s ``container_port``: its host name (``<service>:<port>``) maps to
+        it, and so does the port it publishes, if it does."""
+        port = free_port()
+        self.hosts[f"{name}:{container_port}"] = f"127.0.0.1:{port}"
+        self.own_ports.setdefault(name, {})[container_port] = port
+        if any(
+            str(mapping).endswith(f":{container_port}") for mapping in self.services[name].get("ports") or []
+        ):
+            self.ports[container_port] = port
+        return port
+
+    def argv(self, name: str, service: dict[str, Any]) -> list[str]:
         entrypoint = [self.localize(a, service) for a in check_compose.as_list(service.get("entrypoint"))]
         command = [self.localize(a, service) for a in check_compose.as_list(service.get("command"))]
-        if "--port" in command:  # a published port: a free one here
+        if "--port" in command:  # a port of its own here
             at = command.index("--port") + 1
-            container_port = int(command[at])
-            self.ports.setdefault(container_port, free_port())
-            command[at] = str(self.ports[container_port])
+            command[at] = str(self.listen(name, int(command[at])))
         return (
             entrypoint + command if entrypoint else [str(Path(sys.executable).parent / "turnstile"), *command]
         )
@@ -480,13 +519,31 @@ class LocalCompose:
 
     def start(self, name: str) -> None:
         service = self.services[name]
-        argv = self.argv(service)
+        if str(service.get("image", "")).startswith("haproxy:"):
+            self.start_haproxy(name)
+            return
+        argv = self.argv(name, service)
         if "--metrics-port" in argv:  # 9100 in every container: a port of its own for each here
             self.metrics_ports[name] = free_port()
             argv[argv.index("--metrics-port") + 1] = str(self.metrics_ports[name])
         log = (self.directory / "logs" / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
             argv, env=self.environment(service), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, cwd=self.directory, start_new_session=True,
+        )  # fmt: skip
+
+    def start_haproxy(self, name: str) -> None:
+        """The balancer: Debian's haproxy on the mounted deploy/haproxy.cfg, its servers' host names mapped
+        to the ports their services listen on here."""
+        [config] = [
+            source for target, source in self.paths(self.services[name]).items() if "haproxy" in target
+        ]
+        servers = [self.hosts[found[1]] for found in SERVER.findall(config.read_text())]
+        local = self.directory / "haproxy.cfg"
+        local.write_text(localized_config(servers, self.listen(name, 8000)))
+        log = (self.directory / "logs" / f"{name}.log").open("ab")
+        self.processes[name] = subprocess.Popen(
+            [haproxy_binary(), "-f", str(local), "-db"], stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, cwd=self.directory, start_new_session=True,
         )  # fmt: skip
 
@@ -497,7 +554,7 @@ class LocalCompose:
             self.healthy.add(name)
             return
         assert test[0] == "CMD", f"{name}: healthcheck {test}"
-        argv = [sys.executable if a == "python" else self.localize(a, service) for a in test[1:]]
+        argv = [sys.executable if a == "python" else self.localize(a, service, name) for a in test[1:]]
         done = subprocess.run(argv, env=self.environment(service), capture_output=True, text=True, timeout=30)
         if done.returncode == 0:
             self.healthy.add(name)
@@ -572,8 +629,9 @@ METRICS_MOVED = {
                 ("turnstile_trainer_policy_version{policy=demo}", 1),
                 ("turnstile_trainer_batch_samples_count{policy=demo}", 1)],
     "runner": [("turnstile_runner_turns_total", 1), ("turnstile_runner_episodes_total{outcome=done}", 1)],
-    "gateway": [("turnstile_gateway_open_sessions", 1),
-                ("turnstile_gateway_requests_total{method=POST,route=/v1/chat/completions,status=200}", 1)],
+    # round-robin: each replica holds the session (started on one, a call on the other)
+    "gateway-1": [("turnstile_gateway_open_sessions", 1)],
+    "gateway-2": [("turnstile_gateway_open_sessions", 1)],
 }  # fmt: skip
 
 
@@ -633,10 +691,11 @@ def test_the_compose_services_close_the_loop_with_their_own_credentials(server_d
         )
         assert {"runner", "gateway", "trainer", "materializer", "relay"} <= set(writers.split(","))
 
-        # The gateway (published port, admin key) records a session's turn as the gateway user.
+        # The gateway replicas (behind the balancer's published port, admin key) record a session's turn as
+        # the gateway user.
         import httpx
 
-        gateway = local.services["gateway"]
+        gateway = local.services["gateway-1"]
         base = f"http://127.0.0.1:{local.ports[8000]}"
         key = gateway["environment"]["TURNSTILE_ADMIN_KEY"]
         created = httpx.post(

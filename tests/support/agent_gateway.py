@@ -90,10 +90,16 @@ async def agent_gateway(
 
 @contextlib.asynccontextmanager
 async def gateway_process(
-    database_url: str, nats_url: str, policy: str, admin_key: str, *, pids: list[int] | None = None
+    database_url: str,
+    nats_url: str,
+    policy: str,
+    admin_key: str,
+    *,
+    pids: list[int] | None = None,
+    options: tuple[str, ...] = (),
 ) -> AsyncIterator[str]:
-    """``turnstile serve gateway`` on a free port (``--port 0``); yields its URL once it listens (and puts
-    its process id in ``pids``, for a test that watches its memory)."""
+    """``turnstile serve gateway`` on a free port (``--port 0``) with ``options``; yields its URL once it
+    listens (and puts its process id in ``pids``, for a test that watches its memory or kills it)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("TURNSTILE_")}
     env |= {
         "TURNSTILE_DATABASE_URL": database_url,
@@ -103,7 +109,7 @@ async def gateway_process(
     }
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "consumers.cli", "serve", "gateway", "--port", "0", "--policy-default", policy,
-        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        *options, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert process.stderr is not None
     if pids is not None:
