@@ -27,7 +27,7 @@ from nats.aio.subscription import Subscription
 
 from consumers.runtime import LATENCY_BUCKETS, METRICS_HOST, Runtime, serve_metrics, tune_gc
 from pipeline.errors import ConfigError
-from pipeline.inference import DEFAULT_BUDGET_TOKENS, QUEUE_GROUP, Backend, InferenceService, request_subject
+from pipeline.inference import DEFAULT_BUDGET_BYTES, QUEUE_GROUP, Backend, InferenceService, request_subject
 from pipeline.settings import nats_inbox_prefix
 from pipeline.versions import VersionLog, versions_subject
 from schemas import LLMResponse
@@ -49,7 +49,7 @@ class InferenceConfig:
     """torch backend: tokens fed in one step (a token per running request plus prefill; a longer prompt
     is prefilled in chunks)."""
     heartbeat_interval: float = 5.0
-    held_tokens: int = DEFAULT_BUDGET_TOKENS
+    held_bytes: int = DEFAULT_BUDGET_BYTES
     metrics_port: int | None = None  # /metrics and /health over HTTP (0: a free port)
     metrics_host: str = METRICS_HOST
     script: Path | None = (
@@ -173,7 +173,7 @@ def create_app(
         consumer_id=consumer_id,
         publish=publish,
         heartbeat_interval=config.heartbeat_interval,
-        held_tokens=config.held_tokens,
+        held_bytes=config.held_bytes,
         versions=VersionLog(config.database_url) if config.database_url else None,
     )
     if config.database_url is None:
@@ -265,6 +265,18 @@ def instrument(runtime: Runtime, service: InferenceService) -> None:
         ["reason"],
     )
     runtime.gauge("turnstile_inference_in_flight", "requests being generated now", lambda: service.in_flight)
+    held = service.held
+    runtime.gauge(
+        "turnstile_inference_held_bytes",
+        "bytes of the recent turns kept for continuing requests (estimated; at most --held-mib)",
+        lambda: held.bytes,
+    )
+    runtime.gauge("turnstile_inference_held_turns", "recent turns kept for continuing requests", held.__len__)
+    runtime.counter(
+        "turnstile_inference_held_evicted_total",
+        "kept turns dropped to stay within --held-mib (least recently used first)",
+        lambda: held.evicted,
+    )
     runtime.gauge(
         "turnstile_inference_policy_version",
         "the policy version whose weights answer requests, by policy",

@@ -31,6 +31,18 @@ class WrongExpectedVersion(TurnstileError):
         )
 
 
+class EpisodeExists(WrongExpectedVersion):
+    """An episode was started with an id the log already holds: its stream, ``episode-<id>``, has events."""
+
+    def __init__(self, episode_id: str, stream: str, actual: int) -> None:
+        self.stream, self.expected, self.actual, self.episode_id = stream, 0, actual, episode_id
+        TurnstileError.__init__(  # not WrongExpectedVersion's message: this one names the episode
+            self,
+            f"episode {episode_id!r} already exists: stream {stream!r} holds it ({actual} events); an "
+            "episode id names one stream, so choose a new episode_id (or leave it out for a fresh one)",
+        )
+
+
 class DuplicateEventConflict(TurnstileError):
     """An event id is already recorded with other content (or in another stream)."""
 

@@ -9,7 +9,10 @@ which ``turnstile --help`` and every quick command would otherwise pay.
 
 from __future__ import annotations
 
-from consumers.cli import data, runs, serve, servers
+import sys
+from typing import NoReturn
+
+from consumers.cli import data, logins, runs, serve, servers
 from consumers.cli.common import Typer, console
 from pipeline.errors import TurnstileError
 
@@ -49,6 +52,15 @@ def main() -> None:
     try:
         app()
     except TurnstileError as error:
-        # soft_wrap: one line whatever the terminal's width (a script greps it; a log keeps it whole)
-        console.print(f"[red]error:[/red] {error}", soft_wrap=True, highlight=False)
-        raise SystemExit(2) from None
+        fail(str(error))
+    except Exception as error:
+        denied = logins.permission_denied(error)
+        if denied is None:
+            raise
+        fail(logins.refusal(logins.command_of(sys.argv[1:]), denied))
+
+
+def fail(message: str) -> NoReturn:
+    # soft_wrap: one line whatever the terminal's width (a script greps it; a log keeps it whole)
+    console.print(f"[red]error:[/red] {message}", soft_wrap=True, highlight=False)
+    raise SystemExit(2) from None

@@ -28,7 +28,7 @@ from consumers.cli.common import (
     with_materializer_options,
 )
 from pipeline.errors import ConfigError
-from pipeline.inference import DEFAULT_BUDGET_TOKENS
+from pipeline.inference import DEFAULT_BUDGET_BYTES
 from pipeline.settings import Settings
 
 if TYPE_CHECKING:
@@ -62,11 +62,12 @@ def inference(
         help="torch backend: tokens fed to the model in one step, a token per running request plus prefill "
         "(a longer prompt is prefilled in chunks between decode steps); at least --max-batch",
     ),
-    held_tokens: int = typer.Option(
-        DEFAULT_BUDGET_TOKENS,
+    held_mib: float = typer.Option(
+        DEFAULT_BUDGET_BYTES / 2**20,
         min=0,
-        help="token ids of recent turns kept in memory (with their messages; a turn shares the ids of the "
-        "turn it continued), so a request continuing one need not send them again; least recently used first",
+        help="MiB of memory for recent turns (token ids, messages, tools; a turn shares what the turn it "
+        "continued holds), kept so a request continuing one need not send them again; least recently used "
+        "first",
     ),
     script: Path = typer.Option(
         None,
@@ -90,7 +91,7 @@ def inference(
         consumer_id=consumer_id,
         max_batch=max_batch,
         max_batch_tokens=max_batch_tokens,
-        held_tokens=held_tokens,
+        held_bytes=int(held_mib * 2**20),
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         script=script,

@@ -26,7 +26,7 @@ from pipeline.episodes.lineage import reply_changes, restored_call, schemas_by_n
 from pipeline.episodes.openai_client import episode_openai_client
 from pipeline.episodes.refusals import InvalidLLMCall, MaxTurnsExceeded
 from pipeline.episodes.reply import ChatReply
-from pipeline.errors import TurnstileError, WrongExpectedVersion, describe_validation_error
+from pipeline.errors import EpisodeExists, TurnstileError, WrongExpectedVersion, describe_validation_error
 from pipeline.inference import InferenceError, LLMClient, PrefixUnknown
 from pipeline.log import AppendResult, RecordedEvent, Store
 from schemas import (
@@ -239,7 +239,10 @@ class EpisodeSession:
 
     async def start(self) -> None:
         self._started_at = time.monotonic()
-        await self._append([self.started])
+        try:
+            await self._append([self.started])
+        except WrongExpectedVersion as error:  # the stream is taken: another episode has this id
+            raise EpisodeExists(self.episode_id, self.stream, error.actual) from None
 
     async def chat(
         self,

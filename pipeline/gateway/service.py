@@ -33,7 +33,13 @@ from pipeline.episodes import (
     chat_result,
     wanted_detail,
 )
-from pipeline.errors import InvalidEvent, StoreUnavailable, TurnstileError, WrongExpectedVersion
+from pipeline.errors import (
+    EpisodeExists,
+    InvalidEvent,
+    StoreUnavailable,
+    TurnstileError,
+    WrongExpectedVersion,
+)
 from pipeline.gateway.http_error import GatewayError
 from pipeline.gateway.replicas import Replicas
 from pipeline.gateway.sessions import Answer, Listener, RetryKeys, SessionEntry, SessionRegistry, key_digest
@@ -269,10 +275,8 @@ class Gateway:
             )
             try:
                 await session.start()
-            except WrongExpectedVersion:
-                raise GatewayError(
-                    409, f"episode {session.episode_id} already exists", param="episode_id"
-                ) from None
+            except EpisodeExists as error:
+                raise GatewayError(409, str(error), param="episode_id") from None
             except InvalidEvent as error:
                 raise GatewayError(400, f"the session cannot be recorded: {error}") from None
             api_key = self.registry.register(session, owned=True)

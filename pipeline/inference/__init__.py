@@ -21,13 +21,13 @@ from pipeline.inference.client import (
     raise_for_error,
     request_subject,
 )
-from pipeline.inference.held import DEFAULT_BUDGET_TOKENS
+from pipeline.inference.held import DEFAULT_BUDGET_BYTES
 from pipeline.inference.script import Script
 from pipeline.inference.service import InferenceService
 
 __all__ = [
     "CONSUMER_HEADER",
-    "DEFAULT_BUDGET_TOKENS",
+    "DEFAULT_BUDGET_BYTES",
     "HEARTBEAT_HEADER",
     "QUEUE_GROUP",
     "Backend",

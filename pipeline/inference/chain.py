@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 
 class Chain(Sequence[T]):
-    __slots__ = ("_length", "holders", "items", "parent")
+    __slots__ = ("_length", "holders", "items", "parent", "size")
 
     def __init__(self, parent: Chain[T] | None, items: Sequence[T]) -> None:
         self.parent = parent
@@ -27,6 +27,8 @@ class Chain(Sequence[T]):
         self._length = (len(parent) if parent is not None else 0) + len(items)
         self.holders = 0
         """How many held turns and held child links need this link (kept by ``HeldPrefixes``)."""
+        self.size = 0
+        """The bytes ``HeldPrefixes`` counted for this link while it is held."""
 
     @classmethod
     def of(cls, items: Sequence[T]) -> Chain[T]:

@@ -27,7 +27,7 @@ from pipeline.inference.backends import Backend, Generation
 from pipeline.inference.chain import Chain, as_list
 from pipeline.inference.chat import REASONING_MARKERS, split_reasoning, split_tool_calls
 from pipeline.inference.client import CONSUMER_HEADER, HEARTBEAT_HEADER, RequestRejected
-from pipeline.inference.held import DEFAULT_BUDGET_TOKENS, HeldPrefixes, HeldTurn
+from pipeline.inference.held import DEFAULT_BUDGET_BYTES, HeldPrefixes, HeldTurn
 from pipeline.versions import VersionLog
 from schemas import (
     IGNORE,
@@ -74,7 +74,7 @@ class InferenceService:
         max_payload: int = 8 * 1024 * 1024,
         heartbeat_interval: float = 5.0,
         reasoning_markers: tuple[str, str] | None = REASONING_MARKERS,
-        held_tokens: int = DEFAULT_BUDGET_TOKENS,
+        held_bytes: int = DEFAULT_BUDGET_BYTES,
         on_reply: Callable[[LLMResponse], None] | None = None,
         on_error: Callable[[str], None] | None = None,
         versions: VersionLog | None = None,
@@ -83,7 +83,7 @@ class InferenceService:
         self.versions = versions
         """Where versions are checked before loading (None: none is loaded, each refused as ``no_log``)."""
         self.versions_refused: Counter[str] = Counter(dict.fromkeys(VERSION_REFUSALS, 0))
-        self.held = HeldPrefixes(held_tokens)
+        self.held = HeldPrefixes(held_bytes)
         """Recent turns' tokens, messages and tools, by the key each reply names (``tokens_key``)."""
         self.on_reply = on_reply  # metrics: each reply sent (timings, tokens), each error by its code
         self.on_error = on_error

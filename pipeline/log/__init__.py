@@ -2,7 +2,7 @@
 append rules both share, token packing, the tables, consumer checkpoints and migrations."""
 
 from pipeline.log.appends import decode_event, encode_event, validate_event
-from pipeline.log.db import Logins, create_engine, make_logins, migrate, migrate_async
+from pipeline.log.db import READER_ROLE, Logins, create_engine, make_logins, migrate, migrate_async
 from pipeline.log.json_text import JsonText
 from pipeline.log.memory import InMemoryStore
 from pipeline.log.port import (
@@ -36,6 +36,7 @@ from pipeline.log.turns import (
 )
 
 __all__ = [
+    "READER_ROLE",
     "AbandonedEpisode",
     "AppendResult",
     "EpisodeFilter",

@@ -29,11 +29,12 @@ from pipeline.errors import (
 )
 from pipeline.log.port import AppendResult, RecordedEvent
 from pipeline.log.tokens import pack_tokens, unpack_tokens
-from schemas import CATEGORY_OF, EVENT_TYPES, Event, TurnCompleted, parse_event
+from schemas import CATEGORY_OF, EVENT_TYPES, EpisodeStarted, Event, TurnCompleted, parse_event
 
 log = logging.getLogger(__name__)
 
 STREAM_PATTERN: Final = re.compile(r"^(?P<category>[a-z]+)-[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
+EPISODE_STREAM_PREFIX: Final = "episode-"
 TOKEN_FIELDS: Final = frozenset({"prompt_token_ids", "completion_token_ids", "completion_logprobs"})
 _TURN_WRITTEN_BY_HAND: Final = {*TOKEN_FIELDS, "event_id", "turn_id"}
 """Left out of pydantic's JSON of a turn: the token arrays (stored in binary) and the two ids, which
@@ -192,6 +193,8 @@ def prepare_append(
             raise InvalidEvent(
                 f"event {index} ({event.type}) belongs in a '{category}-<id>' stream, not in {stream!r}"
             )
+        if isinstance(event, EpisodeStarted):
+            _check_episode_stream(index, event, stream)
         if event.event_id in seen:
             raise InvalidEvent(f"event {index} repeats event_id {event.event_id} within one append")
         seen.add(event.event_id)
@@ -210,6 +213,20 @@ def prepare_append(
     except (TypeError, ValueError) as error:
         raise InvalidEvent(f"metadata of the append to {stream!r} is not JSON: {error}") from None
     return PendingAppend(stream, encoded, expected_version, metadata_json)
+
+
+def _check_episode_stream(index: int, event: EpisodeStarted, stream: str) -> None:
+    """An episode starts only in its own stream, ``episode-<episode_id>``. Stream names are unique, so no
+    two streams can then hold one episode: the read models key episodes by id, and a second stream claiming
+    an id would have its samples dropped. SQL checks the same (migration 0021)."""
+    own = EPISODE_STREAM_PREFIX + event.episode_id
+    if stream != own:
+        raise InvalidEvent(
+            f"event {index} (EpisodeStarted) starts episode {event.episode_id!r}, whose stream is {own!r}, "
+            f"not {stream!r}: an episode is recorded in the stream named by its id, so no two streams hold "
+            f"one episode; append it to {own!r} (if that stream already holds the episode, choose a new "
+            "episode_id)"
+        )
 
 
 @dataclass(slots=True)

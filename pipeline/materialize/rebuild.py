@@ -11,6 +11,7 @@ import psycopg
 from psycopg import sql
 
 from pipeline.errors import ConfigError
+from pipeline.log import READER_ROLE
 from pipeline.settings import libpq_url
 
 READ_MODEL_TABLES: Final = (
@@ -47,6 +48,10 @@ async def create_rebuild_schema(connection: psycopg.AsyncConnection[Any], schema
         if unique:
             await connection.execute(definition)
     await connection.execute("SELECT turnstile_read_model_views(%s)", (schema,))
+    # The readers of the log read a rebuild as they read the live read models (`turnstile sql --schema
+    # NAME`, plot): the login that made the schema owns it, so it grants them what 0006 grants on public.
+    for grant in ("GRANT USAGE ON SCHEMA {} TO {}", "GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}"):
+        await connection.execute(sql.SQL(grant).format(sql.Identifier(schema), sql.Identifier(READER_ROLE)))
 
 
 async def index_definitions(

@@ -167,7 +167,8 @@ def _enter_reader(connection: psycopg.Connection[Any], search_path: str | None, 
         )
     if not row[0]:
         raise SqlError(
-            f"role {READER_ROLE} may not read schema {search_path!r}: GRANT USAGE ON SCHEMA {search_path} "
+            f"role {READER_ROLE} may not read schema {search_path!r} (rebuilt before rebuilds granted it): "
+            f"as the login that made it (TURNSTILE_DATABASE_URL), GRANT USAGE ON SCHEMA {search_path} "
             f"TO {READER_ROLE}; GRANT SELECT ON ALL TABLES IN SCHEMA {search_path} TO {READER_ROLE}"
         )
     connection.execute(sql.SQL("SET LOCAL search_path TO {}, public").format(sql.Identifier(search_path)))

@@ -13,7 +13,7 @@ import pytest
 from consumers.inference import InferenceConfig
 from pipeline.episodes import EpisodeLLM, EpisodeSession, InvalidLLMCall, fold_episode, run_episode
 from pipeline.episodes.fold import whole_events
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, EpisodeExists
 from pipeline.examples import ARITHMETIC_TASKS
 from pipeline.examples.calculator import MALFORMED_TOOL_CALL, CalculatorAgent
 from pipeline.examples.openai_agent import OpenAIAgent
@@ -267,6 +267,22 @@ async def test_runner_goes_on_past_failing_agents_and_bad_task_lines(
     assert runner.stats.retried == 2
     assert runner.stats.failed == 2
     assert runner.stats.done == 4
+
+
+async def test_an_episode_id_the_log_holds_is_refused_before_the_agent_runs(
+    store: EventStore, llm: NatsLLMClient, echo_policy: str
+) -> None:
+    taken = session(store, llm, echo_policy, task={"question": "2 + 2", "answer": "4"})
+    await run_episode(SingleTurnAgent(), taken)
+    recorded = await store.read_all()
+    again = session(store, llm, echo_policy, episode_id=taken.episode_id)
+    with pytest.raises(EpisodeExists) as refused:
+        await run_episode(SingleTurnAgent(), again)
+    stream = f"episode-{taken.episode_id}"
+    assert str(refused.value).startswith(
+        f"episode {taken.episode_id!r} already exists: stream {stream!r} holds it ({len(recorded)} events)"
+    )
+    assert await store.read_all() == recorded  # nothing of the second episode was recorded
 
 
 def test_example_task_file_parses_and_agents_load() -> None:

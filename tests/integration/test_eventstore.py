@@ -16,7 +16,7 @@ from pipeline.log import AppendResult, EventStore
 from pipeline.log.store import APPEND_LOCK
 from pipeline.settings import libpq_url
 from schemas import Event
-from tests.support.factories import finished, new_stream, reward, started, turn
+from tests.support.factories import finished, new_stream, opened, reward, started_in, turn
 
 
 async def count_events(store: EventStore) -> int:
@@ -35,7 +35,7 @@ async def test_token_arrays_are_stored_in_binary_not_as_json(store: EventStore) 
 
 async def test_concurrent_appends_are_group_committed_into_few_transactions(store: EventStore) -> None:
     streams = [new_stream() for _ in range(300)]
-    results = await asyncio.gather(*(store.append(s, [started(), turn()], 0) for s in streams))
+    results = await asyncio.gather(*(store.append(s, [started_in(s), turn()], 0) for s in streams))
     positions = sorted(p for result in results for p in result.positions)
     assert positions == list(range(1, 601))
     assert store.stats.appends == 300
@@ -46,7 +46,7 @@ async def test_concurrent_appends_are_group_committed_into_few_transactions(stor
 
 async def test_one_bad_append_in_a_group_commit_fails_alone(store: EventStore) -> None:
     taken = new_stream()
-    await store.append(taken, [started()])
+    await store.append(taken, [started_in(taken)])
     before = store.stats.transactions
     good = [(new_stream(), turn(f"question {i}")) for i in range(40)]
     refused_by_postgres = turn("a NUL \x00 byte, which jsonb cannot hold")
@@ -78,10 +78,10 @@ async def test_a_batch_whose_expected_versions_or_event_ids_are_taken_is_decided
     """A group commit writes appends with an expected version without looking their streams up; where the
     database refuses that, the batch is written again with look-ups and each append gets its own outcome."""
     recorded_stream, behind, ahead = new_stream(), new_stream(), new_stream()
-    retried = [started(), turn()]
+    retried = [started_in(recorded_stream), turn()]
     first = await store.append(recorded_stream, retried, 0)
-    await store.append(behind, [started(), turn()], 0)
-    await store.append(ahead, [started()], 0)
+    await store.append(behind, [started_in(behind), turn()], 0)
+    await store.append(ahead, [started_in(ahead)], 0)
     assert store.stats.rewritten == 0  # nothing guessed wrong: nothing looked up
 
     async def among_new_appends(
@@ -89,9 +89,9 @@ async def test_a_batch_whose_expected_versions_or_event_ids_are_taken_is_decided
     ) -> AppendResult | BaseException:
         """The append in one batch with 30 appends to new streams, which all succeed."""
         before = store.stats.rewritten
-        fresh = [(new_stream(), started()) for _ in range(30)]
+        fresh = [opened() for _ in range(30)]
         *outcomes, outcome = await asyncio.gather(
-            *(store.append(s, [e], 0) for s, e in fresh), store.append(stream, events, expected),
+            *(store.append(s, e, 0) for s, e in fresh), store.append(stream, events, expected),
             return_exceptions=True,
         )  # fmt: skip
         assert all(isinstance(o, AppendResult) for o in outcomes)
@@ -135,7 +135,7 @@ async def test_readers_ignore_unknown_fields_and_keep_unknown_types(store: Event
 async def test_an_explicit_transaction_appends_atomically(store: EventStore) -> None:
     stream = new_stream()
     async with store.transaction() as transaction:
-        await transaction.append(stream, [started()], 0)
+        await transaction.append(stream, [started_in(stream)], 0)
         with pytest.raises(WrongExpectedVersion):
             await transaction.append(stream, [reward()], 0)
         await transaction.append(stream, [reward()], 1)
@@ -210,8 +210,8 @@ async def test_an_append_whose_commit_outcome_is_unknown_is_retried_to_exactly_o
         through = url.set(host=host, port=port).render_as_string(hide_password=False)
         store = await EventStore.connect(through)
         try:
-            events = [started(), turn()]
-            result = await store.append(new_stream(), events, expected_version=0)
+            stream, events = opened(turn())
+            result = await store.append(stream, events, expected_version=0)
             assert cutter.cut.is_set()  # the first COMMIT's answer was lost
             assert result.positions == (1, 2)
             assert result.duplicate  # the retry found the committed events by their ids
@@ -226,7 +226,7 @@ async def test_an_append_to_an_unreachable_postgresql_is_store_unavailable_after
     )
     try:
         with pytest.raises(StoreUnavailable) as unavailable:
-            await store.append(new_stream(), [started()], 0)
+            await store.append(*opened(), 0)
         assert "PostgreSQL unreachable for 1 s while appending" in str(unavailable.value)
         assert "TURNSTILE_DATABASE_URL" in str(unavailable.value)
     finally:
@@ -234,8 +234,8 @@ async def test_an_append_to_an_unreachable_postgresql_is_store_unavailable_after
 
 
 async def test_tail_without_a_position_starts_at_the_first_event(store: EventStore) -> None:
-    await store.append(new_stream(), [started()])
-    await store.append(new_stream(), [started()])
+    await store.append(*opened())
+    await store.append(*opened())
     seen = []
     async with asyncio.timeout(30):
         async for recorded in store.tail():

@@ -746,6 +746,23 @@ async def test_rewards_by_turn_id_last_and_episode(gateway: Gateway, store: Even
     assert (await post(f"/admin/sessions/{sid}/end", json={})).status_code == 409  # ended: not open any more
 
 
+async def test_a_session_with_an_episode_id_the_log_holds_gets_409_naming_its_stream(
+    gateway: Gateway, store: EventStore
+) -> None:
+    first = await gateway.session(episode_id=f"mine-{uuid.uuid4().hex}")
+    episode_id = first["session_id"]
+    recorded = await store.read_all()
+    taken = await gateway.admin.post("/admin/sessions", json={"episode_id": episode_id})
+    assert taken.status_code == 409
+    error = taken.json()["error"]
+    assert error["param"] == "episode_id"
+    assert error["message"].startswith(
+        f"episode {episode_id!r} already exists: stream 'episode-{episode_id}' holds it"
+    )
+    assert await store.read_all() == recorded
+    assert (await gateway.session())["session_id"] != episode_id  # the gateway goes on
+
+
 @pytest.mark.parametrize("gateway", [{"capacity": 2, "max_staleness": 1, "retry_after": 3}], indirect=True)
 async def test_capacity_and_staleness_refuse_new_sessions_with_429(
     gateway: Gateway, store: EventStore

@@ -18,9 +18,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from alembic import command
 from psycopg.types.json import Jsonb
 
 from pipeline.log import EventStore, encode_event
+from pipeline.log.db import alembic_config
 from pipeline.log.store import APPEND_LOCK
 from pipeline.log.tokens import pack_tokens
 from pipeline.materialize.config import MaterializerConfig
@@ -57,6 +59,17 @@ def forge(database_url: str, stream: str, event: Event, **changes: Any) -> int:
         return int(head[0]) + 1
 
 
+def forged_before_0021(database_url: str, stream: str, event: Event, **changes: Any) -> int:
+    """``forge`` in a log migrated back to before 0021 (which ties an episode to its stream), then forward
+    again: the migration keeps what the log already holds."""
+    config = alembic_config(database_url)
+    command.downgrade(config, "0020")
+    try:
+        return forge(database_url, stream, event, **changes)
+    finally:
+        command.upgrade(config, "head")
+
+
 async def good_episode(store: EventStore, episode_id: str) -> None:
     await store.append(
         f"episode-{episode_id}",
@@ -88,8 +101,9 @@ async def poisoned_log(store: EventStore, database_url: str) -> dict[str, int]:
     await store.append("episode-lots", [started("lots"), turn([1, 2], [3, 4])], 0)
     bad["lots"] = forge(database_url, "episode-lots", RewardAssigned(value=1.0), value="lots")
     await store.append("episode-lots", [EpisodeFinished(termination="done")], 3)
-    # A second episode claiming ok1's id: only the read models' primary key notices (the safety net).
-    bad["dup"] = forge(database_url, "episode-dup", started("dup"), episode_id="ok1")
+    # A second episode claiming ok1's id, as a log written before migration 0021 may hold one (appends now
+    # refuse it): only the read models' primary key notices (the safety net).
+    bad["dup"] = forged_before_0021(database_url, "episode-dup", started("dup"), episode_id="ok1")
     await store.append("episode-dup", [turn([1, 2], [3, 4]), EpisodeFinished(termination="done")], 1)
     await good_episode(store, "ok2")
     return bad

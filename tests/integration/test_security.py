@@ -38,7 +38,7 @@ from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
 from tests.conftest import login_url
 from tests.e2e.test_deploy import new_policy
 from tests.support.backends import RuleBackend, echo_rule
-from tests.support.factories import finished, new_stream, reward, started
+from tests.support.factories import finished, new_stream, opened, reward, started_in
 from tests.support.roles import Connected, RoleNats
 from tests.support.serving import serving
 from tests.support.waiting import wait_until
@@ -251,7 +251,7 @@ def run_as(database_url: str, login: tuple[str, str], *statements: str, params: 
 def forged(position: int) -> str:
     return (
         "INSERT INTO events (position, stream, version, event_id, type, data, content_hash) "
-        f"VALUES ({position}, 'episode-forged-{position}', 1, gen_random_uuid(), 'EpisodeStarted', '{{}}', "
+        f"VALUES ({position}, 'episode-forged-{position}', 1, gen_random_uuid(), 'RewardAssigned', '{{}}', "
         "'\\x00')"
     )
 
@@ -262,7 +262,7 @@ LOCK = f"SELECT pg_advisory_xact_lock({APPEND_LOCK})"
 async def test_rows_forged_into_events_are_refused_and_positions_stay_gapless(
     store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
 ) -> None:
-    await store.append(new_stream(), [started()])
+    await store.append(*opened())
     writer = logins["turnstile_writer"]
     with pytest.raises(psycopg.errors.InsufficientPrivilege, match="only while holding the append lock"):
         run_as(database_url, writer, forged(2))
@@ -279,13 +279,13 @@ async def test_rows_forged_into_events_are_refused_and_positions_stay_gapless(
         pytest.raises(psycopg.errors.InsufficientPrivilege),
         connection.cursor().copy(copy_events) as copy,
     ):
-        copy.write_row((2, "episode-copied", 1, str(uuid.uuid4()), "EpisodeStarted", "{}", b"\x00"))
+        copy.write_row((2, "episode-copied", 1, str(uuid.uuid4()), "RewardAssigned", "{}", b"\x00"))
     refused("writer COPYing into events without the append lock")
     for login in (logins["turnstile_materializer"], logins["turnstile_reader"]):
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             run_as(database_url, login, forged(2))
     refused("materializer and reader inserting into events")
-    await store.append(new_stream(), [started()])  # the store's own appends go on
+    await store.append(*opened())  # the store's own appends go on
     async with store.engine.connect() as connection:
         positions = [row[0] for row in await connection.exec_driver_sql("SELECT position FROM events")]
     assert sorted(positions) == [1, 2]
@@ -297,7 +297,7 @@ async def test_rows_leaving_a_gap_in_a_streams_versions_are_refused(
 ) -> None:
     """Migration 0015: a stream's versions are 1, 2, 3, ... whoever writes (the group commit relies on it)."""
     stream = new_stream()
-    await store.append(stream, [started()])
+    await store.append(stream, [started_in(stream)])
     writer = logins["turnstile_writer"]
 
     def row(position: int, version: int, name: str = stream) -> str:
@@ -327,7 +327,7 @@ async def test_rows_leaving_a_gap_in_a_streams_versions_are_refused(
     refused("writer COPYing a version gap")
     run_as(database_url, writer, LOCK, row(2, 2))  # the next version, right after the head: accepted
     assert [r.version for r in await store.read_stream(stream)] == [1, 2]
-    assert (await store.append(stream, [started()], 2)).version == 3  # the store's own appends go on
+    assert (await store.append(stream, [started_in(stream)], 2)).version == 3  # the store's own appends go on
 
 
 async def _tail_until(store: EventStore, last: int) -> Any:
@@ -362,8 +362,8 @@ async def test_a_read_only_role_cannot_hold_the_append_lock_and_a_held_lock_time
         with psycopg.connect(libpq_url(database_url)) as holder:
             holder.execute(LOCK)
             with pytest.raises(StoreUnavailable, match=r"append lock was not granted within 0\.5 s"):
-                await store.append(new_stream(), [started()])
-        await store.append(new_stream(), [started()])  # released: appends go on
+                await store.append(*opened())
+        await store.append(*opened())  # released: appends go on
     finally:
         await store.close()
 
@@ -378,7 +378,7 @@ async def test_only_the_writer_appends_through_append_events_which_checks_what_t
     writer = await EventStore.connect(login_url(database_url, writer_login))
     try:
         stream = new_stream()
-        assert (await writer.append(stream, [started()], 0)).positions == (1,)
+        assert (await writer.append(stream, [started_in(stream)], 0)).positions == (1,)
         assert (await writer.append(stream, [reward(), finished()], 1)).positions == (2, 3)
         assert writer.stats.one_round_trip == 2
     finally:

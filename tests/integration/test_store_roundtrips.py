@@ -17,20 +17,26 @@ from pipeline.log import AppendResult, EventStore
 from pipeline.log.appends import prepare_append
 from pipeline.log.store import APPEND_LOCK, ONE_ROUND_TRIP_MAX_EVENTS, write_appends
 from schemas import Event, FunctionSpec, ToolSpec, TurnRequest
-from tests.support.factories import finished, new_stream, reward, started, turn
+from tests.support.factories import finished, new_stream, opened, reward, started_in, turn
 
 STORED = (
     "SELECT stream, version, event_id, type, data::text, tokens, metadata::text, content_hash FROM events"
 )
 
 
-def varied_events() -> list[Event]:
+def varied_events(stream: str) -> list[Event]:
     """Events with every kind of column: no tokens, tokens, tool parameters held as text, non-ASCII."""
     tool = ToolSpec(function=FunctionSpec(name="search", parameters={"z": {"type": "string"}, "a": {}}))
     with_tools = turn("¿Qué tal? 日本語 \U0001f600", seed=3).model_copy(
         update={"request": TurnRequest(messages=turn().request.messages, tools=[tool])}
     )
-    return [started(), with_tools, turn(prompt_len=1000, completion_len=200), reward(0.5), finished()]
+    return [
+        started_in(stream),
+        with_tools,
+        turn(prompt_len=1000, completion_len=200),
+        reward(0.5),
+        finished(),
+    ]
 
 
 async def stored_rows(url: str) -> list[tuple[Any, ...]]:
@@ -41,18 +47,18 @@ async def stored_rows(url: str) -> list[tuple[Any, ...]]:
 
 async def test_an_append_that_names_its_expected_version_takes_one_round_trip(store: EventStore) -> None:
     stream = new_stream()
-    first = await store.append(stream, [started(), turn()], 0)
+    first = await store.append(stream, [started_in(stream), turn()], 0)
     second = await store.append(stream, [reward()], 2)
     assert (first, second) == (AppendResult(stream, (1, 2), 2), AppendResult(stream, (3,), 3))
     assert (store.stats.one_round_trip, store.stats.transactions, store.stats.rewritten) == (2, 2, 0)
-    await store.append(new_stream(), [started()])  # no expected version: looked up, then COPYed
+    await store.append(*opened())  # no expected version: looked up, then COPYed
     assert store.stats.one_round_trip == 2
     assert [r.position for r in await store.read_all()] == [1, 2, 3, 4]
 
 
 async def test_one_round_trip_stores_the_bytes_the_copy_path_stores(store: EventStore) -> None:
     stream = new_stream()
-    events = varied_events()
+    events = varied_events(stream)
     metadata = {"source": "tests", "ñ": [1, 2.5, None]}
     await store.append(stream, events[:2], 0, metadata=metadata)
     await store.append(stream, events[2:], 2, metadata=metadata)
@@ -87,8 +93,7 @@ async def test_a_batch_over_the_cut_off_is_copied(store: EventStore) -> None:
 async def test_refusals_in_one_round_trip_fall_back_to_the_outcomes_of_the_careful_path(
     store: EventStore,
 ) -> None:
-    stream = new_stream()
-    retried = [started(), turn()]
+    stream, retried = opened(turn())
     first = await store.append(stream, retried, 0)
 
     retry = await store.append(stream, retried, 0)  # the event ids are taken
@@ -115,7 +120,7 @@ async def test_a_lock_timeout_in_one_round_trip_is_store_unavailable_and_leaves_
     store = await EventStore.connect(database_url, lock_timeout=0.2, writers=1)
     try:
         stream = new_stream()
-        await store.append(stream, [started()], 0)
+        await store.append(stream, [started_in(stream)], 0)
         async with await psycopg.AsyncConnection.connect(store.libpq_url) as holder:
             await holder.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
             with pytest.raises(StoreUnavailable, match="append lock was not granted"):

@@ -11,7 +11,7 @@ import pytest
 from pipeline.dev.embedded import EmbeddedPostgres
 from pipeline.log import EventStore
 from pipeline.log.db import migrate
-from tests.support.factories import new_stream, reward, started, turn
+from tests.support.factories import new_stream, opened, reward, started_in, turn
 from tests.support.store_contract import Tailer
 
 
@@ -23,7 +23,7 @@ async def test_sixteen_appenders_while_a_transaction_is_held_open(store: EventSt
     # 16 independent writers (each its own group-commit writer and connection, as 16 processes would be)
     appenders = [EventStore(store.engine) for _ in range(16)]
     tailer = Tailer(store)
-    await store.append(new_stream(), [started()])
+    await store.append(*opened())
     await tailer.wait_for(1)
 
     # Round 1: the held transaction commits late, after the 16 appends were issued.
@@ -73,7 +73,7 @@ async def test_appends_and_tail_survive_a_postgres_restart(server_dir: Path) -> 
         store = await EventStore.connect(postgres.url, retry_for=60)
         tailer = Tailer(store, poll_interval=0.5)
         stream = new_stream()
-        await store.append(stream, [started()], 0)
+        await store.append(stream, [started_in(stream)], 0)
         await tailer.wait_for(1)
 
         await asyncio.to_thread(postgres.stop)

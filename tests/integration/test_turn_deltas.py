@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from psycopg.types.json import Jsonb
 from pipeline.batches.format import unpack_arrays
 from pipeline.episodes import EpisodeSession, expand_turns, fold_episode, turn_delta, whole_events
 from pipeline.inference import InferenceService, raise_for_error
-from pipeline.inference.held import HeldPrefixes
+from pipeline.inference.held import TOKEN_ID_BYTES, TURN_BYTES, HeldPrefixes
 from pipeline.log import EventStore, InMemoryStore
 from pipeline.log.appends import decode_event, encode_event
 from pipeline.log.store import APPEND_LOCK
@@ -29,7 +30,7 @@ from pipeline.log.turns import UnfoldableTurn, expand_turn
 from pipeline.materialize.config import MaterializerConfig
 from pipeline.materialize.writer import Materializer
 from pipeline.settings import libpq_url
-from schemas import LLMError, LLMRequest, LLMResponse, TurnCompleted, parse_wire
+from schemas import LLMError, LLMRequest, LLMResponse, ToolSpec, TurnCompleted, parse_wire
 from tests.support.backends import RuleBackend
 from tests.support.legacy.scenario import DISCOUNT, expected, record
 
@@ -67,10 +68,10 @@ class Wire:
         return reply
 
 
-def service(consumer_id: str = "c1", held_tokens: int = 1_000_000) -> InferenceService:
+def service(consumer_id: str = "c1", held_bytes: int = 64 * 2**20) -> InferenceService:
     backend = RuleBackend(lambda request: f"reply to {len(request.messages)} messages")
     return InferenceService(
-        backend, policy="p", consumer_id=consumer_id, publish=Published(), held_tokens=held_tokens
+        backend, policy="p", consumer_id=consumer_id, publish=Published(), held_bytes=held_bytes
     )
 
 
@@ -210,20 +211,22 @@ async def test_a_consumer_without_the_prefix_gets_everything_and_the_turn_is_sti
     assert len(resent.messages) == len(whole[4].request.messages)
 
 
-def test_held_prefixes_keep_a_token_budget_least_recently_used_first() -> None:
-    held = HeldPrefixes(budget_tokens=10)
-    a = held.keep([1, 2, 3, 4], [], [])
-    b = held.keep([5, 6, 7, 8], [], [])
+def test_held_prefixes_keep_a_byte_budget_least_recently_used_first() -> None:
+    tools: list[ToolSpec] = []
+    held = HeldPrefixes(budget_bytes=10 * TOKEN_ID_BYTES + 2 * TURN_BYTES + sys.getsizeof(tools))  # 2 turns
+    a = held.keep([1, 2, 3, 4], [], tools)
+    b = held.keep([5, 6, 7, 8], [], tools)
     assert a is not None
     assert b is not None
     assert held.take(a, 4, 0) is not None  # a is now the most recently used
-    c = held.keep([9, 9, 9], [], [])  # over budget: b goes
+    c = held.keep([9, 9, 9], [], tools)  # over budget: b goes
     assert held.tokens == 7
     assert held.take(b, 4, 0) is None
     assert held.take(a, 4, 1) is None  # the wrong message count is not the turn that was kept
     assert held.take(a, 4, 0) is not None
     assert c is not None
-    assert held.keep(list(range(11)), [], []) is None  # alone over the budget: not kept
+    assert held.keep(list(range(40)), [], tools) is None  # alone over the budget: not kept
+    assert held.take(a, 4, 0) is not None  # and nothing else was evicted for it
 
 
 def test_a_turn_that_takes_more_than_its_parent_has_is_refused_by_the_fold() -> None:

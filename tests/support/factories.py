@@ -9,6 +9,7 @@ from schemas import (
     ChatMessage,
     EpisodeFinished,
     EpisodeStarted,
+    Event,
     RewardAssigned,
     TurnCompleted,
     TurnReply,
@@ -17,17 +18,32 @@ from schemas import (
 
 
 def new_stream() -> str:
+    """A fresh episode stream; start it with ``started_in(stream)``."""
     return f"episode-{uuid.uuid4().hex}"
 
 
-def started(episode_id: str = "e1", **overrides: object) -> EpisodeStarted:
+def started(episode_id: str | None = None, **overrides: object) -> EpisodeStarted:
+    """The start of episode ``episode_id`` (a fresh id if none), which belongs in ``episode-<episode_id>``:
+    the log refuses it in any other stream, so two streams never share an episode."""
     fields: dict[str, object] = {
-        "episode_id": episode_id,
+        "episode_id": episode_id or uuid.uuid4().hex,
         "task_id": "t1",
         "agent": "tests:Agent",
         "policy": "main",
     }
     return EpisodeStarted.model_validate({**fields, **overrides})
+
+
+def started_in(stream: str, **overrides: object) -> EpisodeStarted:
+    """The start of the episode whose stream is ``stream`` (``episode-<id>``)."""
+    return started(stream.removeprefix("episode-"), **overrides)
+
+
+def opened(*more: Event, **overrides: object) -> tuple[str, list[Event]]:
+    """A fresh episode stream and the events that open it (its start, then ``more``): the arguments of an
+    append, ``store.append(*opened(turn()), 0)``."""
+    stream = new_stream()
+    return stream, [started_in(stream, **overrides), *more]
 
 
 def turn(

@@ -18,7 +18,7 @@ import pytest
 from pipeline.errors import DuplicateEventConflict, InvalidEvent, WrongExpectedVersion
 from pipeline.log import AbandonedEpisode, EpisodeFilter, RecordedEvent, Store
 from schemas import ChatMessage, EpisodeFinished, Event, PolicyVersionPublished, TurnCompleted, TurnRequest
-from tests.support.factories import finished, new_stream, reward, started, turn
+from tests.support.factories import finished, new_stream, opened, reward, started, started_in, turn
 
 
 async def count_events(store: Store) -> int:
@@ -53,8 +53,7 @@ class Tailer:
 
 class StoreContract:
     async def test_appended_events_read_back_equal_with_envelope(self, store: Store) -> None:
-        stream = new_stream()
-        events = [started(), turn(prompt_len=1000, completion_len=200), reward(0.5), finished()]
+        stream, events = opened(turn(prompt_len=1000, completion_len=200), reward(0.5), finished())
         metadata = {"trace": "abc", "runner": "r1"}
         result = await store.append(stream, events, expected_version=0, metadata=metadata)
         assert result.positions == (1, 2, 3, 4)
@@ -76,7 +75,7 @@ class StoreContract:
 
     async def test_wrong_expected_version_names_stream_expected_and_actual(self, store: Store) -> None:
         stream = new_stream()
-        await store.append(stream, [started()], expected_version=0)
+        await store.append(stream, [started_in(stream)], expected_version=0)
         with pytest.raises(WrongExpectedVersion) as error:
             await store.append(stream, [turn()], expected_version=0)
         assert (error.value.stream, error.value.expected, error.value.actual) == (stream, 0, 1)
@@ -84,12 +83,11 @@ class StoreContract:
         assert "expected 0" in str(error.value)
         assert "actual 1" in str(error.value)
         with pytest.raises(WrongExpectedVersion):
-            await store.append(new_stream(), [started()], expected_version=3)
+            await store.append(*opened(), expected_version=3)
         assert await count_events(store) == 1
 
     async def test_the_same_append_twice_is_a_no_op_returning_the_same_positions(self, store: Store) -> None:
-        stream = new_stream()
-        events = [started(), turn()]
+        stream, events = opened(turn())
         first = await store.append(stream, events, expected_version=0)
         again = await store.append(stream, events, expected_version=0)
         assert again.positions == first.positions
@@ -98,9 +96,8 @@ class StoreContract:
         assert await count_events(store) == 2
 
     async def test_a_retry_reports_the_recorded_positions_not_the_stream_versions(self, store: Store) -> None:
-        await store.append(new_stream(), [started(), turn()])  # positions 1, 2 belong to another stream
-        stream = new_stream()
-        events = [started(), turn()]
+        await store.append(*opened(turn()))  # positions 1, 2 belong to another stream
+        stream, events = opened(turn())
         first = await store.append(stream, events, expected_version=0)
         again = await store.append(stream, events, expected_version=0)
         assert first.positions == again.positions == (3, 4)  # versions 1, 2
@@ -110,7 +107,7 @@ class StoreContract:
         self, store: Store
     ) -> None:
         for _ in range(5):
-            await store.append(new_stream(), [started()])
+            await store.append(*opened())
         seen = []
         async with asyncio.timeout(30):  # a wait for a notification would take an hour
             async for recorded in store.tail(batch_size=2, poll_interval=3600):
@@ -134,8 +131,7 @@ class StoreContract:
         assert [r.event for r in recorded] == [event]
 
     async def test_a_retry_mixing_recorded_and_new_events_is_refused(self, store: Store) -> None:
-        stream = new_stream()
-        first = started()
+        stream, (first,) = opened()
         await store.append(stream, [first], expected_version=0)
         with pytest.raises(DuplicateEventConflict, match="mixes recorded and new events"):
             await store.append(stream, [first, turn()], expected_version=0)
@@ -147,7 +143,7 @@ class StoreContract:
         self, store: Store
     ) -> None:
         stream = new_stream()
-        await store.append(stream, [started()], expected_version=0)
+        await store.append(stream, [started_in(stream)], expected_version=0)
         outcomes = await asyncio.gather(
             *(store.append(stream, [turn(seed=n)], expected_version=1) for n in range(8)),
             return_exceptions=True,
@@ -158,7 +154,7 @@ class StoreContract:
 
     async def test_positions_are_gapless_and_read_all_pages_through_them(self, store: Store) -> None:
         streams = [new_stream() for _ in range(30)]
-        await asyncio.gather(*(store.append(s, [started(), turn()], 0) for s in streams))
+        await asyncio.gather(*(store.append(s, [started_in(s), turn()], 0) for s in streams))
         pages: list[int] = []
         after = 0
         while page := await store.read_all(after, limit=7):
@@ -173,7 +169,7 @@ class StoreContract:
     ) -> None:
         store = small_store
         stream = new_stream()
-        await store.append(stream, [started()])
+        await store.append(stream, [started_in(stream)])
         oversized = TurnCompleted.model_validate(
             {**turn().model_dump(), "request": {"messages": [{"role": "user", "content": "x" * 100_000}]}}
         )
@@ -196,7 +192,7 @@ class StoreContract:
                 "1 completion_logprobs for 5 completion_token_ids",
             ),
             ([{**started().model_dump(mode="json"), "group_size": 10**12}], "group_size"),
-            ([started().model_copy(update={"task": {"x": "\ud800"}})], "no lone surrogates"),
+            ([started_in(stream).model_copy(update={"task": {"x": "\ud800"}})], "no lone surrogates"),
         ]
         for events, message in cases:
             with pytest.raises(InvalidEvent, match=message):
@@ -207,6 +203,19 @@ class StoreContract:
             await store.append("policy-main", [started()])
         assert [r.version for r in await store.read_stream(stream)] == [1]
         assert (await store.append(stream, [finished()], expected_version=1)).version == 2  # still serving
+
+    async def test_an_episode_id_taken_by_one_stream_is_refused_in_another(self, store: Store) -> None:
+        stream, events = opened(turn())
+        await store.append(stream, events, 0)
+        episode_id = stream.removeprefix("episode-")
+        other = new_stream()
+        with pytest.raises(InvalidEvent) as refused:  # the materializer would drop this episode's samples
+            await store.append(other, [started(episode_id), turn(seed=1)], 0)
+        message = str(refused.value)
+        assert f"starts episode {episode_id!r}, whose stream is {stream!r}, not {other!r}" in message
+        assert "choose a new episode_id" in message
+        assert await store.read_stream(other) == []
+        assert [r.event for r in await store.read_all()] == events
 
     async def test_a_nul_character_is_refused_and_nothing_is_recorded(self, store: Store) -> None:
         with pytest.raises(InvalidEvent) as error:
@@ -230,15 +239,15 @@ class StoreContract:
         store.read_all = reading  # type: ignore[method-assign]
         tailer = Tailer(store, poll_interval=3600)
         await asyncio.wait_for(waiting.wait(), 20)
-        event = started()
-        await store.append(new_stream(), [event])
+        stream, (event,) = opened()
+        await store.append(stream, [event])
         seen = await tailer.wait_for(1, within=10)  # a poll would take an hour
         assert seen[0].event_id == event.event_id
         await tailer.stop()
 
     async def test_tail_starts_after_the_given_position(self, store: Store) -> None:
         stream = new_stream()
-        await store.append(stream, [started(), turn(), reward(), turn(seed=1)])
+        await store.append(stream, [started_in(stream), turn(), reward(), turn(seed=1)])
         tailer = Tailer(store, after=2)
         seen = await tailer.wait_for(2)
         await asyncio.sleep(0.2)
@@ -248,7 +257,7 @@ class StoreContract:
     async def test_tail_yields_every_event_of_concurrent_appenders_once_in_order(self, store: Store) -> None:
         tailer = Tailer(store)
         streams = [new_stream() for _ in range(50)]
-        await asyncio.gather(*(store.append(s, [started(), turn(), reward()], 0) for s in streams))
+        await asyncio.gather(*(store.append(s, [started_in(s), turn(), reward()], 0) for s in streams))
         seen = await tailer.wait_for(150)
         assert [r.position for r in seen] == list(range(1, 151))
         for stream in streams[:5]:

@@ -56,8 +56,8 @@ def test_a_recorded_append_is_reported_not_rewritten_whatever_its_expected_versi
 
 
 def test_same_id_with_other_content_or_in_another_stream_is_a_conflict() -> None:
-    event = started("a")
-    changed = event.model_copy(update={"task_id": "other"})
+    event = reward(0.5)  # a start could not go in another stream at all
+    changed = event.model_copy(update={"value": 0.25})
     recorded = {event.event_id: RecordedId("episode-a", 7, 1, encode_event(event).content_hash)}
     plan = plan_appends(
         [
@@ -93,6 +93,8 @@ def test_a_duplicate_within_one_batch_is_written_once() -> None:
         ("episode-a", [{"type": "Nope"}], None, "unknown type 'Nope'"),
         ("episode-a", [{"type": "RewardAssigned", "value": "high"}], None, "field value"),
         ("episode-a", [started(), started()], -1, "expected_version must be >= 0"),
+        ("episode-b", [started("a")], 0, "starts episode 'a', whose stream is 'episode-a', not 'episode-b'"),
+        ("episode-a", [started("a"), started("b")], 0, "starts episode 'b', whose stream is 'episode-b'"),
     ],
 )
 def test_bad_input_is_refused_before_the_database(

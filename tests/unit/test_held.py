@@ -5,6 +5,7 @@ request whose held turn was evicted is answered from what it sends again."""
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any
 
 from hypothesis import given
@@ -14,10 +15,17 @@ from pipeline.episodes import EpisodeSession
 from pipeline.inference import InferenceService, raise_for_error
 from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.chain import Chain, as_list
-from pipeline.inference.held import HeldPrefixes
+from pipeline.inference.held import (
+    TOKEN_ID_BYTES,
+    TURN_BYTES,
+    HeldPrefixes,
+    ids_bytes,
+    messages_bytes,
+    tools_bytes,
+)
 from pipeline.log import InMemoryStore
 from pipeline.log.turns import expand_turns
-from schemas import LLMError, LLMRequest, LLMResponse, TurnCompleted, parse_wire
+from schemas import LLMError, LLMRequest, LLMResponse, ToolSpec, TurnCompleted, parse_wire
 
 chunks = st.lists(st.lists(st.integers(0, 50), max_size=6), min_size=1, max_size=8)
 
@@ -57,6 +65,14 @@ def test_a_chain_is_out_of_range_like_a_list() -> None:
     assert Chain.of(chain) is chain
 
 
+NO_TOOLS: list[ToolSpec] = []  # one list: counted once, as a conversation's continuations share theirs
+
+
+def fits(tokens: int, turns: int) -> int:
+    """A budget in bytes that holds ``turns`` turns of ``tokens`` ids in all, without messages."""
+    return tokens * TOKEN_ID_BYTES + turns * TURN_BYTES + sys.getsizeof(NO_TOOLS)
+
+
 def held_ids(held: HeldPrefixes) -> int:
     """The ids the held turns reach, each link counted once: what ``held.tokens`` must say."""
     links: dict[int, int] = {}
@@ -68,30 +84,46 @@ def held_ids(held: HeldPrefixes) -> int:
     return sum(links.values())
 
 
+def held_bytes(held: HeldPrefixes) -> int:
+    """What ``held.bytes`` must say, counted again from scratch: each link and tools list the held turns
+    reach, once, at its size."""
+    sizes: dict[int, int] = {}
+    tools: dict[int, int] = {}
+    for turn in held._turns.values():
+        for chain, size_of in ((turn.token_ids, ids_bytes), (turn.messages, messages_bytes)):
+            link: Chain[Any] | None = chain
+            while link is not None:
+                sizes[id(link)] = size_of(link.items)
+                link = link.parent
+        tools[id(turn.tools)] = tools_bytes(turn.tools)
+    return len(held) * TURN_BYTES + sum(sizes.values()) + sum(tools.values())
+
+
 def test_a_conversation_held_turn_by_turn_costs_its_ids_once() -> None:
-    held = HeldPrefixes(budget_tokens=10_000)
-    key = held.keep([1] * 50, [], [])
+    held = HeldPrefixes()
+    key = held.keep([1] * 50, [], NO_TOOLS)
     for turn in range(1, 100):
         assert key is not None
         parent = held.take(key, 50 + 10 * (turn - 1), 0)
         assert parent is not None
-        key = held.keep(parent.token_ids.then([turn] * 10), parent.messages.then([]), [])
+        key = held.keep(parent.token_ids.then([turn] * 10), parent.messages.then([]), NO_TOOLS)
     assert len(held) == 100
     assert held.tokens == held_ids(held) == 50 + 99 * 10  # each turn keeps what it adds (was 100 copies)
 
 
 def test_evicting_a_turn_frees_only_the_ids_no_held_turn_needs() -> None:
-    held = HeldPrefixes(budget_tokens=100)
-    root = held.keep([0] * 40, [], [])
+    held = HeldPrefixes(budget_bytes=fits(tokens=100, turns=3))
+    root = held.keep([0] * 40, [], NO_TOOLS)
     assert root is not None
     base = held.take(root, 40, 0)
     assert base is not None
-    branch_a = held.keep(base.token_ids.then([1] * 20), [], [])
-    branch_b = held.keep(base.token_ids.then([2] * 20), [], [])
+    branch_a = held.keep(base.token_ids.then([1] * 20), [], NO_TOOLS)
+    branch_b = held.keep(base.token_ids.then([2] * 20), [], NO_TOOLS)
     assert held.tokens == 80  # the root's 40 once, not once per branch
     held.take(root, 40, 0)  # the root was used last: the oldest is branch a now
-    held.keep([3] * 30, [], [])  # 110 > 100: branch a goes, and only its own 20 ids with it
+    held.keep([3] * 30, [], NO_TOOLS)  # 110 ids > 100: branch a goes, and only its own 20 ids with it
     assert held.tokens == held_ids(held) == 90
+    assert held.bytes == held_bytes(held) == fits(tokens=90, turns=3)
     assert branch_a is not None
     assert held.take(branch_a, 60, 0) is None
     assert branch_b is not None
@@ -100,7 +132,7 @@ def test_evicting_a_turn_frees_only_the_ids_no_held_turn_needs() -> None:
 
 def test_the_budget_counts_what_the_held_turns_reach_under_any_history() -> None:
     rng = random.Random(15)
-    held = HeldPrefixes(budget_tokens=500)
+    held = HeldPrefixes(budget_bytes=fits(tokens=500, turns=5))
     keys: list[tuple[str, int]] = []
     for _ in range(3_000):
         live = [(key, n) for key, n in keys if held.take(key, n, 0) is not None]
@@ -111,10 +143,11 @@ def test_the_budget_counts_what_the_held_turns_reach_under_any_history() -> None
             ids = parent.token_ids.then([rng.randrange(9)] * rng.randrange(0, 60))
         else:
             ids = Chain.of([rng.randrange(9)] * rng.randrange(1, 120))
-        kept = held.keep(ids, [], [])
+        kept = held.keep(ids, [], NO_TOOLS)
         if kept is not None:
             keys.append((kept, len(ids)))
-        assert held.tokens == held_ids(held) <= held.budget_tokens
+        assert held.tokens == held_ids(held)
+        assert held.bytes == held_bytes(held) <= held.budget_bytes
     assert held.hits
     assert held.misses
 
@@ -138,12 +171,12 @@ class Wire:
         return reply
 
 
-def consumer(held_tokens: int = 1_000_000) -> InferenceService:
+def consumer(held_bytes: int = 64 * 2**20) -> InferenceService:
     async def publish(subject: str, body: bytes, headers: dict[str, str]) -> None:
         return None
 
     return InferenceService(
-        ScriptedBackend(), policy="p", consumer_id="c", publish=publish, held_tokens=held_tokens
+        ScriptedBackend(), policy="p", consumer_id="c", publish=publish, held_bytes=held_bytes
     )
 
 
@@ -189,16 +222,19 @@ async def test_a_long_conversation_stays_token_exact_and_its_turns_are_held_once
 
 
 async def test_a_turn_evicted_meanwhile_is_sent_again_whole_and_continued_exactly() -> None:
-    store, service = InMemoryStore(), consumer(held_tokens=400)
+    store, service = InMemoryStore(), consumer(held_bytes=50_000)
     wire = Wire(service)
     first = EpisodeSession(store, wire, policy="p")
     second = EpisodeSession(store, wire, policy="p")
     await first.start()
     await second.start()
     conversation: list[Any] = [{"role": "user", "content": "a start"}]
-    sent_first = await talk(first, conversation, 12, "a")  # 192 ids held (the engine adds an id a message)
-    sent_second = await talk(second, [{"role": "user", "content": "b start"}], 15, "b")  # 285: the first goes
-    assert service.held.tokens == held_ids(service.held) <= 400
+    sent_first = await talk(first, conversation, 12, "a")  # ~31 kB held (the engine adds an id a message)
+    sent_second = await talk(
+        second, [{"role": "user", "content": "b start"}], 15, "b"
+    )  # ~40 kB: the first goes
+    assert service.held.tokens == held_ids(service.held)
+    assert service.held.bytes == held_bytes(service.held) <= 50_000
     sent_first += await talk(first, conversation, 3, "a")
     await first.finish("done")
     await second.finish("done")
@@ -211,3 +247,26 @@ async def test_a_turn_evicted_meanwhile_is_sent_again_whole_and_continued_exactl
         recorded = await store.read_stream(session.stream)
         turns = [r.event for r in recorded if isinstance(r.event, TurnCompleted)]
         assert_exact(turns, sent, [11, 12, 2])
+
+
+async def test_held_bytes_never_exceed_the_budget_over_many_episodes_with_tools_and_long_messages() -> None:
+    store, service = InMemoryStore(), consumer(held_bytes=60_000)
+    wire = Wire(service)
+    rng = random.Random(36)
+    function = {"name": "run", "description": "d" * 300, "parameters": {"type": "object", "properties": {}}}
+    tools = [{"type": "function", "function": function}]
+    sessions: list[tuple[EpisodeSession, list[Any]]] = []
+    for episode in range(200):
+        session = EpisodeSession(store, wire, policy="p")
+        await session.start()
+        sessions.append(
+            (session, [{"role": "user", "content": f"task {episode} " + "x" * rng.randrange(2000)}])
+        )
+        session, messages = rng.choice(sessions[-20:])  # a new episode, or one of the recent ones goes on
+        for _ in range(rng.randrange(1, 5)):
+            reply = await session.chat(messages, tools=tools if episode % 2 else None)
+            messages += [reply.message, {"role": "user", "content": "y" * rng.randrange(3000)}]
+            assert service.held.bytes == held_bytes(service.held) <= 60_000
+    assert service.held.evicted > 100  # the budget was full most of the run
+    assert service.held.hits > 100  # and it still held what conversations went on with
+    assert wire.unknown  # some were evicted before they went on: sent again whole

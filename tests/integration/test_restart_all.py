@@ -1,0 +1,250 @@
+"""Every service and both servers restarted in the middle of a run: the run finishes, and nothing is lost,
+recorded twice or forked.
+
+The services run as the processes a deployment runs (``turnstile serve ...``): inference (scripted), runner,
+materializer, relay, trainer (the tiny model) and gateway, on their own embedded PostgreSQL and nats-server.
+Once a third of the episodes have finished, every service is killed (SIGKILL: no goodbye), NATS and
+PostgreSQL are stopped and started again on the same data, and the services start again. Then the log must
+hold one finished episode per slot of every task (an episode its runner left open is closed ``aborted`` and
+retried), no event twice, every batch published once and trained once, and policy versions 1, 2, 3 ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import psycopg
+import pytest
+
+from pipeline.dev.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from pipeline.dev.supervisor import ServiceProcesses
+from pipeline.log import make_logins
+from pipeline.log.db import migrate
+from pipeline.settings import libpq_url
+
+pytestmark = pytest.mark.slow
+TASKS, GROUP = 8, 4
+EPISODES = TASKS * GROUP
+ADMIN = "restart-admin-key"
+
+
+def query(url: str, statement: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(libpq_url(url), connect_timeout=5) as connection:
+        return connection.execute(statement).fetchall()  # type: ignore[arg-type]
+
+
+def wait_for(what: str, condition: Callable[[], bool], within: float) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            if condition():
+                return
+        except (psycopg.OperationalError, httpx.HTTPError):
+            pass  # a server still starting
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def once_up(what: str, call: Callable[[], str], within: float) -> str:
+    """``call()``'s result once the server it needs answers (retried until then)."""
+    results: list[str] = []
+    wait_for(what, lambda: bool(results.append(call()) or results), within)
+    return results[-1]
+
+
+def finished_episodes(url: str, termination: str | None = None) -> int:
+    """The runner's episodes (they have a group; the gateway's sessions here have none) that ended."""
+    ended = query(
+        url,
+        "SELECT f.data->>'termination' FROM events s JOIN events f ON f.stream = s.stream "
+        "WHERE s.type = 'EpisodeStarted' AND s.data->>'group_id' IS NOT NULL AND f.type = 'EpisodeFinished'",
+    )
+    return sum(1 for (ending,) in ended if termination in (None, ending))
+
+
+class Deployment:
+    """The services as processes, on the servers' URLs, with what each is started with."""
+
+    def __init__(self, env: dict[str, str], logs: Path, model: Path, checkpoints: Path, policy: str) -> None:
+        self.env, self.logs, self.model, self.checkpoints, self.policy = env, logs, model, checkpoints, policy
+        self.gateway_port = free_port()
+        self.services = ServiceProcesses(env, logs)
+
+    def start(self) -> None:
+        start, policy = self.services.start, self.policy
+        start("inference", "serve", "inference", "--policy", policy, "--backend", "scripted")
+        start(
+            "runner",
+            "serve",
+            "runner",
+            "--agent",
+            "tests.support.agents:SlowAgent",
+            "--policy",
+            policy,
+            "--concurrency",
+            "8",
+            "--ack-wait",
+            "5",
+            "--lease-timeout",
+            "5",
+            "--heartbeat-timeout",
+            "2",
+        )
+        start("materializer", "serve", "materializer", "--batch-samples", "12", "--group-timeout", "30")
+        start("relay", "serve", "relay")
+        start(
+            "trainer",
+            "serve",
+            "trainer",
+            "--policy",
+            policy,
+            "--model",
+            str(self.model),
+            "--checkpoints",
+            str(self.checkpoints),
+            "--micro-batch-tokens",
+            "1024",
+        )
+        start("gateway", "serve", "gateway", "--port", str(self.gateway_port), "--policy-default", policy)
+
+    def kill(self) -> None:
+        for process in self.services.processes.values():
+            process.kill()
+            process.wait()
+        self.services.processes.clear()
+
+    def gateway_turn(self) -> str:
+        """A gateway session with one chat turn; its episode id."""
+        url = f"http://127.0.0.1:{self.gateway_port}"
+        headers = {"Authorization": f"Bearer {ADMIN}"}
+        with httpx.Client(base_url=url, timeout=30) as client:
+            session = client.post("/admin/sessions", json={}, headers=headers)
+            session.raise_for_status()
+            key = session.json()["api_key"]
+            chat = client.post(
+                "/v1/chat/completions",
+                json={"model": self.policy, "messages": [{"role": "user", "content": "hi"}]},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            chat.raise_for_status()
+            client.post(f"/admin/sessions/{session.json()['session_id']}/end", json={}, headers=headers)
+        return str(session.json()["session_id"])
+
+
+@pytest.fixture
+def servers_of_its_own(server_dir: Path) -> Iterator[tuple[EmbeddedPostgres, EmbeddedNats]]:
+    postgres, nats_server = EmbeddedPostgres(server_dir / "pg"), EmbeddedNats(server_dir / "nats")
+    postgres.start()
+    nats_server.start()
+    try:
+        yield postgres, nats_server
+    finally:
+        nats_server.stop()
+        postgres.stop()
+
+
+async def batch_ids_in_the_stream(nats_url: str) -> Counter[str]:
+    """How often each batch id is in JetStream BATCHES (its Nats-Msg-Id)."""
+    client = await nats.connect(nats_url)
+    try:
+        stream = client.jetstream()
+        info = await stream.stream_info("BATCHES")
+        seen: Counter[str] = Counter()
+        for sequence in range(info.state.first_seq, info.state.last_seq + 1):
+            message = await stream.get_msg("BATCHES", sequence)
+            seen[(message.headers or {}).get("Nats-Msg-Id", "")] += 1
+        return seen
+    finally:
+        await client.close()
+
+
+def test_every_service_and_both_servers_restarted_mid_run(
+    servers_of_its_own: tuple[EmbeddedPostgres, EmbeddedNats], tiny_model_dir: Path, server_dir: Path
+) -> None:
+    postgres, nats_server = servers_of_its_own
+    migrate(postgres.url)
+    services_url = make_logins(postgres.url).services
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
+    env.update(TURNSTILE_DATABASE_URL=services_url, TURNSTILE_NATS_URL=nats_server.url, HF_HUB_OFFLINE="1",
+               TURNSTILE_ADMIN_KEY=ADMIN, TURNSTILE_TEST_AGENT_SLEEP="1.0")  # fmt: skip
+    policy = f"p{uuid.uuid4().hex[:8]}"
+    deployment = Deployment(env, server_dir / "logs", tiny_model_dir, server_dir / "checkpoints", policy)
+    tasks = server_dir / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": n}) + "\n" for n in range(TASKS)))
+    url = postgres.url
+    try:
+        deployment.start()
+        submitted = ServiceProcesses(env, server_dir / "logs")
+        submitted.start("submit", "submit", str(tasks), "--policy", policy, "--group-size", str(GROUP),
+                        "--connect-timeout", "60")  # fmt: skip
+        assert submitted.processes["submit"].wait(120) == 0
+        before = once_up("the gateway", deployment.gateway_turn, 120)
+        wait_for("a third of the episodes", lambda: finished_episodes(url) >= EPISODES // 3, 120)
+        assert finished_episodes(url) < EPISODES  # mid-run
+
+        deployment.kill()
+        nats_server.stop()
+        postgres.stop()
+        postgres.start()
+        nats_server.start()
+        deployment.start()
+
+        after = once_up("the gateway again", deployment.gateway_turn, 120)
+        wait_for("every slot done", lambda: finished_episodes(url, "done") >= EPISODES, 180)
+        trained = (
+            "SELECT (SELECT count(*) FROM batches), (SELECT count(*) FROM trained_batches), "
+            "(SELECT count(*) FROM episodes WHERE status = 'finished')"
+        )
+
+        def all_trained() -> bool:
+            made, trained_count, materialized = query(url, trained)[0]
+            return bool(made) and made == trained_count and materialized >= EPISODES
+
+        wait_for("every batch trained", all_trained, 180)
+        deployment.services.check()  # every service is still up
+    finally:
+        deployment.services.stop()
+
+    # one finished episode per stream, one `done` per slot of a task, no event twice
+    ends = query(url, "SELECT stream, data->>'termination' FROM events WHERE type = 'EpisodeFinished'")
+    assert max(Counter(stream for stream, _ in ends).values()) == 1
+    slots = query(
+        url,
+        "SELECT s.data->>'group_id', count(*) FROM events s JOIN events f ON f.stream = s.stream "
+        "WHERE s.type = 'EpisodeStarted' AND f.type = 'EpisodeFinished' AND f.data->>'termination' = 'done' "
+        "AND s.data->>'group_id' IS NOT NULL GROUP BY 1",  # the runner's (the gateway's sessions have none)
+    )
+    episodes = query(
+        url,
+        "SELECT s.data->>'group_id', s.data->>'task_id', s.stream, s.data->>'retry_of', "
+        "f.data->>'termination' FROM events s LEFT JOIN events f ON f.stream = s.stream "
+        "AND f.type = 'EpisodeFinished' WHERE s.type = 'EpisodeStarted' ORDER BY s.position",
+    )
+    assert sorted(count for _, count in slots) == [GROUP] * TASKS, (slots, episodes)
+    assert {termination for _, termination in ends} <= {"done", "aborted"}
+    assert query(url, "SELECT count(*) = count(DISTINCT event_id) FROM events") == [(True,)]
+    assert {stream for stream, _ in ends} >= {f"episode-{before}", f"episode-{after}"}
+    # every trained batch published once and trained once, into versions 1, 2, 3 ... (no fork)
+    published = asyncio.run(batch_ids_in_the_stream(nats_server.url))
+    trained_ids = [row[0] for row in query(url, "SELECT batch_id FROM trained_batches")]
+    assert trained_ids
+    assert len(set(trained_ids)) == len(trained_ids)
+    assert set(trained_ids) <= set(published)
+    assert set(published.values()) == {1}
+    versions = [
+        row[0]
+        for row in query(
+            url, f"SELECT version FROM policy_versions WHERE policy = '{policy}' ORDER BY position"
+        )
+    ]
+    assert versions == list(range(1, len(versions) + 1))
