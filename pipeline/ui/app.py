@@ -40,9 +40,12 @@ from pipeline.replay import (
     rerun_by_id,
     resolve_episode_id,
 )
+from pipeline.ui.api import api_router, json_response
 from pipeline.ui.browser import Browser, Page, base_path, query_params
+from pipeline.ui.compare import compare_router
 from pipeline.ui.episode_view import episode_view, shade
 from pipeline.ui.filters import (
+    BATCH_PAGE,
     COUNT_CAP,
     PAGE_SIZES,
     SORTS,
@@ -50,16 +53,17 @@ from pipeline.ui.filters import (
     TERMINATIONS,
     BadRequest,
     EpisodeQuery,
+    batch_list_query,
     count_query,
     page_query,
     parse_query,
 )
 from pipeline.ui.reader import DatabaseUnavailable
 from pipeline.ui.runs import runs_router
+from pipeline.ui.search import search_router
 
 log = logging.getLogger(__name__)
 
-BATCH_PAGE: Final = 50
 COUNT_TIMEOUT_MS: Final = 100
 # The policies for the filter's menu: a skip scan over the index on (policy, started_at), one probe per
 # policy, where SELECT DISTINCT would read every episode.
@@ -146,53 +150,61 @@ def create_app(
         return HTMLResponse(html, status_code=status)
 
     def error_page(request: Request, status: int, title: str, message: str, **extra: Any) -> HTMLResponse:
-        return page(request, "error.html", status, title=title, message=message, candidates=[], **extra)
+        shown = {"candidates": [], **extra}
+        return page(request, "error.html", status, title=title, message=message, **shown)
 
-    _add_error_pages(app, page, error_page)
+    _add_error_pages(app, error_page)
     app.include_router(home_router(browser))
     app.include_router(episodes_router(browser, page, error_page))
     app.include_router(runs_router(browser, page, error_page))
     app.include_router(batches_router(browser, page, error_page))
+    app.include_router(search_router(browser, page))
+    app.include_router(compare_router(browser, page))
+    app.include_router(api_router(browser))
     return app
 
 
-def _add_error_pages(app: FastAPI, page: Page, error_page: Page) -> None:
-    """Each error the routes raise as its page (status, title, message)."""
+def _add_error_pages(app: FastAPI, html_error_page: Page) -> None:
+    """Each error the routes raise as its page (status, title, message), or as JSON under ``/api``."""
+
+    def error_page(request: Request, status: int, title: str, message: str, **extra: Any) -> Response:
+        if request.url.path.removeprefix(base_path(request)).startswith("/api/"):
+            return json_response({"error": title, "message": message, **extra}, status)
+        return html_error_page(request, status, title, message, **extra)
 
     @app.exception_handler(BadRequest)
-    async def bad_request(request: Request, error: BadRequest) -> HTMLResponse:
+    async def bad_request(request: Request, error: BadRequest) -> Response:
         return error_page(request, 400, "Bad filter", str(error))
 
     @app.exception_handler(AmbiguousEpisodeId)
-    async def ambiguous(request: Request, error: AmbiguousEpisodeId) -> HTMLResponse:
-        return page(
+    async def ambiguous(request: Request, error: AmbiguousEpisodeId) -> Response:
+        return error_page(
             request,
-            "error.html",
             400,
-            title="Ambiguous episode id",
-            message=f"episode id {error.prefix!r} begins several episode ids: give more of it",
+            "Ambiguous episode id",
+            f"episode id {error.prefix!r} begins several episode ids: give more of it",
             candidates=error.candidates,
         )
 
     @app.exception_handler(EpisodeNotFound)
-    async def not_found(request: Request, error: EpisodeNotFound) -> HTMLResponse:
+    async def not_found(request: Request, error: EpisodeNotFound) -> Response:
         return error_page(request, 404, "No such episode", str(error))
 
     @app.exception_handler(DatabaseUnavailable)
-    async def unavailable(request: Request, error: DatabaseUnavailable) -> HTMLResponse:
+    async def unavailable(request: Request, error: DatabaseUnavailable) -> Response:
         return error_page(request, 503, "Database unavailable", str(error))
 
     @app.exception_handler(UnreadableEpisode)
-    async def unreadable(request: Request, error: UnreadableEpisode) -> HTMLResponse:
+    async def unreadable(request: Request, error: UnreadableEpisode) -> Response:
         return error_page(request, 422, "Episode cannot be shown", str(error))
 
     @app.exception_handler(TurnstileError)
-    async def refused(request: Request, error: TurnstileError) -> HTMLResponse:
+    async def refused(request: Request, error: TurnstileError) -> Response:
         status = 400 if isinstance(error, ConfigError) else 500
         return error_page(request, status, "Cannot show this", str(error))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> HTMLResponse:
+    async def http_error(request: Request, error: StarletteHTTPException) -> Response:
         if error.status_code == 404:
             message = f"no page at {request.url.path}: see the episodes, runs or batches"
         elif error.status_code == 405:
@@ -205,7 +217,7 @@ def _add_error_pages(app: FastAPI, page: Page, error_page: Page) -> None:
         return response
 
     @app.exception_handler(sqlalchemy.exc.DBAPIError)
-    async def database_error(request: Request, error: sqlalchemy.exc.DBAPIError) -> HTMLResponse:
+    async def database_error(request: Request, error: sqlalchemy.exc.DBAPIError) -> Response:
         if isinstance(error.orig, psycopg.errors.QueryCanceled):
             return error_page(
                 request, 503, "Query too slow", "the query ran past the statement timeout; narrow the filters"
@@ -310,6 +322,26 @@ def episodes_router(browser: Browser, page: Page, error_page: Page) -> APIRouter
         return page(
             request, "episode.html", view=view, samples=sample_rows, read_model=row, rerun=result,
             reruns=browser.reruns, rerun_agent=browser.rerun_agent,
+            show_tokens=request.query_params.get("tokens") == "1",
+        )  # fmt: skip
+
+    @router.get("/episodes/{episode_id}/turns/{index}", response_class=HTMLResponse)
+    async def turn_prompt(request: Request, episode_id: str, index: int) -> Response:
+        """One turn's whole rendered prompt (decoded with ``--model``'s tokenizer, else ids) and tokens."""
+        _, store = await browser.open()
+        replayed = await load_episode(store, await resolve_episode_id(store, episode_id))
+        if not 1 <= index <= len(replayed.episode.turns):
+            turns = len(replayed.episode.turns)
+            return error_page(request, 404, "No such turn", f"episode {episode_id!r} has turns 1 to {turns}")
+        tokenizer, tokenizer_name = browser.tokenizer(replayed.episode.started.policy)
+        view = episode_view(
+            replayed, read_model_turns={}, advantages={}, tokenizer=tokenizer, tokenizer_name=tokenizer_name
+        )
+        turn = view.turns[index - 1]
+        prompt = turn.turn.prompt_token_ids
+        return page(
+            request, "turn.html", view=view, t=turn, prompt_ids=prompt,
+            prompt_text=None if tokenizer is None else str(tokenizer.decode(prompt)),
         )  # fmt: skip
 
     @router.get("/episodes/{episode_id}", response_class=HTMLResponse)
@@ -358,31 +390,8 @@ def batches_router(browser: Browser, page: Page, error_page: Page) -> APIRouter:
 
     @router.get("/batches", response_class=HTMLResponse)
     async def batches(request: Request) -> HTMLResponse:
-        params = query_params(request)
-        unknown = sorted(set(params) - {"policy", "page"})
-        if unknown:
-            raise BadRequest(f"unknown parameter {unknown[0]!r}: the batch list takes policy, page")
-        policy = params.get("policy", [None])[0] or None
-        page_text = params.get("page", ["1"])[0]
-        if not page_text.isdigit() or not 1 <= int(page_text) <= 100_000:
-            raise BadRequest(f"page: {page_text!r} is not a page number (1 or more)")
-        number = int(page_text)
+        listing, number, policy = batch_list_query(query_params(request))
         engine, _ = await browser.open()
-        b, tb = batches_table, trained_table
-        trained = (
-            sa.select(
-                sa.func.string_agg(
-                    tb.c.outcome + sa.literal(" → v") + sa.cast(tb.c.policy_version, sa.Text),
-                    sa.literal(", "),
-                )
-            )
-            .where(tb.c.batch_id == b.c.batch_id)
-            .scalar_subquery()
-        )
-        listing = sa.select(b, trained.label("trained")).order_by(b.c.position.desc(), b.c.batch_id)
-        if policy is not None:
-            listing = listing.where(b.c.policy == policy)
-        listing = listing.offset((number - 1) * BATCH_PAGE).limit(BATCH_PAGE + 1)
         async with engine.connect() as connection:
             rows = (await connection.execute(listing)).mappings().all()
         return page(
