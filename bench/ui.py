@@ -23,7 +23,11 @@ scratch database dropped at the end):
 4. The run page (``/runs/main``: three quarters of the episodes), beside the queries it sent before
    migration 0021 (the views ``episode_stats``, ``reward_by_policy_version``, ``terminations`` and
    ``group_rewards`` over every episode of the policy, and the throughput buckets), run in the same run:
-   "x before" is those queries' p95 over the page's p95 now.
+   there "x baseline" is the page's p95 now over those queries' p95 (under 1: faster than before).
+
+5. What the rollups cost the materializer's writes (migration 0021's trigger on ``episodes``): a COPY of
+   2,000 episodes and of one, each into ``episodes`` and into a copy of it without the trigger,
+   alternating, each rolled back.
 
 The target (issues 20 and 35) is a p95 under 300 ms for every page at a million turns.
 
@@ -52,6 +56,7 @@ from typing import Any
 import httpx
 import psycopg
 import sqlalchemy as sa
+from psycopg.types.json import Jsonb
 
 from pipeline.log import EventStore
 from pipeline.materialize.columns import TURN_COLUMNS
@@ -342,6 +347,41 @@ def timed_run_queries_before(connection: psycopg.Connection[Any]) -> float:
     return (time.perf_counter() - started) * 1000
 
 
+def rollup_cost(url: str, repeat: int) -> list[tuple[str, list[float], list[float]]]:
+    """Writes into ``episodes`` (the rollup trigger fires) beside the same writes into a copy of the table
+    without it (its indexes, no trigger), each rolled back: what the rollups add to the materializer."""
+    with psycopg.connect(url) as connection:
+        connection.execute("CREATE TABLE bench_episodes_plain (LIKE episodes INCLUDING ALL)")
+        connection.commit()
+        names = [row[0] for row in connection.execute("SELECT * FROM episodes LIMIT 0").description or []]
+        rows = connection.execute("SELECT * FROM episodes ORDER BY episode_id LIMIT 2000").fetchall()
+        fresh = [
+            tuple(f"new-{value}" if name == "episode_id" else value + 10**12 if name == "started_position"
+                  else Jsonb(value) if isinstance(value, dict) else value
+                  for name, value in zip(names, row, strict=True))
+            for row in rows
+        ]  # fmt: skip
+        columns = ", ".join(names)
+
+        def timed(table: str, batch: list[tuple[Any, ...]]) -> float:
+            started = time.perf_counter()
+            with connection.cursor() as cursor, cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
+                for row in batch:
+                    copy.write_row(row)
+            elapsed = (time.perf_counter() - started) * 1000
+            connection.rollback()
+            return elapsed
+
+        results = []
+        for size in (len(fresh), 1):
+            with_trigger, plain = [], []
+            for _ in range(repeat):
+                with_trigger.append(timed("episodes", fresh[:size]))
+                plain.append(timed("bench_episodes_plain", fresh[:size]))
+            results.append((f"write {size:,} episode{'s' * (size > 1)}, rollups", with_trigger, plain))
+    return results
+
+
 def timed_select(connection: sa.Connection, statement: sa.Select[Any]) -> float:
     started = time.perf_counter()
     connection.execute(statement).all()
@@ -422,12 +462,13 @@ def bench_one_log(url: str, turns: int, args: argparse.Namespace) -> None:
         f"built in {time.perf_counter() - started:.0f} s: {counts[0]:,} episodes, {counts[1]:,} turns "
         f"({counts[3]} with indexes), {counts[2]:,} events"
     )
-    results = asyncio.run(measure(url, sampled, args.repeat))
+    results = asyncio.run(measure(url, sampled, args.repeat)) + rollup_cost(url, args.repeat)
     print()
     print(
         f"turnstile ui on {counts[1]:,} turns ({counts[0]:,} episodes), {args.repeat} requests per row, "
         f"sequential; baseline: the page's own SELECT (episode page: one stream's events; run page: the "
-        f"queries it sent before the rollups) in the same run; load average {load_average()}"
+        f"queries it sent before the rollups; writes: the same into a table without the rollup trigger) in "
+        f"the same run; load average {load_average()}"
     )
     print(
         f"{'view':32} {'p50 ms':>8} {'p95 ms':>8} {'base p50':>9} {'base p95':>9} {'x baseline':>10}  target"
@@ -440,7 +481,7 @@ def bench_one_log(url: str, turns: int, args: argparse.Namespace) -> None:
             base = f"{q50:9.1f} {q95:9.1f}"
         else:
             ratio, base = f"{'':10}", f"{'':9} {'':9}"
-        verdict = ("met" if p95 < TARGET_MS else "NOT met") if queries else ""
+        verdict = ("met" if p95 < TARGET_MS else "NOT met") if queries and "write" not in name else ""
         print(f"{name:32} {p50:8.1f} {p95:8.1f} {base} {ratio}  {verdict}")
     print_summaries(results)
 
@@ -453,6 +494,12 @@ def print_summaries(results: list[tuple[str, list[float], list[float]]]) -> None
     lists = [row for row in timed if row[0].startswith("list:")]
     pages = [row for row in timed if row[0].startswith("episode page")]
     runs = [row for row in timed if row[0].startswith("run page")]
+    for name, p50, plain in [
+        (n, statistics.median(w), statistics.median(p)) for n, w, p in results if "write" in n
+    ]:
+        summary(
+            "ui", f"{name} (p50)", f"{p50:.2f} ms", f"without the trigger {plain:.2f} ms", p50 / plain, None
+        )
     for name, p95, before in runs:
         summary(
             "ui", f"{name} p95", f"{p95:.1f} ms", f"its queries before the rollups {before:.1f} ms",
