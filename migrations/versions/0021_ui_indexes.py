@@ -12,7 +12,8 @@ rollups commit with the rows they sum), and filled here from the episodes alread
   first start and last finish. The run page reads a few hundred rows at most.
 - ``throughput_rollups``: finished episodes and their turns per policy and second (``width_s`` 1) and
   minute (60): the throughput chart reads at most one row per second of a short run, per minute of a long one.
-- ``group_rollups``: per group of a policy: episodes, finished, reward sums, min and max (the reward spread).
+- ``group_rollups``: per group of a policy: episodes, finished, reward sums, min and max, last finish (the
+  reward spread of the last 2,000 finished groups, by the index on ``(policy, last_finished_at)``).
 
 Rewards are summed as given; min and max only grow (the materializer writes an episode's reward once, when it
 finishes). Rebuild schemas (``rm_<name>``) get no trigger: the browser reads ``public``.
@@ -77,10 +78,12 @@ TABLES: dict[str, str] = {
         reward_sumsq double precision NOT NULL,
         reward_min   double precision,
         reward_max   double precision,
+        last_finished_at timestamptz,
         PRIMARY KEY (policy, group_id)
     """,
 }
 INDEXES: dict[str, str] = {
+    "group_rollups_recent": "group_rollups (policy, last_finished_at DESC NULLS LAST)",
     "batches_policy_created": "batches (policy, created_at DESC)",
     "trained_batches_policy_trained": "trained_batches (policy, trained_at DESC)",
     "events_turn_text": "events USING gin (turnstile_turn_text(data)) WHERE type = 'TurnCompleted'",

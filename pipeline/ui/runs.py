@@ -22,6 +22,7 @@ from pipeline.ui.filters import BadRequest
 
 THROUGHPUT_BARS: Final = 40
 RECENT_BATCHES: Final = 500
+RECENT_GROUPS: Final = 2_000
 
 # Per policy, summed over its rollup rows (a few per policy version and termination): the figures of the
 # view episode_stats.
@@ -83,9 +84,10 @@ THROUGHPUT: Final = """
     HAVING sum(episodes) > 0
     ORDER BY bar
 """
-# Finished groups of more than one episode: the view group_rewards' spread (population standard
-# deviation), zero when the group's rewards are all the same.
-GROUPS: Final = """
+# The last RECENT_GROUPS finished groups of more than one episode (by the index on the policy and their last
+# finish): the view group_rewards' spread (population standard deviation), zero when the group's rewards are
+# all the same. All of them while a run has fewer; a bounded read however long it runs.
+GROUPS: Final = f"""
     SELECT CASE WHEN reward_min = reward_max THEN 0.0
                 WHEN rewarded > 0
                 THEN sqrt(greatest(reward_sumsq / rewarded - (reward_sum / rewarded) ^ 2, 0))
@@ -93,6 +95,8 @@ GROUPS: Final = """
            coalesce(reward_max = reward_min, false) AS zero_spread
     FROM group_rollups
     WHERE policy = :policy AND finished = episodes AND episodes > 1
+    ORDER BY last_finished_at DESC NULLS LAST
+    LIMIT {RECENT_GROUPS}
 """
 SPREAD: Final = f"""
     SELECT count(*) AS groups, count(*) FILTER (WHERE zero_spread) AS zero_spread,
@@ -205,12 +209,14 @@ async def run_figures(connection: AsyncConnection, policy: str) -> dict[str, Any
         ),
         "terminations": await rows(TERMINATIONS),
         "spread": spread,
+        "recent_groups": RECENT_GROUPS,
         "spread_chart": svg.bar_chart(
             [(min(int(row["bucket"]), 10) - 1, float(row["groups"])) for row in histogram],
             slots=10,
             x_low=0.0,
             x_high=float(spread["max_stddev"] or 0.0),
-            xlabel=f"reward std within a group (10 buckets up to {float(spread['max_stddev'] or 0):.4g})",
+            xlabel=f"reward std within a group (10 buckets up to {float(spread['max_stddev'] or 0):.4g}; "
+            f"the last {RECENT_GROUPS:,} finished groups at most)",
             ylabel="groups",
             title="group reward spread",
         ),

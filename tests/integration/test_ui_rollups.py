@@ -14,7 +14,7 @@ from psycopg.rows import dict_row
 from pipeline.log import EventStore
 from pipeline.log.db import alembic_config
 from pipeline.settings import libpq_url
-from pipeline.ui.runs import BY_VERSION, RUN_STATS, SPREAD, TERMINATIONS
+from pipeline.ui.runs import BY_VERSION, RECENT_GROUPS, RUN_STATS, SPREAD, TERMINATIONS
 from tests.conftest import login_url
 from tests.support.ui_episodes import record_episodes
 
@@ -133,3 +133,30 @@ def test_migrating_fills_the_rollups_from_the_episodes_already_there(database_ur
     command.upgrade(config, "head")
     with psycopg.connect(libpq_url(database_url), row_factory=dict_row, autocommit=True) as connection:
         assert_rollups_match_views(connection)
+
+
+def test_the_spread_reads_the_last_finished_groups_only(database_url: str) -> None:
+    """2,100 finished pairs: the oldest 100 with equal rewards (zero spread), the rest unequal. The run page
+    reads the newest RECENT_GROUPS of them, by the index, so none of the zero-spread ones."""
+    with psycopg.connect(libpq_url(database_url), row_factory=dict_row, autocommit=True) as connection:
+        connection.execute(
+            """
+            INSERT INTO episodes (episode_id, stream, policy, agent, task_id, group_id, group_size, status,
+                termination, reward, turns, started_at, finished_at, started_position)
+            SELECT 'pair-' || i || '-' || k, 'episode-pair-' || i || '-' || k, 'capped', 'a', 't',
+                'pair-' || i, 2, 'finished', 'done', CASE WHEN i <= 100 THEN 1.0 ELSE k END, 1,
+                timestamptz '2026-11-01' + i * interval '1 minute',
+                timestamptz '2026-11-01' + i * interval '1 minute' + interval '5 seconds', 2000000 + 2 * i + k
+            FROM generate_series(1, 2100) AS i, generate_series(0, 1) AS k
+            """
+        )
+        spread = connection.execute(SPREAD.replace(":policy", "'capped'")).fetchone()
+        assert spread is not None
+        assert spread["groups"] == RECENT_GROUPS
+        assert spread["zero_spread"] == 0
+        assert spread["max_stddev"] == pytest.approx(0.5)
+        plan = "\n".join(
+            row["QUERY PLAN"]
+            for row in connection.execute("EXPLAIN " + SPREAD.replace(":policy", "'capped'"))
+        )
+        assert "group_rollups_recent" in plan, plan

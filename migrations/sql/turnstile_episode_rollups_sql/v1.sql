@@ -54,11 +54,13 @@ LANGUAGE sql IMMUTABLE AS $function$
         ),
         groups AS (
             INSERT INTO %1$I.group_rollups AS r (
-                policy, group_id, episodes, finished, rewarded, reward_sum, reward_sumsq, reward_min, reward_max)
+                policy, group_id, episodes, finished, rewarded, reward_sum, reward_sumsq, reward_min, reward_max,
+                last_finished_at)
             SELECT policy, group_id, sum(sign), coalesce(sum(sign) FILTER (WHERE status = 'finished'), 0),
                    coalesce(sum(sign) FILTER (WHERE reward IS NOT NULL), 0),
                    coalesce(sum(sign * reward), 0), coalesce(sum(sign * reward * reward), 0),
-                   min(reward) FILTER (WHERE sign > 0), max(reward) FILTER (WHERE sign > 0)
+                   min(reward) FILTER (WHERE sign > 0), max(reward) FILTER (WHERE sign > 0),
+                   max(finished_at) FILTER (WHERE sign > 0)
             FROM changes
             WHERE group_id IS NOT NULL
             GROUP BY policy, group_id
@@ -70,7 +72,8 @@ LANGUAGE sql IMMUTABLE AS $function$
                 reward_sum = r.reward_sum + excluded.reward_sum,
                 reward_sumsq = r.reward_sumsq + excluded.reward_sumsq,
                 reward_min = least(r.reward_min, excluded.reward_min),
-                reward_max = greatest(r.reward_max, excluded.reward_max)
+                reward_max = greatest(r.reward_max, excluded.reward_max),
+                last_finished_at = greatest(r.last_finished_at, excluded.last_finished_at)
             RETURNING 1
         )
         SELECT (SELECT count(*) FROM runs) + (SELECT count(*) FROM throughput) + (SELECT count(*) FROM groups)
