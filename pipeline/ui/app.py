@@ -6,6 +6,9 @@ transaction (``pipeline.ui.reader``). Episodes are read through ``pipeline.repla
 events); lists and numbers come from the read models. The app is made by ``create_app`` and can be served
 alone (``turnstile ui``) or mounted under a path of another app (the gateway's ``--ui``): links are made from
 the request's ``root_path``, and the database is opened on the first request (mounted apps get no lifespan).
+
+Here: the episodes, one episode (and a turn's whole prompt), the batches, the error pages. Elsewhere: the runs
+(``runs``), search (``search``), two episodes side by side (``compare``), the same as JSON (``api``).
 """
 
 from __future__ import annotations
