@@ -6,19 +6,20 @@ transaction (``pipeline.ui.reader``). Episodes are read through ``pipeline.repla
 events); lists and numbers come from the read models. The app is made by ``create_app`` and can be served
 alone (``turnstile ui``) or mounted under a path of another app (the gateway's ``--ui``): links are made from
 the request's ``root_path``, and the database is opened on the first request (mounted apps get no lifespan).
+
+Here: the episodes, one episode (and a turn's whole prompt), the batches, the error pages. Elsewhere: the runs
+(``runs``), search (``search``), two episodes side by side (``compare``), the same as JSON (``api``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
@@ -29,25 +30,26 @@ import sqlalchemy.exc
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
-from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.errors import ConfigError, TurnstileError
-from pipeline.log import EventStore, batches_table, episodes_table, samples_table, turns_table
+from pipeline.log import batches_table, episodes_table, samples_table, turns_table
 from pipeline.log import trained_batches_table as trained_table
 from pipeline.replay import (
     AmbiguousEpisodeId,
     EpisodeNotFound,
     UnreadableEpisode,
     load_episode,
-    load_tokenizer,
     names_agent_code,
     rerun_by_id,
     resolve_episode_id,
 )
-from pipeline.ui import svg
+from pipeline.ui.api import api_router, json_response
+from pipeline.ui.browser import Browser, Page, base_path, query_params
+from pipeline.ui.compare import compare_router
 from pipeline.ui.episode_view import episode_view, shade
 from pipeline.ui.filters import (
+    BATCH_PAGE,
     COUNT_CAP,
     PAGE_SIZES,
     SORTS,
@@ -55,15 +57,17 @@ from pipeline.ui.filters import (
     TERMINATIONS,
     BadRequest,
     EpisodeQuery,
+    batch_list_query,
     count_query,
     page_query,
     parse_query,
 )
-from pipeline.ui.reader import DatabaseUnavailable, check_login, reader_engine
+from pipeline.ui.reader import DatabaseUnavailable
+from pipeline.ui.runs import runs_router
+from pipeline.ui.search import search_router
 
 log = logging.getLogger(__name__)
 
-BATCH_PAGE: Final = 50
 COUNT_TIMEOUT_MS: Final = 100
 # The policies for the filter's menu: a skip scan over the index on (policy, started_at), one probe per
 # policy, where SELECT DISTINCT would read every episode.
@@ -77,53 +81,6 @@ POLICIES_QUERY: Final = """
     SELECT policy FROM policies WHERE policy IS NOT NULL LIMIT 200
 """
 SAMPLE_LIMIT: Final = 2_000
-
-
-_Page = Callable[..., HTMLResponse]
-"""``page(request, template, status=200, **context)`` or ``error_page(request, status, title, message)``."""
-
-
-@dataclass
-class Browser:
-    """What the app holds: where to read, the tokenizers by policy, and the engine once opened."""
-
-    reader_url: str
-    allow_superuser: bool = False
-    tokenizer_dirs: Mapping[str, Path] = field(default_factory=dict)  # policy -> directory; "*": any
-    reruns: bool = False  # /episodes/ID/rerun runs agent code (the recorded agent, or rerun_agent)
-    rerun_agent: str | None = None
-    rerun_timeout: float = 60.0
-    agents: dict[str, Any] = field(default_factory=dict)
-    engine: AsyncEngine | None = None
-    store: EventStore | None = None
-    tokenizers: dict[Path, Any] = field(default_factory=dict)
-    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    async def open(self) -> tuple[AsyncEngine, EventStore]:
-        async with self._lock:
-            if self.engine is None or self.store is None:
-                engine = reader_engine(self.reader_url)
-                try:
-                    await check_login(engine, allow_superuser=self.allow_superuser)
-                except BaseException:
-                    await engine.dispose()
-                    raise
-                # The store is used for reading only (load_episode, resolve_episode_id): it never appends.
-                self.engine, self.store = engine, EventStore(engine)
-            return self.engine, self.store
-
-    async def close(self) -> None:
-        if self.engine is not None:
-            await self.engine.dispose()
-        self.engine = self.store = None
-
-    def tokenizer(self, policy: str) -> tuple[Any | None, str | None]:
-        directory = self.tokenizer_dirs.get(policy) or self.tokenizer_dirs.get("*")
-        if directory is None:
-            return None, None
-        if directory not in self.tokenizers:
-            self.tokenizers[directory] = load_tokenizer(directory)
-        return self.tokenizers[directory], str(directory)
 
 
 def _templates() -> Environment:
@@ -192,58 +149,66 @@ def create_app(
     app.state.browser = browser
 
     def page(request: Request, template: str, status: int = 200, **context: Any) -> HTMLResponse:
-        base = request.scope.get("root_path", "").rstrip("/")
+        base = base_path(request)
         html = templates.get_template(template).render(base=base, request_path=request.url.path, **context)
         return HTMLResponse(html, status_code=status)
 
     def error_page(request: Request, status: int, title: str, message: str, **extra: Any) -> HTMLResponse:
-        return page(request, "error.html", status, title=title, message=message, candidates=[], **extra)
+        shown = {"candidates": [], **extra}
+        return page(request, "error.html", status, title=title, message=message, **shown)
 
-    _add_error_pages(app, page, error_page)
+    _add_error_pages(app, error_page)
     app.include_router(home_router(browser))
     app.include_router(episodes_router(browser, page, error_page))
     app.include_router(runs_router(browser, page, error_page))
     app.include_router(batches_router(browser, page, error_page))
+    app.include_router(search_router(browser, page))
+    app.include_router(compare_router(browser, page))
+    app.include_router(api_router(browser))
     return app
 
 
-def _add_error_pages(app: FastAPI, page: _Page, error_page: _Page) -> None:
-    """Each error the routes raise as its page (status, title, message)."""
+def _add_error_pages(app: FastAPI, html_error_page: Page) -> None:
+    """Each error the routes raise as its page (status, title, message), or as JSON under ``/api``."""
+
+    def error_page(request: Request, status: int, title: str, message: str, **extra: Any) -> Response:
+        if request.url.path.removeprefix(base_path(request)).startswith("/api/"):
+            return json_response({"error": title, "message": message, **extra}, status)
+        return html_error_page(request, status, title, message, **extra)
 
     @app.exception_handler(BadRequest)
-    async def bad_request(request: Request, error: BadRequest) -> HTMLResponse:
+    async def bad_request(request: Request, error: BadRequest) -> Response:
         return error_page(request, 400, "Bad filter", str(error))
 
     @app.exception_handler(AmbiguousEpisodeId)
-    async def ambiguous(request: Request, error: AmbiguousEpisodeId) -> HTMLResponse:
-        return page(
+    async def ambiguous(request: Request, error: AmbiguousEpisodeId) -> Response:
+        return error_page(
             request,
-            "error.html",
             400,
-            title="Ambiguous episode id",
-            message=f"episode id {error.prefix!r} begins several episode ids: give more of it",
+            "Ambiguous episode id",
+            f"episode id {error.prefix!r} begins several episode ids: give more of it",
             candidates=error.candidates,
         )
 
     @app.exception_handler(EpisodeNotFound)
-    async def not_found(request: Request, error: EpisodeNotFound) -> HTMLResponse:
+    async def not_found(request: Request, error: EpisodeNotFound) -> Response:
         return error_page(request, 404, "No such episode", str(error))
 
     @app.exception_handler(DatabaseUnavailable)
-    async def unavailable(request: Request, error: DatabaseUnavailable) -> HTMLResponse:
+    async def unavailable(request: Request, error: DatabaseUnavailable) -> Response:
         return error_page(request, 503, "Database unavailable", str(error))
 
     @app.exception_handler(UnreadableEpisode)
-    async def unreadable(request: Request, error: UnreadableEpisode) -> HTMLResponse:
+    async def unreadable(request: Request, error: UnreadableEpisode) -> Response:
         return error_page(request, 422, "Episode cannot be shown", str(error))
 
     @app.exception_handler(TurnstileError)
-    async def refused(request: Request, error: TurnstileError) -> HTMLResponse:
+    async def refused(request: Request, error: TurnstileError) -> Response:
         status = 400 if isinstance(error, ConfigError) else 500
         return error_page(request, status, "Cannot show this", str(error))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> HTMLResponse:
+    async def http_error(request: Request, error: StarletteHTTPException) -> Response:
         if error.status_code == 404:
             message = f"no page at {request.url.path}: see the episodes, runs or batches"
         elif error.status_code == 405:
@@ -256,7 +221,7 @@ def _add_error_pages(app: FastAPI, page: _Page, error_page: _Page) -> None:
         return response
 
     @app.exception_handler(sqlalchemy.exc.DBAPIError)
-    async def database_error(request: Request, error: sqlalchemy.exc.DBAPIError) -> HTMLResponse:
+    async def database_error(request: Request, error: sqlalchemy.exc.DBAPIError) -> Response:
         if isinstance(error.orig, psycopg.errors.QueryCanceled):
             return error_page(
                 request, 503, "Query too slow", "the query ran past the statement timeout; narrow the filters"
@@ -273,7 +238,7 @@ def home_router(browser: Browser) -> APIRouter:
 
     @router.get("/", include_in_schema=False)
     async def home(request: Request) -> Response:
-        base = request.scope.get("root_path", "").rstrip("/")
+        base = base_path(request)
         return RedirectResponse(f"{base}/episodes", status_code=307)
 
     @router.get("/healthz", include_in_schema=False)
@@ -284,15 +249,13 @@ def home_router(browser: Browser) -> APIRouter:
     return router
 
 
-def episodes_router(browser: Browser, page: _Page, error_page: _Page) -> APIRouter:
+def episodes_router(browser: Browser, page: Page, error_page: Page) -> APIRouter:
     """The episodes: the list, one episode (and its rerun), a turn's episode."""
     router = APIRouter()
 
     @router.get("/episodes", response_class=HTMLResponse)
     async def episodes(request: Request) -> HTMLResponse:
-        params: dict[str, list[str]] = {}
-        for name, value in request.query_params.multi_items():
-            params.setdefault(name, []).append(value)
+        params = query_params(request)
         query = parse_query(params)
         engine, _ = await browser.open()
         now = dt.datetime.now(dt.UTC)
@@ -319,7 +282,7 @@ def episodes_router(browser: Browser, page: _Page, error_page: _Page) -> APIRout
         engine, store = await browser.open()
         found = await resolve_episode_id(store, episode_id)
         if found != episode_id:
-            base = request.scope.get("root_path", "").rstrip("/")
+            base = base_path(request)
             tail = "/rerun" if rerun else ""
             return RedirectResponse(f"{base}/episodes/{quote(found, safe='')}{tail}", status_code=307)
         replayed = await load_episode(store, found)
@@ -365,6 +328,26 @@ def episodes_router(browser: Browser, page: _Page, error_page: _Page) -> APIRout
             # a gateway episode's agent ran outside Turnstile: no link to a rerun that cannot run it
             reruns=browser.reruns and names_agent_code(replayed.episode.started.agent),
             rerun_agent=browser.rerun_agent,
+            show_tokens=request.query_params.get("tokens") == "1",
+        )  # fmt: skip
+
+    @router.get("/episodes/{episode_id}/turns/{index}", response_class=HTMLResponse)
+    async def turn_prompt(request: Request, episode_id: str, index: int) -> Response:
+        """One turn's whole rendered prompt (decoded with ``--model``'s tokenizer, else ids) and tokens."""
+        _, store = await browser.open()
+        replayed = await load_episode(store, await resolve_episode_id(store, episode_id))
+        if not 1 <= index <= len(replayed.episode.turns):
+            turns = len(replayed.episode.turns)
+            return error_page(request, 404, "No such turn", f"episode {episode_id!r} has turns 1 to {turns}")
+        tokenizer, tokenizer_name = browser.tokenizer(replayed.episode.started.policy)
+        view = episode_view(
+            replayed, read_model_turns={}, advantages={}, tokenizer=tokenizer, tokenizer_name=tokenizer_name
+        )
+        turn = view.turns[index - 1]
+        prompt = turn.turn.prompt_token_ids
+        return page(
+            request, "turn.html", view=view, t=turn, prompt_ids=prompt,
+            prompt_text=None if tokenizer is None else str(tokenizer.decode(prompt)),
         )  # fmt: skip
 
     @router.get("/episodes/{episode_id}", response_class=HTMLResponse)
@@ -401,86 +384,20 @@ def episodes_router(browser: Browser, page: _Page, error_page: _Page) -> APIRout
                 f"no turn {turn_id} in the turns read model (a turn is found here once the materializer has "
                 "folded it; an episode's own page reads the log)",
             )
-        base = request.scope.get("root_path", "").rstrip("/")
+        base = base_path(request)
         return RedirectResponse(f"{base}/episodes/{quote(found, safe='')}#turn-{parsed}", status_code=307)
 
     return router
 
 
-def runs_router(browser: Browser, page: _Page, error_page: _Page) -> APIRouter:
-    """The runs: each policy's figures and charts."""
-    router = APIRouter()
-
-    @router.get("/runs", response_class=HTMLResponse)
-    async def runs(request: Request) -> HTMLResponse:
-        engine, _ = await browser.open()
-        async with engine.connect() as connection:
-            stats = (
-                (await connection.execute(sa.text("SELECT * FROM episode_stats ORDER BY policy")))
-                .mappings()
-                .all()
-            )
-        return page(request, "runs.html", stats=stats)
-
-    @router.get("/runs/{policy}", response_class=HTMLResponse)
-    async def run(request: Request, policy: str) -> HTMLResponse:
-        unknown = sorted(set(request.query_params) - {"refresh"})
-        if unknown:
-            raise BadRequest(f"unknown parameter {unknown[0]!r}: the run page takes refresh (seconds)")
-        refresh_text = request.query_params.get("refresh")
-        refresh = None
-        if refresh_text is not None:
-            if not refresh_text.isdigit() or not 5 <= int(refresh_text) <= 3600:
-                raise BadRequest(f"refresh: {refresh_text!r} is not a number of seconds from 5 to 3600")
-            refresh = int(refresh_text)
-        engine, _ = await browser.open()
-        async with engine.connect() as connection:
-            figures = await _run_figures(connection, policy)
-        if figures["stats"] is None:
-            return error_page(
-                request,
-                404,
-                "No such run",
-                f"no episodes of policy {policy!r} in the episodes read model (is the materializer running?)",
-            )
-        return page(request, "run.html", policy=policy, refresh=refresh, **figures)
-
-    return router
-
-
-def batches_router(browser: Browser, page: _Page, error_page: _Page) -> APIRouter:
+def batches_router(browser: Browser, page: Page, error_page: Page) -> APIRouter:
     """The training batches: the list and one batch."""
     router = APIRouter()
 
     @router.get("/batches", response_class=HTMLResponse)
     async def batches(request: Request) -> HTMLResponse:
-        params: dict[str, list[str]] = {}
-        for name, value in request.query_params.multi_items():
-            params.setdefault(name, []).append(value)
-        unknown = sorted(set(params) - {"policy", "page"})
-        if unknown:
-            raise BadRequest(f"unknown parameter {unknown[0]!r}: the batch list takes policy, page")
-        policy = params.get("policy", [None])[0] or None
-        page_text = params.get("page", ["1"])[0]
-        if not page_text.isdigit() or not 1 <= int(page_text) <= 100_000:
-            raise BadRequest(f"page: {page_text!r} is not a page number (1 or more)")
-        number = int(page_text)
+        listing, number, policy = batch_list_query(query_params(request))
         engine, _ = await browser.open()
-        b, tb = batches_table, trained_table
-        trained = (
-            sa.select(
-                sa.func.string_agg(
-                    tb.c.outcome + sa.literal(" → v") + sa.cast(tb.c.policy_version, sa.Text),
-                    sa.literal(", "),
-                )
-            )
-            .where(tb.c.batch_id == b.c.batch_id)
-            .scalar_subquery()
-        )
-        listing = sa.select(b, trained.label("trained")).order_by(b.c.position.desc(), b.c.batch_id)
-        if policy is not None:
-            listing = listing.where(b.c.policy == policy)
-        listing = listing.offset((number - 1) * BATCH_PAGE).limit(BATCH_PAGE + 1)
         async with engine.connect() as connection:
             rows = (await connection.execute(listing)).mappings().all()
         return page(
@@ -587,137 +504,3 @@ async def _count(connection: Any, query: EpisodeQuery, now: dt.datetime) -> int 
         if isinstance(error.orig, psycopg.errors.QueryCanceled):
             return None
         raise
-
-
-async def _run_figures(connection: Any, policy: str) -> dict[str, Any]:
-    """The run page's numbers and charts for one policy, from the views over the read models."""
-
-    async def rows(statement: str, **params: Any) -> list[Mapping[str, Any]]:
-        return list((await connection.execute(sa.text(statement), {"policy": policy, **params})).mappings())
-
-    stats = await rows("SELECT * FROM episode_stats WHERE policy = :policy")
-    if not stats:
-        return {"stats": None}
-    by_version = await rows(
-        "SELECT * FROM reward_by_policy_version WHERE policy = :policy AND rewarded > 0 "
-        "ORDER BY policy_version"
-    )
-    xs, means, lows, highs = [], [], [], []
-    for row in by_version:
-        mean = float(row["mean_reward"])
-        half = 1.96 * float(row["stddev_reward"] or 0.0) / math.sqrt(max(int(row["rewarded"]), 1))
-        xs.append(float(row["policy_version"]))
-        means.append(mean)
-        lows.append(mean - half)
-        highs.append(mean + half)
-    reward_chart = svg.line_chart(
-        xs,
-        means,
-        low=lows,
-        high=highs,
-        xlabel="policy version",
-        ylabel="mean reward",
-        title="mean reward per policy version, with its 95% confidence band",
-    )
-    span = (
-        await rows(
-            "SELECT min(finished_at) AS first, max(finished_at) AS last FROM episodes "
-            "WHERE policy = :policy AND status = 'finished'"
-        )
-    )[0]
-    throughput_chart, bucket_s = (
-        svg.bar_chart([], slots=1, x_low=0, x_high=1, xlabel="", ylabel="", title=""),
-        0.0,
-    )
-    if span["first"] is not None:
-        bucket_s = max((span["last"] - span["first"]).total_seconds() / 40, 1.0)
-        buckets = await rows(
-            "SELECT floor(extract(epoch FROM finished_at - :first) / :width)::int AS bucket, "
-            "count(*) AS episodes, coalesce(sum(turns), 0) AS turns FROM episodes "
-            "WHERE policy = :policy AND status = 'finished' GROUP BY bucket ORDER BY bucket",
-            first=span["first"],
-            width=bucket_s,
-        )
-        throughput_chart = svg.bar_chart(
-            [(int(row["bucket"]), float(row["turns"]) / bucket_s) for row in buckets],
-            slots=int(buckets[-1]["bucket"]) + 1 if buckets else 1,
-            x_low=0.0,
-            x_high=(int(buckets[-1]["bucket"]) + 1 if buckets else 1) * bucket_s,
-            xlabel=f"seconds since the first finished episode (buckets of {bucket_s:.0f} s)",
-            ylabel="turns/s",
-            title="turns per second of finished episodes",
-        )
-    staleness = await rows(
-        "SELECT * FROM (SELECT * FROM batch_staleness WHERE policy = :policy ORDER BY created_at DESC "
-        "LIMIT 500) recent ORDER BY created_at"
-    )
-    staleness_chart = svg.line_chart(
-        [float(index) for index in range(len(staleness))],
-        [float(row["mean_staleness"] or 0.0) for row in staleness],
-        low=[float(row["min_staleness"]) for row in staleness],
-        high=[float(row["max_staleness"]) for row in staleness],
-        xlabel="batch (oldest to newest of the last 500)",
-        ylabel="versions behind",
-        title="staleness per batch: mean, with the band from the freshest to the stalest sample",
-    )
-    # staleness when a trainer took the batch: a batch trained into version v was stepped on v - 1; a
-    # skipped one is recorded with the version it was measured against
-    taken = await rows(
-        "SELECT * FROM (SELECT t.outcome, t.trained_at, "
-        "CASE t.outcome WHEN 'trained' THEN t.policy_version - 1 ELSE t.policy_version END "
-        "- b.min_policy_version AS behind FROM trained_batches t "
-        "JOIN batches b USING (batch_id) WHERE t.policy = :policy AND t.outcome IN ('trained', 'stale') "
-        "ORDER BY t.trained_at DESC, t.batch_id LIMIT 500) recent ORDER BY trained_at"
-    )
-    training = (
-        await rows(
-            "SELECT count(*) AS taken, count(*) FILTER (WHERE outcome = 'stale') AS skipped "
-            "FROM trained_batches WHERE policy = :policy AND outcome IN ('trained', 'stale')"
-        )
-    )[0]
-    trained = [row for row in taken if row["outcome"] == "trained"]
-    training_chart = svg.line_chart(
-        [float(index) for index in range(len(trained))],
-        [float(row["behind"]) for row in trained],
-        xlabel="trained batch (oldest to newest of the last 500 taken)",
-        ylabel="versions behind",
-        title="staleness at training time: the batch's oldest sample against the version stepped on",
-    )
-    terminations = await rows(
-        "SELECT termination, episodes, share FROM terminations WHERE policy = :policy ORDER BY episodes DESC"
-    )
-    spread = (
-        await rows(
-            "SELECT count(*) AS groups, count(*) FILTER (WHERE zero_spread) AS zero_spread, "
-            "avg(stddev_reward) AS mean_stddev, max(stddev_reward) AS max_stddev FROM group_rewards "
-            "WHERE policy = :policy AND finished = episodes AND episodes > 1"
-        )
-    )[0]
-    histogram = await rows(
-        "SELECT width_bucket(stddev_reward, 0, :top, 10) AS bucket, count(*) AS groups FROM group_rewards "
-        "WHERE policy = :policy AND finished = episodes AND episodes > 1 AND stddev_reward IS NOT NULL "
-        "GROUP BY bucket ORDER BY bucket",
-        top=float(spread["max_stddev"] or 0.0) + 1e-9,
-    )
-    spread_chart = svg.bar_chart(
-        [(min(int(row["bucket"]), 10) - 1, float(row["groups"])) for row in histogram],
-        slots=10,
-        x_low=0.0,
-        x_high=float(spread["max_stddev"] or 0.0),
-        xlabel=f"reward std within a group (10 buckets up to {_number(spread['max_stddev'])})",
-        ylabel="groups",
-        title="group reward spread",
-    )
-    return {
-        "stats": stats[0],
-        "by_version": by_version,
-        "reward_chart": reward_chart,
-        "throughput_chart": throughput_chart,
-        "staleness": staleness,
-        "staleness_chart": staleness_chart,
-        "training": training,
-        "training_chart": training_chart,
-        "terminations": terminations,
-        "spread": spread,
-        "spread_chart": spread_chart,
-    }

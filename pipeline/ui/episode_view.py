@@ -36,6 +36,10 @@ class TokenView:
     text: str
     title: str
     color: str
+    token_id: int
+    decoded: str | None  # with a tokenizer
+    logprob: float
+    probability: float
 
 
 @dataclass
@@ -46,6 +50,8 @@ class TurnView:
     messages: list[MessageView]
     reply: MessageView
     tokens: list[TokenView]
+    new_prompt_ids: list[int]  # what the prompt adds to the parent's prompt and completion
+    prompt_text: str | None  # those decoded, with a tokenizer
     reward: float
     discounted_return: float | None
     advantages: list[float]
@@ -111,8 +117,32 @@ def tokens(turn: TurnCompleted, tokenizer: Any | None) -> list[TokenView]:
         if tokenizer is not None:
             about += f" {json.dumps(text, ensure_ascii=False)}"
         title = f"{about} · logprob {logprob:.4f} · p {probability:.3f}"
-        shown.append(TokenView(text if tokenizer is not None else f"{token_id} ", title, shade(logprob)))
+        shown.append(
+            TokenView(
+                text if tokenizer is not None else f"{token_id} ",
+                title,
+                shade(logprob),
+                token_id,
+                text if tokenizer is not None else None,
+                logprob,
+                probability,
+            )
+        )
     return shown
+
+
+def new_prompt_ids(turn: TurnCompleted, parent: TurnCompleted | None) -> list[int]:
+    """The prompt ids this turn added to its parent's prompt and completion (all of them for a root or a
+    turn that broke the prefix): each turn's section shows these, so a page grows with the episode's
+    tokens, not with the sum of its prompts."""
+    if parent is None or turn.prefix_break:
+        return list(turn.prompt_token_ids)
+    inherited = len(parent.prompt_token_ids) + len(parent.completion_token_ids)
+    return list(turn.prompt_token_ids[inherited:])
+
+
+def decode(tokenizer: Any | None, ids: list[int]) -> str | None:
+    return None if tokenizer is None else str(tokenizer.decode(ids))
 
 
 def _number(value: float | None, digits: int = 4) -> str:
@@ -208,6 +238,8 @@ def episode_view(
                 messages=[_message(message) for message in new_messages(turn, parent)],
                 reply=reply_view,
                 tokens=tokens(turn, tokenizer),
+                new_prompt_ids=(added := new_prompt_ids(turn, parent)),
+                prompt_text=decode(tokenizer, added),
                 reward=values.rewards[index],
                 discounted_return=returned,
                 advantages=list(advantages.get(turn.turn_id, [])),

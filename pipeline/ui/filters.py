@@ -12,7 +12,8 @@ from urllib.parse import urlencode
 import sqlalchemy as sa
 
 from pipeline.errors import ConfigError, TurnstileError
-from pipeline.log import episodes_table, turns_table
+from pipeline.log import batches_table, episodes_table, turns_table
+from pipeline.log import trained_batches_table as trained_table
 from pipeline.replay import parse_since
 
 TERMINATIONS: Final = ("done", "max_turns", "truncated", "error", "cancelled", "timeout", "aborted")
@@ -30,6 +31,7 @@ SORTS: Final = {
 PAGE_SIZES: Final = (10, 25, 50, 100, 200)
 MAX_PAGE: Final = 10_000
 COUNT_CAP: Final = 10_000  # "more than 10,000" rather than counting a million rows on every page
+BATCH_PAGE: Final = 50
 
 
 class BadRequest(TurnstileError):
@@ -271,3 +273,28 @@ def count_query(query: EpisodeQuery, now: dt.datetime | None = None) -> sa.Selec
     matching = sa.select(sa.literal(1)).select_from(episodes_table).where(*conditions(query, now))
     capped = matching.limit(COUNT_CAP + 1).subquery()
     return sa.select(sa.func.count()).select_from(capped)
+
+
+def batch_list_query(params: Mapping[str, Sequence[str]]) -> tuple[sa.Select[Any], int, str | None]:
+    """The batch list's query (newest first, one row more than a page), its page number and policy, from
+    a URL's parameters (``policy``, ``page``)."""
+    unknown = sorted(set(params) - {"policy", "page"})
+    if unknown:
+        raise BadRequest(f"unknown parameter {unknown[0]!r}: the batch list takes policy, page")
+    policy = _one(params, "policy")
+    number = _integer(params, "page", 1, 100_000) or 1
+    b, tb = batches_table, trained_table
+    trained = (
+        sa.select(
+            sa.func.string_agg(
+                tb.c.outcome + sa.literal(" → v") + sa.cast(tb.c.policy_version, sa.Text),
+                sa.literal(", "),
+            )
+        )
+        .where(tb.c.batch_id == b.c.batch_id)
+        .scalar_subquery()
+    )
+    listing = sa.select(b, trained.label("trained")).order_by(b.c.position.desc(), b.c.batch_id)
+    if policy is not None:
+        listing = listing.where(b.c.policy == policy)
+    return listing.offset((number - 1) * BATCH_PAGE).limit(BATCH_PAGE + 1), number, policy

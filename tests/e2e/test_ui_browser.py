@@ -215,3 +215,46 @@ async def test_a_rerun_beside_the_recording(served: Served, page: Any) -> None:
     assert "now please say 2" in await diverged.locator("#divergence .add").inner_text()
     assert "now say 2" in await diverged.locator(".side > div").first.inner_text()
     await diverged.screenshot(path=str(SCREENSHOTS / "9-rerun-beside-the-recording.png"))
+
+
+async def test_search_compare_and_tokens_without_hovering(served: Served, page: Any) -> None:
+    recorded = served.recorded
+    a, b, _c, _d = recorded.branching_turns
+    await page.goto(f"{served.url}/episodes")
+    await page.click("header.top a[href$='/search']")
+    await page.fill("input[name=q]", "calculator")
+    await page.click("#find")
+    await page.wait_for_url(re.compile(r"/search\?q=calculator"))
+    hits = page.locator("#hits tbody tr[data-turn]")
+    assert await hits.count() == 1
+    assert await page.locator("#hits mark").inner_text() == "calculator"
+    await shot(page, "10-search")
+    await hits.first.locator(f"a[href$='#turn-{a.turn_id}']").click()
+    await page.wait_for_url(re.compile(f"/episodes/{recorded.branching}#turn-{a.turn_id}$"))
+
+    # a turn's tokens: folded, opened by a click (no hovering), one row per completion token
+    details = page.locator(f"#turn-{b.turn_id} details.token-table")
+    rows = details.locator("table.tokens-list tbody tr")
+    assert not await rows.first.is_visible()
+    await details.locator("summary").click()
+    assert await rows.count() == len(b.completion_token_ids)
+    first = await rows.first.locator("td").all_inner_texts()
+    assert first[1] == str(b.completion_token_ids[0])
+    assert first[2] != "\u2013"  # decoded with the policy's tokenizer (--model main=DIR)
+    await details.screenshot(path=str(SCREENSHOTS / "11-tokens-without-hovering.png"))
+    await details.locator("summary a").click()  # the whole rendered prompt of that turn
+    await page.wait_for_url(re.compile(f"/episodes/{recorded.branching}/turns/2$"))
+    assert await page.locator("#rendered-prompt").inner_text()
+
+    first_id, second_id = recorded.group[0], recorded.group[1]
+    await page.goto(f"{served.url}/compare")
+    await page.fill("input[name=a]", first_id[:12])
+    await page.fill("input[name=b]", second_id[:12])
+    await page.click("#compare")
+    await page.wait_for_url(re.compile(f"/compare\\?a={first_id}&b={second_id}$"))
+    assert await page.locator("#turns section.turn").count() == 4
+    assert "first differ at turn 1" in await page.locator("#first-difference").inner_text()
+    left, right = page.locator("#a-turn-1"), page.locator("#b-turn-1")
+    assert (await left.bounding_box())["x"] < (await right.bounding_box())["x"]  # side by side
+    assert (await left.bounding_box())["y"] == (await right.bounding_box())["y"]  # aligned by turn
+    await shot(page, "12-compare")

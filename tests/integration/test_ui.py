@@ -9,8 +9,6 @@ import re
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import httpx
 import psycopg
@@ -25,25 +23,7 @@ from pipeline.ui import create_app, parse_query, reader_engine, svg
 from pipeline.ui.filters import BadRequest
 from schemas import ChatMessage, EpisodeStarted
 from tests.conftest import login_url
-from tests.support.ui_episodes import Recorded, make_turn, record_counting_episode, record_episodes
-
-
-@dataclass
-class Browsing:
-    client: httpx.AsyncClient
-    recorded: Recorded
-
-
-@pytest.fixture
-async def browsing(
-    store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
-) -> AsyncIterator[Browsing]:
-    recorded = await record_episodes(store)
-    app = create_app(login_url(database_url, logins["turnstile_reader"]))
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://ui") as client:
-        yield Browsing(client, recorded)
-    await app.state.browser.close()
+from tests.support.ui_episodes import Browsing, make_turn, record_counting_episode, record_episodes
 
 
 def listed(html: str) -> list[str]:

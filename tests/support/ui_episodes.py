@@ -7,6 +7,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+import httpx
+
 from pipeline.log import EventStore
 from pipeline.materialize.config import MaterializerConfig
 from pipeline.materialize.writer import Materializer
@@ -37,6 +39,14 @@ class Recorded:
     failed: str = ""
     running: str = ""
     broken: str = ""
+
+
+@dataclass
+class Browsing:
+    """The browser app over httpx (in process, as the reader login) and the episodes recorded for it."""
+
+    client: httpx.AsyncClient
+    recorded: Recorded
 
 
 def make_turn(

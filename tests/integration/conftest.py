@@ -1,0 +1,26 @@
+"""Fixtures of the integration tests that several modules share."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from pipeline.log import EventStore
+from pipeline.ui import create_app
+from tests.conftest import login_url
+from tests.support.ui_episodes import Browsing, record_episodes
+
+
+@pytest.fixture
+async def browsing(
+    store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
+) -> AsyncIterator[Browsing]:
+    """The episode browser as the reader login, over the episodes of ``record_episodes`` (materialized)."""
+    recorded = await record_episodes(store)
+    app = create_app(login_url(database_url, logins["turnstile_reader"]))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://ui") as client:
+        yield Browsing(client, recorded)
+    await app.state.browser.close()

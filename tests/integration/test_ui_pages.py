@@ -1,0 +1,194 @@
+"""What researchers asked of the episode browser (issue 35), through the app over real PostgreSQL as the
+reader login: free-text search over what turns say (and that it goes through its index at size), two
+episodes side by side, the pages as JSON, and each turn's tokens and whole rendered prompt without
+hovering."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import psycopg
+import pytest
+
+from pipeline.log import EventStore
+from pipeline.settings import libpq_url
+from pipeline.ui.search import SEARCH
+from tests.support.ui_episodes import Browsing
+
+APPEND_LOCK = 32780231638217836  # pipeline/log/store.py: the guard lets only its holder append
+
+
+def hits(html: str) -> list[str]:
+    return re.findall(r'<tr data-turn="([^"]+)">', html)
+
+
+async def test_search_finds_turns_by_their_words_newest_first_a_page_at_a_time(browsing: Browsing) -> None:
+    client, recorded = browsing.client, browsing.recorded
+    a, b, c, _ = recorded.branching_turns
+    reasoning = await client.get("/search?q=calculator")
+    assert reasoning.status_code == 200
+    assert hits(reasoning.text) == [str(a.turn_id)]  # "I should use the calculator tool." (its reasoning)
+    assert "<mark>calculator</mark>" in reasoning.text
+    assert f'href="/episodes/{recorded.branching}#turn-{a.turn_id}"' in reasoning.text
+    # the tool's result "51" is a new message of b and c, and both replies say 51: newest first
+    assert hits((await client.get("/search?q=51")).text) == [str(c.turn_id), str(b.turn_id)]
+    assert hits((await client.get('/search?q="so 51"')).text) == [str(c.turn_id)]
+    assert hits((await client.get("/search?q=51 -answer")).text) == [str(c.turn_id)]
+    assert 'id="no-hits"' in (await client.get("/search?q=zanzibar")).text
+    # the system prompt, in every turn recorded with it (these are recorded whole): 4 x 2 of the group, 3
+    everything = (await client.get("/api/search?q=careful")).json()
+    positions = [turn["position"] for turn in everything["turns"]]
+    assert len(positions) == 11
+    assert positions == sorted(positions, reverse=True)
+    assert everything["before"] is None  # one page
+    older = (await client.get(f"/api/search?q=careful&before={positions[1]}")).json()
+    assert [turn["position"] for turn in older["turns"]] == positions[2:]
+    assert "careful" in older["turns"][0]["snippet"]
+
+
+async def test_a_bad_search_gets_a_400_naming_what_was_wrong(browsing: Browsing) -> None:
+    client = browsing.client
+    for query, said in (
+        (f"q={'x' * 501}", "a search takes at most 500"),
+        ("q=a&before=soon", "before: &#39;soon&#39; is not a log position"),
+        ("q=a&colour=red", "unknown parameter &#39;colour&#39;"),
+    ):
+        response = await client.get(f"/search?{query}")
+        assert response.status_code == 400
+        assert said in response.text
+    as_json = await client.get("/api/search?q=a&before=soon")
+    assert as_json.status_code == 400
+    assert as_json.json()["message"] == "before: 'soon' is not a log position (a whole number)"
+
+
+def _fill_log(database_url: str, turns: int) -> None:
+    """``turns`` TurnCompleted events of a word each plus a common one, appended as the store appends
+    (holding its lock, at the positions after the head), then ANALYZE: a log the planner sees as big."""
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
+        connection.execute(
+            """
+            INSERT INTO events (position, stream, version, event_id, type, data, content_hash)
+            SELECT head + i, 'episode-filler-' || i, 1, gen_random_uuid(), 'TurnCompleted',
+                   jsonb_build_object(
+                       'request', jsonb_build_object('messages', jsonb_build_array(
+                           jsonb_build_object('role', 'user', 'content', 'common word' || i))),
+                       'reply', jsonb_build_object('text', 'reply number ' || i)),
+                   '\\x00'
+            FROM (SELECT coalesce(max(position), 0) AS head FROM events) h, generate_series(1, %s) i
+            """,
+            (turns,),
+        )
+        connection.commit()
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as connection:
+        connection.execute("ANALYZE events")
+
+
+def _plan(database_url: str, words: str) -> str:
+    statement = SEARCH.replace(":q", "%(q)s").replace(":before", "%(before)s")
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        rows = connection.execute(f"EXPLAIN {statement}", {"q": words, "before": 2**63 - 1}).fetchall()
+    return "\n".join(row[0] for row in rows)
+
+
+async def test_a_search_reads_the_index_or_the_newest_turns_never_the_whole_log(
+    store: EventStore, database_url: str
+) -> None:
+    _fill_log(database_url, 30_000)
+    rare = _plan(database_url, "word12345")
+    assert "events_turn_text" in rare, rare
+    assert "Seq Scan" not in rare, rare
+    common = _plan(database_url, "common")  # every turn says it: the newest 51, backwards by position
+    assert "Seq Scan" not in common, common
+    assert "Limit" in common, common
+
+
+async def test_two_episodes_side_by_side_aligned_by_turn(browsing: Browsing) -> None:
+    client, recorded = browsing.client, browsing.recorded
+    first, second = recorded.group[0], recorded.group[1]
+    prefixes = await client.get(f"/compare?a={first[:10]}&b={second[:10]}", follow_redirects=False)
+    assert prefixes.status_code == 307
+    assert prefixes.headers["location"] == f"/compare?a={first}&b={second}"
+    page = (await client.get(f"/compare?a={first}&b={second}")).text
+    assert re.findall(r'data-episode="([^"]+)"', page) == [first, second]
+    assert 'id="a-turn-1"' in page
+    assert 'id="b-turn-2"' in page
+    # turn 1 asks "What is 0 + 2?" beside "What is 1 + 2?": they differ from the first turn
+    assert 'They first differ at <a href="#a-turn-1">turn 1</a>' in page
+    assert "What is 0 + 2?" in page
+    assert "What is 1 + 2?" in page
+    verdicts = re.findall(r'data-turn="(\d)"[^>]*>turn \d: ([^<]+)<', page)
+    assert verdicts == [
+        ("1", "different messages, different reply"),
+        ("2", "same messages, different reply"),
+    ]
+    same = (await client.get(f"/compare?a={first}&b={first}")).text
+    assert "say the same at every turn" in same
+    uneven = (await client.get(f"/compare?a={first}&b={recorded.failed}")).text
+    assert uneven.count('class="missing"') == 1  # the failed episode has one turn
+    assert (await client.get(f"/compare?a={first}")).status_code == 400
+    assert (await client.get(f"/compare?a={first}&b=nosuchepisode")).status_code == 404
+    assert 'id="compare-form"' in (await client.get("/compare")).text
+
+
+async def test_the_pages_as_json(browsing: Browsing) -> None:
+    client, recorded = browsing.client, browsing.recorded
+    listing = await client.get("/api/episodes?policy=main&per=3&sort=started&order=asc")
+    assert listing.headers["content-type"] == "application/json"
+    body = listing.json()
+    assert len(body["episodes"]) == 3
+    assert body["next"] == "/api/episodes?policy=main&order=asc&page=2&per=3"
+    second: dict[str, Any] = (await client.get(body["next"])).json()
+    assert {e["episode_id"] for e in body["episodes"]}.isdisjoint(e["episode_id"] for e in second["episodes"])
+    episode = (await client.get(f"/api/episodes/{recorded.branching}")).json()
+    assert episode["episode_id"] == recorded.branching
+    assert [turn["turn_id"] for turn in episode["turns"]] == [
+        str(t.turn_id) for t in recorded.branching_turns
+    ]
+    first = episode["turns"][0]
+    assert first["completion_logprobs"] == pytest.approx([-0.01, -0.2, -0.7, -1.6, -4.0], rel=1e-6)  # float32
+    assert first["prompt_token_ids"] == list(recorded.branching_turns[0].prompt_token_ids)
+    assert episode["read_model"]["status"] == "finished"
+    assert episode["total_reward"] == 1.0
+    run = (await client.get("/api/runs/main")).json()
+    assert run["stats"]["episodes"] == 7
+    assert {row["termination"] for row in run["terminations"]} == {"done", "error"}
+    assert [row["policy"] for row in (await client.get("/api/runs")).json()["runs"]] == ["main", "other"]
+    assert (await client.get("/api/batches")).json()["batches"]
+    missing = await client.get("/api/episodes/nosuchepisode")
+    assert missing.status_code == 404
+    assert missing.json()["error"] == "No such episode"
+    ambiguous = (await client.get("/api/episodes/group")).json()
+    assert sorted(ambiguous["candidates"]) == sorted(recorded.group)
+    assert (await client.get("/api/episodes?min_reward=lots")).json()["message"] == (
+        "min_reward: 'lots' is not a number"
+    )
+    assert (await client.get("/api/runs/nosuchpolicy")).status_code == 404
+
+
+async def test_tokens_ids_and_the_whole_prompt_without_hovering(browsing: Browsing) -> None:
+    client, recorded = browsing.client, browsing.recorded
+    a, b, _, _ = recorded.branching_turns
+    page = (await client.get(f"/episodes/{recorded.branching}")).text
+    tables = page.split('<details class="token-table"')[1:]
+    assert len(tables) == 4
+    assert all(not table.startswith(" open") for table in tables)  # folded until asked
+    opened = (await client.get(f"/episodes/{recorded.branching}?tokens=1")).text
+    assert opened.count('<details class="token-table" open') == 4
+    # turn b adds 6 prompt ids to a's prompt and completion: those, then each completion token in a row
+    second = tables[1]
+    added = b.prompt_token_ids[len(a.prompt_token_ids) + len(a.completion_token_ids) :]
+    assert len(added) == 6
+    assert "6 prompt tokens added to turn 1's" in second
+    assert " ".join(map(str, added)) in second
+    rows = re.findall(r'<td class="num mono">(\d+)</td>.*?<td class="num">(-?[\d.]+)</td>', second)
+    assert [(int(i), float(lp)) for i, lp in rows] == list(
+        zip(b.completion_token_ids, [round(x, 4) for x in b.completion_logprobs], strict=True)
+    )
+    assert "alternatives" in second
+    whole = await client.get(f"/episodes/{recorded.branching}/turns/2")
+    assert whole.status_code == 200
+    assert f"The whole prompt the engine saw ({len(b.prompt_token_ids)} tokens)" in whole.text
+    assert " ".join(map(str, b.prompt_token_ids)) in whole.text
+    assert (await client.get(f"/episodes/{recorded.branching}/turns/9")).status_code == 404
