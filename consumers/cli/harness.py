@@ -1,0 +1,99 @@
+"""``turnstile harness run``: agent CLIs per task in sandboxes, verified, rewards posted to a gateway."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import typer
+
+from consumers.cli.common import console, tags
+from pipeline.errors import ConfigError
+from pipeline.settings import Settings
+
+
+def run(
+    tasks: list[Path] = typer.Argument(
+        ..., help="Harbor task directories, directories of them, or JSONL task files"
+    ),
+    agent: str = typer.Option(
+        ..., help="claude-code | codex | opencode | openai-agents | command (with --agent-command)"
+    ),
+    agent_command: str = typer.Option(
+        None,
+        help="--agent command: the program to run (the instruction is its last argument; the gateway and "
+        "key in OPENAI_BASE_URL / OPENAI_API_KEY, ANTHROPIC_*, TURNSTILE_BASE_URL / TURNSTILE_SESSION_KEY)",
+    ),
+    group_size: int = typer.Option(1, help="episodes per task (one group, for group-relative advantages)"),
+    concurrency: int = typer.Option(4, help="episodes (sandboxes) at a time"),
+    retries: int = typer.Option(1, help="times an episode that failed for infrastructure runs again (new)"),
+    sandbox: str = typer.Option(
+        "none", help="the sandbox backend: none (a temp dir: isolates nothing), bwrap, docker, kubernetes"
+    ),
+    gateway: str = typer.Option(
+        ...,
+        envvar="TURNSTILE_GATEWAY_URL",
+        help="the gateway's URL (http://host:port) as this machine reaches it",
+    ),
+    admin_key_env: str = typer.Option(
+        "TURNSTILE_ADMIN_KEY",
+        "--admin-key-env",
+        help="the environment variable holding the gateway's admin key",
+    ),
+    sandbox_gateway: str = typer.Option(
+        None, help="host:port at which sandboxes reach the gateway \\[default: that of --gateway]"
+    ),
+    policy: str = typer.Option(None, help="the policy \\[default: the gateway's --policy-default]"),
+    owner: str = typer.Option(
+        None,
+        help="this harness's name: its sandboxes' label; the next run of the same owner removes what a "
+        "killed one left \\[default: harness-<hostname>]",
+    ),
+    clis: Path = typer.Option(None, help="the pre-built agent CLIs (node_modules inside), mounted read-only"),
+    tag: list[str] = typer.Option([], help="key=value recorded with every episode (repeatable)"),
+    mount: list[str] = typer.Option(
+        [], help="HOST_DIR:INSIDE_PATH mounted read-only in every sandbox (repeatable), e.g. a command's venv"
+    ),
+) -> None:
+    """Run AGENT on every task GROUP_SIZE times, each in a sandbox, verified; Ctrl-C ends cleanly."""
+    import asyncio
+
+    from consumers.harness import harness_run
+    from pipeline.harness import DEFAULT_CLIS, HarnessConfig, agent_spec, load_tasks
+
+    admin_key = os.environ.get(admin_key_env, "").strip()
+    if not admin_key:
+        raise ConfigError(f"no admin key: set {admin_key_env} to the gateway's admin key")
+    config = HarnessConfig(
+        gateway=gateway,
+        admin_key=admin_key,
+        agent=agent_spec(agent, agent_command),
+        owner=owner or f"harness-{socket.gethostname()}",
+        state_dir=Settings().data_dir / "harness",
+        group_size=group_size,
+        concurrency=concurrency,
+        retries=retries,
+        policy=policy,
+        clis=clis or DEFAULT_CLIS,
+        sandbox_gateway=sandbox_gateway,
+        tags=tags(tag),
+        mounts=mounts(mount),
+    )
+    loaded = load_tasks(tasks)
+    result = asyncio.run(harness_run(config, loaded, sandbox, console))
+    console.print(result.stats.table("cancelled" if result.cancelled else "finished"))
+    for cause, count in result.stats.causes().most_common(5):
+        console.print(f"  {count} x {cause}", markup=False, highlight=False, soft_wrap=True)
+    if result.cancelled:
+        raise SystemExit(130)
+
+
+def mounts(pairs: list[str]) -> dict[Path, str]:
+    found = {}
+    for pair in pairs:
+        host, sep, inside = pair.rpartition(":")
+        if not sep or not host or not inside.startswith("/"):
+            raise ConfigError(f"--mount {pair!r}: write it as HOST_DIR:/path/inside")
+        found[Path(host).resolve()] = inside
+    return found
