@@ -40,6 +40,7 @@ serve_app.command("materializer")(serve.materializer)
 serve_app.command("relay")(serve.relay)
 serve_app.command("trainer")(serve.trainer)
 serve_app.command("gateway")(serve.gateway)
+serve_app.command("harness")(harness.serve)
 
 app.add_typer(harness_app, name="harness")
 harness_app.command("run")(harness.run)

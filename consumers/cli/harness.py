@@ -1,10 +1,12 @@
-"""``turnstile harness run``: agent CLIs per task in sandboxes, verified, rewards posted to a gateway."""
+"""``turnstile harness run`` and ``turnstile serve harness``: agent CLIs per task in sandboxes, verified,
+rewards posted to a gateway."""
 
 from __future__ import annotations
 
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -12,14 +14,17 @@ from consumers.cli.common import console, tags
 from pipeline.errors import ConfigError
 from pipeline.settings import Settings
 
+if TYPE_CHECKING:
+    from pipeline.harness import HarnessConfig
+
+AGENTS_HELP = "claude-code | codex | opencode | openai-agents | command (with --agent-command)"
+
 
 def run(
     tasks: list[Path] = typer.Argument(
         ..., help="Harbor task directories, directories of them, or JSONL task files"
     ),
-    agent: str = typer.Option(
-        ..., help="claude-code | codex | opencode | openai-agents | command (with --agent-command)"
-    ),
+    agent: str = typer.Option(..., help=AGENTS_HELP),
     agent_command: str = typer.Option(
         None,
         help="--agent command: the program to run (the instruction is its last argument; the gateway and "
@@ -60,26 +65,12 @@ def run(
     import asyncio
 
     from consumers.harness import harness_run
-    from pipeline.harness import DEFAULT_CLIS, HarnessConfig, agent_spec, load_tasks
+    from pipeline.harness import load_tasks
 
-    admin_key = os.environ.get(admin_key_env, "").strip()
-    if not admin_key:
-        raise ConfigError(f"no admin key: set {admin_key_env} to the gateway's admin key")
-    config = HarnessConfig(
-        gateway=gateway,
-        admin_key=admin_key,
-        agent=agent_spec(agent, agent_command),
-        owner=owner or f"harness-{socket.gethostname()}",
-        state_dir=Settings().data_dir / "harness",
-        group_size=group_size,
-        concurrency=concurrency,
-        retries=retries,
-        policy=policy,
-        clis=clis or DEFAULT_CLIS,
-        sandbox_gateway=sandbox_gateway,
-        tags=tags(tag),
-        mounts=mounts(mount),
-    )
+    config = harness_config(
+        gateway, admin_key_env, agent, agent_command, owner, policy, clis, sandbox_gateway, tag, mount,
+        group_size=group_size, concurrency=concurrency, retries=retries,
+    )  # fmt: skip
     loaded = load_tasks(tasks)
     result = asyncio.run(harness_run(config, loaded, sandbox, console))
     console.print(result.stats.table("cancelled" if result.cancelled else "finished"))
@@ -87,6 +78,73 @@ def run(
         console.print(f"  {count} x {cause}", markup=False, highlight=False, soft_wrap=True)
     if result.cancelled:
         raise SystemExit(130)
+
+
+def serve(
+    agent: str = typer.Option(..., help=AGENTS_HELP),
+    policy: str = typer.Option(
+        ..., help="take tasks from tasks.harness.<policy> (`turnstile submit --harness`)"
+    ),
+    agent_command: str = typer.Option(None, help="--agent command: the program to run"),
+    concurrency: int = typer.Option(4, help="episodes (sandboxes) at a time on this machine"),
+    retries: int = typer.Option(1, help="times an episode that failed for infrastructure runs again (new)"),
+    sandbox: str = typer.Option("none", help="the sandbox backend (none isolates nothing)"),
+    gateway: str = typer.Option(..., envvar="TURNSTILE_GATEWAY_URL", help="the gateway's URL"),
+    admin_key_env: str = typer.Option("TURNSTILE_ADMIN_KEY", "--admin-key-env", help="holds the admin key"),
+    sandbox_gateway: str = typer.Option(None, help="host:port at which sandboxes reach the gateway"),
+    owner: str = typer.Option(None, help="this harness's name \\[default: harness-<hostname>]"),
+    clis: Path = typer.Option(None, help="the pre-built agent CLIs (node_modules inside)"),
+    tag: list[str] = typer.Option([], help="key=value recorded with every episode (repeatable)"),
+    mount: list[str] = typer.Option([], help="HOST_DIR:INSIDE_PATH mounted read-only (repeatable)"),
+    ack_wait: float = typer.Option(
+        60.0, help="seconds without progress before a task goes to another harness"
+    ),
+) -> None:
+    """Take harness tasks from the TASKS work queue and run them, on as many machines as you like."""
+    from consumers.harness import serve_harness
+    from consumers.runtime import run as run_service
+    from consumers.runtime import setup_logging
+
+    setup_logging()
+    config = harness_config(
+        gateway, admin_key_env, agent, agent_command, owner, policy, clis, sandbox_gateway, tag, mount,
+        concurrency=concurrency, retries=retries,
+    )  # fmt: skip
+    run_service(serve_harness(config, sandbox, Settings().require_nats_url(), console, ack_wait=ack_wait))
+
+
+def harness_config(
+    gateway: str,
+    admin_key_env: str,
+    agent: str,
+    agent_command: str | None,
+    owner: str | None,
+    policy: str | None,
+    clis: Path | None,
+    sandbox_gateway: str | None,
+    tag: list[str],
+    mount: list[str],
+    **settings: int,
+) -> HarnessConfig:
+    """The harness's configuration from the options ``harness run`` and ``serve harness`` share."""
+    from pipeline.harness import DEFAULT_CLIS, HarnessConfig, agent_spec
+
+    admin_key = os.environ.get(admin_key_env, "").strip()
+    if not admin_key:
+        raise ConfigError(f"no admin key: set {admin_key_env} to the gateway's admin key")
+    return HarnessConfig(
+        gateway=gateway,
+        admin_key=admin_key,
+        agent=agent_spec(agent, agent_command),
+        owner=owner or f"harness-{socket.gethostname()}",
+        state_dir=Settings().data_dir / "harness",
+        policy=policy,
+        clis=clis or DEFAULT_CLIS,
+        sandbox_gateway=sandbox_gateway,
+        tags=tags(tag),
+        mounts=mounts(mount),
+        **settings,
+    )
 
 
 def mounts(pairs: list[str]) -> dict[Path, str]:

@@ -6,7 +6,7 @@ from pipeline.harness.backends import BACKENDS, backend
 from pipeline.harness.report import Attempt, HarnessStats
 from pipeline.harness.run import Harness, HarnessConfig, Recovered, run_harness
 from pipeline.harness.sandbox import ExecResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
-from pipeline.harness.tasks import HarnessTask, harbor_task, jsonl_tasks, load_tasks
+from pipeline.harness.tasks import HarnessTask, harbor_task, jsonl_tasks, load_tasks, queued_task
 
 __all__ = [
     "AGENTS",
@@ -32,5 +32,6 @@ __all__ = [
     "harbor_task",
     "jsonl_tasks",
     "load_tasks",
+    "queued_task",
     "run_harness",
 ]

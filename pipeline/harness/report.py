@@ -22,6 +22,7 @@ class Attempt:
 
     task_id: str
     group_id: str
+    group_size: int
     number: int
     session_id: str | None = None
     outcome: Outcome = "error"

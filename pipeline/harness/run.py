@@ -115,6 +115,7 @@ class Harness:
         self.admin = admin
         self.journal = Journal(config.state_dir / "owners" / config.owner)
         self.stats = stats if stats is not None else HarnessStats()
+        self.slots = asyncio.Semaphore(config.concurrency)
         self.sandbox_gateway = config.sandbox_gateway or urlsplit(config.gateway).netloc
 
     async def recover(self) -> Recovered:
@@ -134,26 +135,34 @@ class Harness:
 
     async def run(self, tasks: list[HarnessTask]) -> list[Attempt]:
         """Every task x group_size; returns every attempt (retries included)."""
-        slots = asyncio.Semaphore(self.config.concurrency)
         async with asyncio.TaskGroup() as group:
             for task in tasks:
-                group_id = f"{task.task_id}-{uuid.uuid4().hex[:12]}"
-                for _ in range(self.config.group_size):
-                    group.create_task(self._member(task, group_id, slots))
+                group.create_task(self.run_group(task))
         return self.stats.attempts
 
-    async def _member(self, task: HarnessTask, group_id: str, slots: asyncio.Semaphore) -> None:
+    async def run_group(self, task: HarnessTask, group_size: int | None = None) -> None:
+        """``group_size`` (default: the config's) episodes of ``task``, one group, in the ``concurrency``
+        slots every group of this harness shares."""
+        size = group_size or self.config.group_size
+        group_id = f"{task.task_id}-{uuid.uuid4().hex[:12]}"
+        async with asyncio.TaskGroup() as group:
+            for _ in range(size):
+                group.create_task(self._member(task, group_id, size))
+
+    async def _member(self, task: HarnessTask, group_id: str, group_size: int) -> None:
         retry_of: str | None = None
         for number in range(self.config.retries + 1):
-            async with slots:
-                attempt = await self.episode(task, group_id, number, retry_of)
+            async with self.slots:
+                attempt = await self.episode(task, group_id, group_size, number, retry_of)
             if attempt.outcome != "error":
                 return
             retry_of = attempt.session_id
 
-    async def episode(self, task: HarnessTask, group_id: str, number: int, retry_of: str | None) -> Attempt:
+    async def episode(
+        self, task: HarnessTask, group_id: str, group_size: int, number: int, retry_of: str | None
+    ) -> Attempt:
         """One attempt: never raises but for cancellation; its outcome says what happened."""
-        attempt = Attempt(task.task_id, group_id, number)
+        attempt = Attempt(task.task_id, group_id, group_size, number)
         self.stats.running += 1
         try:
             await self._episode(task, attempt, retry_of)
@@ -219,7 +228,7 @@ class Harness:
             "task": {"instruction": task.instruction},
             "task_id": task.task_id,
             "group_id": attempt.group_id,
-            "group_size": self.config.group_size,
+            "group_size": attempt.group_size,
             "agent": self.config.agent.name,
             "tags": tags,
             "untrained_models": list(self.config.agent.untrained_models),

@@ -28,7 +28,7 @@ import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -152,28 +152,42 @@ def jsonl_tasks(path: Path) -> Iterator[HarnessTask]:
     """The tasks of a JSONL file, one a line (blank lines skipped); a bad line is a ``ConfigError`` naming
     the file and the line."""
     for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            task = _JsonTask.model_validate(json.loads(line))
-        except (json.JSONDecodeError, ValidationError) as error:
-            why = describe_validation_error(error) if isinstance(error, ValidationError) else str(error)
-            raise ConfigError(f"task file {path}, line {number}: {why}") from None
-        for name in task.files:
-            if Path(name).is_absolute() or ".." in Path(name).parts:
-                raise ConfigError(
-                    f"task file {path}, line {number}: file {name!r} must stay in the workspace"
-                )
-        yield HarnessTask(
-            task_id=task.id,
-            instruction=task.instruction,
-            agent_timeout_s=task.agent_timeout_sec,
-            verifier_timeout_s=task.verifier_timeout_sec,
-            verifier_env=task.verifier_env,
-            allow_internet=False,
-            files=task.files,
-            verifier_command=task.verifier,
-        )
+        if line.strip():
+            try:
+                parsed = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"task file {path}, line {number}: {error}") from None
+            yield json_task(parsed, f"task file {path}, line {number}")
+
+
+def json_task(fields: object, where: str) -> HarnessTask:
+    """A task in the JSONL form (one line's object); a bad one is a ``ConfigError`` naming ``where``."""
+    try:
+        task = _JsonTask.model_validate(fields)
+    except ValidationError as error:
+        raise ConfigError(f"{where}: {describe_validation_error(error)}") from None
+    for name in task.files:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ConfigError(f"{where}: file {name!r} must stay in the workspace")
+    return HarnessTask(
+        task_id=task.id,
+        instruction=task.instruction,
+        agent_timeout_s=task.agent_timeout_sec,
+        verifier_timeout_s=task.verifier_timeout_sec,
+        verifier_env=task.verifier_env,
+        allow_internet=False,
+        files=task.files,
+        verifier_command=task.verifier,
+    )
+
+
+def queued_task(task: Mapping[str, Any], task_id: str) -> HarnessTask:
+    """A task from the TASKS queue (``turnstile submit --harness``): ``{"path": DIR}`` names a Harbor task
+    directory on the harness's machine; any other object is the JSONL form, its id the message's."""
+    if "path" in task:
+        return harbor_task(Path(str(task["path"])))
+    fields = {key: value for key, value in task.items() if key not in ("id", "task_id")}
+    return json_task({"id": task_id, **fields}, f"task {task_id!r}")
 
 
 def load_tasks(paths: list[Path]) -> list[HarnessTask]:

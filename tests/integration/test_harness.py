@@ -13,11 +13,16 @@ import signal
 import sys
 from pathlib import Path
 
+import nats
 import pytest
+from rich.console import Console
 
-from pipeline.harness import HarnessTask, backend, load_tasks, run_harness
+from consumers.harness import serve_harness
+from pipeline.harness import HarnessStats, HarnessTask, backend, load_tasks, run_harness
 from pipeline.harness.backends.process import sandboxes_root
 from pipeline.log import EventStore
+from pipeline.runners import TASKS_STREAM, TaskSpec, submit_tasks, task_subject
+from pipeline.settings import jetstream
 from schemas import EpisodeFinished, EpisodeStarted, RewardAssigned
 from tests.conftest import Servers
 from tests.support.agent_gateway import AgentGateway, agent_gateway, episode_events
@@ -169,3 +174,37 @@ def sleeping(tmp_path: Path) -> int:
         except OSError:
             continue
     return count
+
+
+async def test_serve_harness_runs_a_group_from_the_task_queue_and_acks_it(
+    sandbox: str, servers: Servers, database_url: str, store: EventStore, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    greeting = {"path": str(EXAMPLE_TASKS / "write-greeting")}
+    async with agent_gateway(servers.nats_url, database_url, tiny_model_dir, SCRIPT) as gateway:
+        connection = await nats.connect(servers.nats_url)
+        try:
+            await submit_tasks(
+                connection, gateway.policy, [TaskSpec(greeting, "write-greeting")], group_size=2, harness=True
+            )
+            stats, stop = HarnessStats(), asyncio.Event()
+            config = harness_config(gateway, tmp_path)
+            serving = asyncio.create_task(
+                serve_harness(config, sandbox, servers.nats_url, Console(stderr=True), stop=stop, stats=stats)
+            )
+            await wait_until(
+                lambda: len(stats.attempts) == 2 or serving.done(), 300, "the group's 2 episodes"
+            )
+            stop.set()
+            queue = await serving
+            assert queue is not None
+            assert (queue.tasks_done, queue.tasks_refused) == (1, 0)
+            subject = task_subject(gateway.policy, harness=True)
+            left = await jetstream(connection).stream_info(TASKS_STREAM, subjects_filter=subject)
+            assert not left.state.subjects, "acked: gone from the work queue"
+        finally:
+            await connection.drain()
+    assert {(a.outcome, a.reward, a.group_size) for a in stats.attempts} == {("passed", 1.0, 2)}
+    assert len({a.group_id for a in stats.attempts}) == 1
+    for attempt in stats.attempts:
+        assert attempt.session_id is not None
+        assert await ending(store, attempt.session_id) == ("done", None, [1.0])
