@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from pipeline.harness import HarnessConfig, agent_spec, backend, load_tasks, run_harness
+from pipeline.harness import HarnessConfig, agent_spec, backend, base_env, load_tasks, run_harness
 
 from common import REPO, consumer, note, scratch_database, servers, summary
 
@@ -76,8 +76,10 @@ async def gateway(database_url: str, nats_url: str, policy: str, admin_key: str)
 async def bare_episode(admin: httpx.AsyncClient, url: str, home: Path) -> None:
     """The baseline: a session, the agent, the verifier, the reward, the end, by hand."""
     session = (await admin.post("/admin/sessions", json={"task_id": "bench", "agent": "bare"})).json()
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "OPENAI_BASE_URL": f"{url}/v1"}
-    env["OPENAI_API_KEY"] = session["api_key"]
+    env = base_env(
+        str(home), "127.0.0.1"
+    )  # what the harness gives an agent, so that only the harness differs
+    env |= {"OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": session["api_key"]}
     with tempfile.TemporaryDirectory() as work:
         agent = await asyncio.create_subprocess_exec(
             *AGENT, "Say ok.", cwd=work, env=env, stdout=asyncio.subprocess.DEVNULL

@@ -1,7 +1,7 @@
 """The harness: agent CLIs run per task in sandboxes, verified, with the reward posted to the gateway."""
 
 from pipeline.harness.admin import AdminClient, GatewayUnavailable, Journal
-from pipeline.harness.agents import AGENTS, DEFAULT_CLIS, AgentSpec, agent_spec
+from pipeline.harness.agents import AGENTS, DEFAULT_CLIS, AgentSpec, agent_spec, base_env
 from pipeline.harness.backends import BACKENDS, backend
 from pipeline.harness.report import Attempt, HarnessStats
 from pipeline.harness.run import Harness, HarnessConfig, Recovered, run_harness
@@ -29,6 +29,7 @@ __all__ = [
     "SandboxSpec",
     "agent_spec",
     "backend",
+    "base_env",
     "harbor_task",
     "jsonl_tasks",
     "load_tasks",
