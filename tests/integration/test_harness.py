@@ -164,6 +164,44 @@ async def test_a_harness_killed_mid_run_leaves_nothing_after_the_next_run(
         assert "'killed' that ran it stopped" in (error or "")
 
 
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+async def test_ctrl_c_or_sigterm_ends_open_sessions_cancelled_and_stops_every_sandbox(
+    sandbox: str,
+    stop: signal.Signals,
+    servers: Servers,
+    database_url: str,
+    store: EventStore,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    waiting = tmp_path / "waiting.jsonl"
+    waiting.write_text(
+        json.dumps({"id": "wait", "instruction": "Wait a long time.", "verifier": "true"}) + "\n"
+    )
+    async with agent_gateway(servers.nats_url, database_url, tiny_model_dir, SCRIPT) as gateway:
+        env = os.environ | {"TURNSTILE_ADMIN_KEY": admin_key(gateway), "TMPDIR": str(tmp_path)}
+        env["TURNSTILE_DATA_DIR"] = str(tmp_path / "data")
+        command = [
+            sys.executable, "-m", "consumers.cli", "harness", "run", "--agent", "command",
+            "--agent-command", SHELL_AGENT, "--sandbox", sandbox, "--gateway", gateway.url,
+            "--policy", gateway.policy, "--owner", "stopped", "--group-size", "2", str(waiting),
+        ]  # fmt: skip
+        async with running(*command, env=env, stderr=asyncio.subprocess.PIPE) as harness:
+            await wait_until(lambda: sleeping(tmp_path) == 2, 120, "the agents' commands running")
+            sessions = [s["session_id"] for s in await open_sessions(gateway)]  # type: ignore[index]
+            harness.send_signal(stop)
+            _, stderr = await asyncio.wait_for(harness.communicate(), 120)
+        assert harness.returncode == 130, stderr.decode()
+        assert owned_sandboxes("stopped", tmp_path) == []
+        assert sleeping(tmp_path) == 0
+        assert await open_sessions(gateway) == []
+    assert len(sessions) == 2
+    for session_id in sessions:
+        termination, error, rewards = await ending(store, session_id)
+        assert (termination, rewards) == ("cancelled", [])
+        assert "the harness was stopped" in (error or "")
+
+
 def sleeping(tmp_path: Path) -> int:
     """How many ``sleep 600`` run with a working directory under ``tmp_path`` (the agents' commands)."""
     count = 0
