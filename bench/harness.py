@@ -82,9 +82,11 @@ async def bare_episode(admin: httpx.AsyncClient, url: str, home: Path) -> None:
     env |= {"OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": session["api_key"]}
     with tempfile.TemporaryDirectory() as work:
         agent = await asyncio.create_subprocess_exec(
-            *AGENT, "Say ok.", cwd=work, env=env, stdout=asyncio.subprocess.DEVNULL
-        )
-        assert await agent.wait() == 0
+            *AGENT, "Say ok.", cwd=work, env=env, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        output, _ = await agent.communicate()
+        assert agent.returncode == 0, output.decode()
         verifier = await asyncio.create_subprocess_exec("true", cwd=work, env={})
         reward = 1.0 if await verifier.wait() == 0 else 0.0
     await admin.post(f"/admin/sessions/{session['session_id']}/reward", json={"value": reward})
