@@ -1,8 +1,8 @@
 """The ``turnstile`` command: the composition root, one module per command group.
 
 ``servers`` (up, migrate, export-schemas, model init-tiny / init-long), ``runs`` (run, submit, demo),
-``serve`` (the services), ``data`` (rematerialize, sql, replay, episodes, plot, ui); shared option types are
-in ``common``.
+``serve`` (the services), ``harness`` (harness run), ``data`` (rematerialize, sql, replay, episodes, plot,
+ui); shared option types are in ``common``.
 A command imports the services and library pieces it runs when it runs: importing all of them takes seconds,
 which ``turnstile --help`` and every quick command would otherwise pay.
 """
@@ -12,13 +12,14 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
-from consumers.cli import data, logins, runs, serve, servers
+from consumers.cli import data, harness, logins, runs, serve, servers
 from consumers.cli.common import Typer, console
 from pipeline.errors import TurnstileError
 
 app = Typer(help="Turnstile: collect RL rollouts from LLM agents.", no_args_is_help=True)
 serve_app = Typer(help="Run a Turnstile service.", no_args_is_help=True)
 model_app = Typer(help="Model directories.", no_args_is_help=True)
+harness_app = Typer(help="Agent CLIs per task in sandboxes, verified.", no_args_is_help=True)
 
 app.command()(servers.up)
 app.command()(servers.migrate)
@@ -42,6 +43,10 @@ serve_app.command("materializer")(serve.materializer)
 serve_app.command("relay")(serve.relay)
 serve_app.command("trainer")(serve.trainer)
 serve_app.command("gateway")(serve.gateway)
+serve_app.command("harness")(harness.serve)
+
+app.add_typer(harness_app, name="harness")
+harness_app.command("run")(harness.run)
 
 app.add_typer(model_app, name="model")
 model_app.command("init-tiny")(servers.init_tiny_model)

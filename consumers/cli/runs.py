@@ -92,13 +92,20 @@ def submit(
     tasks: Path = typer.Argument(..., help="a JSONL file, one task object per line"),
     policy: str = typer.Option(..., help="tasks go to the work queue subject tasks.<policy>"),
     group_size: int = typer.Option(1, help="episodes per task"),
+    harness: bool = typer.Option(
+        False,
+        "--harness",
+        help="for `turnstile serve harness` (tasks.harness.<policy>): each line the harness's JSONL form, or "
+        '{"id": ..., "path": "<a Harbor task directory on the harness machines>"}',
+    ),
     connect_timeout: ConnectTimeout = 0.0,
 ) -> None:
-    """Put every task of a file on the JetStream work queue TASKS for `turnstile serve runner`."""
+    """Put every task of a file on the JetStream work queue TASKS for `turnstile serve runner` (or, with
+    --harness, `turnstile serve harness`)."""
     import asyncio
 
     from consumers.runtime import connect_nats
-    from pipeline.runners import TaskLineError, TaskSpec, read_tasks, submit_tasks
+    from pipeline.runners import TaskLineError, TaskSpec, read_tasks, submit_tasks, task_subject
 
     if group_size < 1:
         raise ConfigError(f"--group-size must be at least 1, got {group_size}")
@@ -116,11 +123,12 @@ def submit(
         connection = await connect_nats(Settings().require_nats_url(), connect_for=connect_timeout)
         assert connection is not None  # None only when a stop event is given
         try:
-            return len(await submit_tasks(connection, policy, specs, group_size=group_size))
+            return len(await submit_tasks(connection, policy, specs, group_size=group_size, harness=harness))
         finally:
             await connection.drain()
 
-    console.print(f"submitted {asyncio.run(send())} tasks to tasks.{policy} (group size {group_size})")
+    subject = task_subject(policy, harness=harness)
+    console.print(f"submitted {asyncio.run(send())} tasks to {subject} (group size {group_size})")
 
 
 def demo(

@@ -529,6 +529,9 @@ def describe(entry: SessionEntry) -> dict[str, Any]:
         "session_id": entry.session_id,
         "policy": session.policy,
         "turns": len(session.turns),
+        # what the harness's summary counts; a turn's whole prompt is its parent's ids plus the ones it adds
+        "prompt_tokens": sum(turn.prefix_tokens + len(turn.added_prompt_ids) for turn in session.turns),
+        "completion_tokens": sum(len(turn.completion_token_ids) for turn in session.turns),
         "last_turn_id": str(session.turns[-1].turn_id) if session.turns else None,
         "reward": sum(rewards) if rewards else None,
         "open": True,

@@ -36,8 +36,10 @@ TASKS_STREAM: Final = "TASKS"
 ACK_ATTEMPTS: Final = 5
 
 
-def task_subject(policy: str) -> str:
-    return f"tasks.{policy}"
+def task_subject(policy: str, *, harness: bool = False) -> str:
+    """``tasks.<policy>`` for runners; ``tasks.harness.<policy>`` for harnesses (a work queue lets no two
+    consumers' subjects overlap, and a harness task is another kind: a task directory or a verifier)."""
+    return f"tasks.harness.{policy}" if harness else f"tasks.{policy}"
 
 
 def runner_durable(policy: str) -> str:
@@ -68,16 +70,22 @@ async def ensure_tasks_stream(connection: NatsConnection, *, replicas: int = 1) 
 
 
 async def submit_tasks(
-    connection: NatsConnection, policy: str, tasks: Iterable[TaskSpec], *, group_size: int = 1
+    connection: NatsConnection,
+    policy: str,
+    tasks: Iterable[TaskSpec],
+    *,
+    group_size: int = 1,
+    harness: bool = False,
 ) -> list[TaskSubmitted]:
-    """Publish each task and wait for JetStream to store it; the messages sent."""
+    """Publish each task (for runners, or for harnesses) and wait for JetStream to store it; the messages
+    sent."""
     await ensure_tasks_stream(connection)
     js = jetstream(connection)
     sent = []
     for spec in tasks:
         message = TaskSubmitted(policy=policy, task=spec.task, task_id=spec.task_id, group_size=group_size)
         await js.publish(
-            task_subject(policy),
+            task_subject(policy, harness=harness),
             message.model_dump_json().encode(),
             headers={"Nats-Msg-Id": str(message.submission_id)},
         )

@@ -1,0 +1,181 @@
+"""``turnstile harness run`` and ``turnstile serve harness``: the harness (pipeline/harness) over tasks from
+files or from the TASKS work queue, with live progress; Ctrl-C and SIGTERM end open sessions ``cancelled``
+and stop every sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NatsConnection
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import ConsumerConfig
+from pydantic import ValidationError
+from rich.console import Console
+
+from consumers.runtime import connect_nats, running, stop_on_signals
+from pipeline.errors import ConfigError
+from pipeline.harness import (
+    AdminClient,
+    Harness,
+    HarnessConfig,
+    HarnessStats,
+    HarnessTask,
+    Recovered,
+    backend,
+    queued_task,
+    run_harness,
+)
+from pipeline.runners import TASKS_STREAM, ensure_tasks_stream, live_progress, task_subject
+from pipeline.settings import jetstream
+from schemas import IGNORE, TOLERANT, TaskSubmitted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HarnessResult:
+    stats: HarnessStats
+    cancelled: bool = False
+
+
+async def harness_run(
+    config: HarnessConfig, tasks: list[HarnessTask], sandbox: str, console: Console
+) -> HarnessResult:
+    """Run every task x group size under ``sandbox``; stopped by a signal, it returns ``cancelled``."""
+    stats = HarnessStats()
+    result = HarnessResult(stats)
+
+    def announce(_: object, recovered: Recovered) -> None:
+        if recovered.sandboxes or recovered.sessions:
+            console.print(
+                f"removed {recovered.sandboxes} sandboxes and ended {recovered.sessions} sessions (aborted) "
+                f"left by a stopped harness of owner {config.owner!r}"
+            )
+        console.print(
+            f"harness {config.owner!r}: {len(tasks)} tasks x {config.group_size}, "
+            f"agent {config.agent.name!r}, "
+            f"sandbox {sandbox!r}, {config.concurrency} at a time, gateway {config.gateway}"
+        )
+
+    work = asyncio.create_task(run_harness(config, tasks, backend(sandbox), stats=stats, on_start=announce))
+    with stop_on_signals(work.cancel):
+        async with live_progress(console, stats.table, stats.line):
+            try:
+                await work
+            except asyncio.CancelledError:
+                result.cancelled = True
+    return result
+
+
+class HarnessQueue:
+    """``turnstile serve harness``: groups from ``tasks.harness.<policy>`` (``turnstile submit --harness``),
+    ``concurrency`` episodes at a time on this machine, any number of machines. A task is acked once its
+    group's episodes all ended; while it runs the server is told so (``in_progress``) every third of
+    ``ack_wait``; a harness that dies stops doing that, and the task goes to another harness after
+    ``ack_wait``, which runs the whole group again as a new group (the dead one's episodes are ended
+    ``aborted`` by the next start of its owner)."""
+
+    def __init__(self, harness: Harness, connection: NatsConnection, *, ack_wait: float = 60.0) -> None:
+        self.harness = harness
+        self.connection = connection
+        self.ack_wait = ack_wait
+        self.tasks_done = 0
+        self.tasks_refused = 0
+        self._working: set[asyncio.Task[None]] = set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        policy = self.harness.config.policy or ""
+        await ensure_tasks_stream(self.connection)
+        subscription = await jetstream(self.connection).pull_subscribe(
+            task_subject(policy, harness=True),
+            durable="harness-" + re.sub(r"[^A-Za-z0-9_-]", "_", policy),
+            stream=TASKS_STREAM,
+            config=ConsumerConfig(ack_wait=self.ack_wait, max_deliver=20, max_ack_pending=-1),
+        )
+        try:
+            while not stop.is_set():
+                if len(self._working) >= self.harness.config.concurrency:  # one group per slot at most
+                    await asyncio.wait(self._working, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    messages = await subscription.fetch(1, timeout=1.0)
+                except (NatsTimeoutError, TimeoutError):
+                    continue
+                for message in messages:
+                    work = asyncio.create_task(self._work(message))
+                    self._working.add(work)
+                    work.add_done_callback(self._working.discard)
+        finally:
+            for work in self._working:
+                work.cancel()  # its episodes end cancelled; unacked, the task comes back to another harness
+            await asyncio.gather(*self._working, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+
+    async def _work(self, message: Msg) -> None:
+        try:
+            submitted = TaskSubmitted.model_validate_json(message.data, context=TOLERANT, extra=IGNORE)
+            task = queued_task(submitted.task, submitted.task_id)
+        except (ValidationError, ConfigError) as error:
+            self.tasks_refused += 1
+            log.error("refused a task on %s: %s; it is dropped", message.subject, error)
+            await message.term()
+            return
+        keepalive = asyncio.create_task(self._keep_alive(message))
+        try:
+            await self.harness.run_group(task, submitted.group_size)
+        finally:
+            keepalive.cancel()
+        await message.ack_sync(timeout=10.0)
+        self.tasks_done += 1
+
+    async def _keep_alive(self, message: Msg) -> None:
+        while True:
+            await asyncio.sleep(self.ack_wait / 3)
+            with contextlib.suppress(Exception):  # a lost one only risks an early redelivery
+                await message.in_progress()
+
+
+async def serve_harness(
+    config: HarnessConfig,
+    sandbox: str,
+    nats_url: str,
+    console: Console,
+    *,
+    stop: asyncio.Event | None = None,
+    ack_wait: float = 60.0,
+    stats: HarnessStats | None = None,
+) -> HarnessQueue | None:
+    """Take harness tasks from the queue until stopped (SIGINT, SIGTERM or ``stop``); the owner's lock and
+    clean-up as for ``turnstile harness run``."""
+    config.check()
+    admin = AdminClient(config.gateway, config.admin_key)
+    harness = Harness(config, backend(sandbox), admin, stats)
+    harness.journal.acquire(config.owner)
+    try:
+        async with running("harness", stop=stop) as runtime:
+            recovered = await harness.recover()
+            subject = task_subject(config.policy or "", harness=True)
+            console.print(
+                f"harness {config.owner!r} taking tasks from {subject} "
+                f"({config.concurrency} episodes at most, sandbox {sandbox!r}); cleaned up "
+                f"{recovered.sandboxes} sandboxes and {recovered.sessions} sessions of a stopped harness"
+            )
+            connection = await connect_nats(nats_url, stop=runtime.stop)
+            if connection is None:  # stopped before NATS answered
+                return None
+            queue = HarnessQueue(harness, connection, ack_wait=ack_wait)
+            try:
+                async with live_progress(console, harness.stats.table, harness.stats.line, every=10.0):
+                    await queue.run(runtime.stop)
+            finally:
+                await connection.drain()
+            return queue
+    finally:
+        harness.journal.release()
+        await admin.close()

@@ -1,0 +1,43 @@
+"""What the harness tests share: the sandbox backends they run under, the scripted policy the command agent
+meets, and a harness config pointed at a test's gateway."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.harness import HarnessConfig, agent_spec
+from tests.support.agent_gateway import AgentGateway
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+EXAMPLE_TASKS = REPOSITORY / "examples" / "harness-tasks"
+SCRIPT = Path(__file__).resolve().parent / "harness.script.json"
+"""The scripted policy: run_shell writes greeting.txt when asked for it, sleeps when asked to wait, does
+something useless otherwise, and answers "Done." after a tool result."""
+SHELL_AGENT = f"{sys.executable} {REPOSITORY / 'examples' / 'harness_shell_agent.py'}"
+SANDBOXES = os.environ.get("TURNSTILE_HARNESS_SANDBOXES", "none").split(",")
+"""The backends the harness tests run under: ``none`` here; CI adds ``bwrap``
+(``TURNSTILE_HARNESS_SANDBOXES=none,bwrap``)."""
+
+
+def admin_key(gateway: AgentGateway) -> str:
+    return str(gateway.admin.headers["Authorization"]).removeprefix("Bearer ")
+
+
+def harness_config(gateway: AgentGateway, state_dir: Path, **settings: Any) -> HarnessConfig:
+    """The command agent (examples/harness_shell_agent.py, unless ``agent`` is given) against ``gateway``, an
+    owner of its own."""
+    options: dict[str, Any] = {
+        "owner": f"test-{os.getpid()}-{state_dir.name}",
+        "concurrency": 2,
+        "agent": agent_spec("command", SHELL_AGENT),
+    } | settings
+    return HarnessConfig(
+        gateway=gateway.url,
+        admin_key=admin_key(gateway),
+        state_dir=state_dir,
+        policy=gateway.policy,
+        **options,
+    )
