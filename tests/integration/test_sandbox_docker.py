@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from pipeline.harness.backends.docker import HOSTROOT_IMAGE, DockerBackend, hostroot_image
+from pipeline.harness.backends.hostroot import real_folders as host_mounts
 from pipeline.harness.sandbox import SandboxSpec
 from tests.conftest import Servers
 from tests.support.agent_gateway import gateway_process
-from tests.support.docker_images import host_mounts
 from tests.support.sandboxes import SandboxContract, started
 
 pytestmark = pytest.mark.docker

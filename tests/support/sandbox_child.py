@@ -22,7 +22,7 @@ def backend_and_spec(
 
         return BubblewrapBackend(Path(where)), SandboxSpec(workspace=workspace, gateway=gateway, owner=owner)
     from pipeline.harness.backends.docker import DockerBackend
-    from tests.support.docker_images import host_mounts
+    from pipeline.harness.backends.hostroot import real_folders as host_mounts
 
     spec = SandboxSpec(workspace=workspace, gateway=gateway, owner=owner, image=where, mounts=host_mounts())
     return DockerBackend(), spec

@@ -120,16 +120,13 @@ class BubblewrapSandbox:
         return self.directory / "run"
 
     async def open(self) -> None:
-        """Lay out the host directory, listen for the gateway, and start one command to prove it works."""
+        """Lay out the host directory and listen for the gateway."""
         for folder in STATE_FOLDERS:
             (self.directory / "root" / folder).mkdir(parents=True)
         forwarder.install(self.socket_dir)
         if not self.spec.allow_internet:
-            socket_path = str(self.socket_dir / "gateway.sock")
+            socket_path = str(self.socket_dir / forwarder.SOCKET)
             self.server = await forwarder.serve_gateway_socket(socket_path, self.host, self.port)
-        probe = await self.exec(["true"], env={}, limit_s=60)
-        if probe.exit_code != 0:
-            raise SandboxError(f"bubblewrap: the sandbox's first command failed: {probe.output.strip()}")
 
     def _binds(self) -> list[str]:
         args = [*_system_binds(), "--proc", "/proc", "--dev", "/dev"]
@@ -149,12 +146,11 @@ class BubblewrapSandbox:
     ) -> list[str]:
         """bwrap's command line; the environment goes through ``fds[0]`` (``--args``), not the command line,
         where every user of the host could read the session's key."""
-        keys = ",".join({"HOME": "", "PATH": "", **env})
         network = ["--share-net"] if self.spec.allow_internet else []
         command = list(argv)
         if not self.spec.allow_internet:
-            forward = [f"{RUN}/forwarder.py", str(self.port), f"{RUN}/gateway.sock", keys, "--"]
-            command = [hostroot.interpreter(), "-I", "-S", *forward, *argv]
+            keys = list({"HOME": "", "PATH": "", **env})
+            command = forwarder.inside_command(hostroot.interpreter(), RUN, self.port, keys, command)
         return [
             *self.limits,
             "bwrap", "--unshare-all", *network, "--die-with-parent", "--new-session",
@@ -249,6 +245,16 @@ class BubblewrapBackend:
 
     def __init__(self, root: Path | None = None) -> None:
         self.root = root or hostdirs.default_root()
+        self.proven = False
+
+    async def _prove(self, sandbox: BubblewrapSandbox) -> None:
+        """One command in the backend's first sandbox: where bwrap cannot work at all (no user namespaces,
+        a seccomp policy), the first start says so rather than the first agent. Not repeated per sandbox: a
+        second bwrap would double every start; a later failure is still a ``SandboxError`` from ``exec``."""
+        probe = await sandbox.exec(["true"], env={}, limit_s=60)
+        if probe.exit_code != 0:
+            raise SandboxError(f"bubblewrap: the sandbox's first command failed: {probe.output.strip()}")
+        self.proven = True
 
     async def start(self, spec: SandboxSpec) -> BubblewrapSandbox:
         if shutil.which("bwrap") is None:
@@ -260,6 +266,8 @@ class BubblewrapBackend:
         sandbox = BubblewrapSandbox(spec, directory, await _limits_prefix(spec))
         try:
             await sandbox.open()
+            if not self.proven:
+                await self._prove(sandbox)
         except BaseException:
             await sandbox.stop()
             raise

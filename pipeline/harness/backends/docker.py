@@ -90,13 +90,6 @@ async def hostroot_image() -> str:
     return HOSTROOT_IMAGE
 
 
-def hostroot_mounts() -> list[str]:
-    """``-v`` options that bind the host's real system folders read-only (the symlinks are in the image)."""
-    return [
-        arg for path, target in hostroot.system_layout() if not target for arg in ("-v", f"{path}:{path}:ro")
-    ]
-
-
 async def image_for(spec: SandboxSpec) -> str:
     """The spec's image, or one built from its environment's Dockerfile (tagged by the folder's content, so a
     task's image is built once)."""
@@ -145,13 +138,14 @@ class DockerSandbox:
 
     async def create(self, image: str) -> None:
         """The network container, then the sandbox container in its network namespace."""
-        keys = "PATH"
-        forward = [hostroot.interpreter(), "-I", "-S", f"{RUN}/forwarder.py", str(self.port),
-                   f"{RUN}/gateway.sock", keys, "--", "sleep", "infinity"]  # fmt: skip
+        forward = forwarder.inside_command(
+            hostroot.interpreter(), RUN, self.port, ["PATH"], ["sleep", "infinity"]
+        )
+        system = [arg for path in hostroot.real_folders() for arg in ("-v", f"{path}:{path}:ro")]
         network = "bridge" if self.spec.allow_internet else "none"
         await docker(
             "run", "-d", "--name", f"{self.name}-net", *self.labels("network"), "--network", network,
-            "-e", "PATH=/usr/bin:/bin", *hostroot_mounts(), "-v", f"{self.directory / 'run'}:{RUN}:ro",
+            "-e", "PATH=/usr/bin:/bin", *system, "-v", f"{self.directory / 'run'}:{RUN}:ro",
             await hostroot_image(), *forward,
         )  # fmt: skip
         limits = []
@@ -188,10 +182,9 @@ class DockerSandbox:
     async def copy_in(self, source: Path, target: str) -> None:
         """A tar of ``source`` named by ``target``'s path from /, so that docker makes the missing folders."""
         inside = posixpath.normpath(posixpath.join(WORKDIR, target))
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w") as tar:
-            tar.add(source, arcname=inside.lstrip("/"))
-        await docker("cp", "-", f"{self.name}:/", stdin=buffer.getvalue())
+        await docker(
+            "cp", "-", f"{self.name}:/", stdin=await asyncio.to_thread(hostdirs.tar_as, source, inside)
+        )
 
     async def copy_out(self, source: str, target: Path) -> None:
         inside = posixpath.normpath(posixpath.join(WORKDIR, source))
@@ -201,7 +194,7 @@ class DockerSandbox:
             if "Could not find the file" in str(error) or "No such container:path" in str(error):
                 raise FileNotFoundError(f"{source} does not exist inside the sandbox") from error
             raise
-        await asyncio.to_thread(_extract, data, target)
+        await asyncio.to_thread(hostdirs.extract_as, data, target)
 
     async def stop(self) -> None:
         if self.stopped:
@@ -212,17 +205,6 @@ class DockerSandbox:
         with contextlib.suppress(SandboxError):
             await docker("rm", "-f", "-v", self.name, f"{self.name}-net")
         await asyncio.to_thread(hostdirs.remove_sandbox_dir, self.directory)
-
-
-def _extract(data: bytes, target: Path) -> None:
-    """``docker cp``'s tar (one top-level entry) extracted as ``target``; links and paths kept inside it."""
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        members = tar.getmembers()
-        top = members[0].name.split("/", 1)[0]
-        for member in members:
-            member.name = posixpath.join(target.name, member.name[len(top) :].lstrip("/"))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tar.extractall(target.parent, members=members, filter="data")
 
 
 class DockerBackend:
@@ -242,7 +224,7 @@ class DockerBackend:
         directory = hostdirs.make_sandbox_dir(self.root, spec.owner)
         forwarder.install(directory / "run")
         server = await forwarder.serve_gateway_socket(
-            str(directory / "run" / "gateway.sock"), host.strip("[]"), int(port)
+            str(directory / "run" / forwarder.SOCKET), host.strip("[]"), int(port)
         )
         sandbox = DockerSandbox(spec, directory, int(port), server)
         try:

@@ -10,10 +10,13 @@ running from them.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import posixpath
 import shutil
 import signal
+import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,3 +125,24 @@ def sweep_dirs(root: Path, owner: str) -> int:
         remove_sandbox_dir(directory)
         removed += 1
     return removed
+
+
+def tar_as(source: Path, inside: str) -> bytes:
+    """A tar of ``source`` whose entries are named by the absolute path ``inside``, for extraction at / (the
+    missing folders above it are made)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        tar.add(source, arcname=inside.lstrip("/"))
+    return buffer.getvalue()
+
+
+def extract_as(data: bytes, target: Path) -> None:
+    """A tar with one top-level entry (what ``docker cp`` and ``tar -C parent name`` give) extracted as
+    ``target``; the ``data`` filter keeps links and paths inside it."""
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        members = tar.getmembers()
+        top = members[0].name.split("/", 1)[0]
+        for member in members:
+            member.name = posixpath.join(target.name, member.name[len(top) :].lstrip("/"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tar.extractall(target.parent, members=members, filter="data")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
@@ -23,6 +24,12 @@ def system_layout() -> list[tuple[str, str | None]]:
     if not any(prefix == p or prefix.startswith(p + "/") for p in SYSTEM):
         layout.append((prefix, None))
     return layout
+
+
+def real_folders() -> dict[Path, str]:
+    """The system folders that are folders, not symlinks, each at its own path: the mounts that make the
+    host's programs run in an otherwise empty image (Docker's ``turnstile-hostroot``)."""
+    return {Path(path): path for path, target in system_layout() if not target}
 
 
 def interpreter() -> str:
