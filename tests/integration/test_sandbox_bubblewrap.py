@@ -88,3 +88,25 @@ async def test_the_sandbox_directory_is_gone_after_stop(
     await sandbox.stop()
     assert os.listdir(sandbox_root) == []
     assert os.listdir(tmp_path) == []  # the workspace is the harness's, not the sandbox's
+
+
+async def test_the_python_forwarder_serves_the_gateway_where_socat_is_missing(
+    sandbox_root: Path, tmp_path: Path, gateway: str
+) -> None:
+    """The contract above runs with socat inside where it is installed; this is the fallback's check."""
+    backend = BubblewrapBackend(sandbox_root, socat=False)
+    async with host_listener() as port, started(backend, SandboxSpec(tmp_path, gateway, "python")) as sandbox:
+        result = await sandbox.exec(
+            ["python3", "-c", PROBE, sandbox.gateway_url, f"127.0.0.1:{port}"],
+            env={"ONLY": "this"},
+            limit_s=120,
+        )
+        listed = await sandbox.exec(["env"], env={"ONLY": "this"}, limit_s=120)
+    assert result.exit_code == 0, result.output
+    assert "gateway 200" in result.output
+    assert f"unreachable 127.0.0.1:{port}" in result.output
+    assert sorted(listed.output.split()) == [
+        "HOME=/home/sandbox",
+        "ONLY=this",
+        "PATH=/usr/local/bin:/usr/bin:/bin",
+    ]

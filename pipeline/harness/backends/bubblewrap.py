@@ -9,9 +9,10 @@ Each command runs in a fresh ``bwrap`` with the same binds, so the sandbox's sta
 - every namespace unshared (pid, ipc, uts, cgroup, user, net), ``--die-with-parent``, ``--new-session``.
 
 Network: with ``allow_internet`` false the sandbox has only its own loopback. The gateway answers there at
-``127.0.0.1:<gateway port>`` through ``forwarder.py`` (see there); nothing else on the host or outside is
-reachable. With ``allow_internet`` the sandbox shares the host's network (and so also the host's loopback
-services: PostgreSQL, NATS) and reaches the gateway at its own address.
+``127.0.0.1:<gateway port>`` through ``forwarder`` (see there: Debian's socat inside where installed,
+else a Python script); nothing else on the host or outside is reachable. With ``allow_internet`` the
+sandbox shares the host's network (and so also the host's loopback services: PostgreSQL, NATS) and
+reaches the gateway at its own address.
 
 Time limit: SIGKILL to the outer ``bwrap`` ends the sandbox's pid namespace (``--die-with-parent`` kills its
 init, and the kernel every process under it). Memory and CPUs: ``systemd-run --user --scope`` where a user
@@ -98,8 +99,9 @@ def _split_gateway(gateway: str) -> tuple[str, int]:
 class BubblewrapSandbox:
     """One started sandbox: its host directory, its gateway socket, the commands running in it."""
 
-    def __init__(self, spec: SandboxSpec, directory: Path, limits: list[str]) -> None:
+    def __init__(self, spec: SandboxSpec, directory: Path, limits: list[str], socat: bool) -> None:
         self.spec = spec
+        self.socat = socat
         self.directory = directory
         self.limits = limits
         self.host, self.port = _split_gateway(spec.gateway)
@@ -148,7 +150,9 @@ class BubblewrapSandbox:
         where every user of the host could read the session's key."""
         network = ["--share-net"] if self.spec.allow_internet else []
         command = list(argv)
-        if not self.spec.allow_internet:
+        if not self.spec.allow_internet and self.socat:
+            command = forwarder.socat_command(RUN, self.port, command)
+        elif not self.spec.allow_internet:
             keys = list({"HOME": "", "PATH": "", **env})
             command = forwarder.inside_command(hostroot.interpreter(), RUN, self.port, keys, command)
         return [
@@ -243,8 +247,11 @@ class BubblewrapBackend:
 
     name = "bubblewrap"
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, *, socat: bool | None = None) -> None:
+        """``socat``: the inside forwarder is Debian's socat (True), the Python script (False), or socat
+        where it is installed (None)."""
         self.root = root or hostdirs.default_root()
+        self.socat = shutil.which("socat") is not None if socat is None else socat
         self.proven = False
 
     async def _prove(self, sandbox: BubblewrapSandbox) -> None:
@@ -263,7 +270,7 @@ class BubblewrapBackend:
             )
         hostdirs.check_sources(self.name, [spec.workspace, *spec.mounts])
         directory = hostdirs.make_sandbox_dir(self.root, spec.owner)
-        sandbox = BubblewrapSandbox(spec, directory, await _limits_prefix(spec))
+        sandbox = BubblewrapSandbox(spec, directory, await _limits_prefix(spec), self.socat)
         try:
             await sandbox.open()
             if not self.proven:

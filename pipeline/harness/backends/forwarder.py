@@ -62,7 +62,7 @@ def install(directory: Path) -> None:
 
 
 def inside_command(interpreter: str, run: str, port: int, keys: list[str], argv: list[str]) -> list[str]:
-    """``argv`` wrapped in the inside forwarder, with the directory bound at ``run`` inside."""
+    """``argv`` wrapped in the inside forwarder (on the host's Python), the directory bound at ``run``."""
     return [
         interpreter,
         "-I",
@@ -74,3 +74,17 @@ def inside_command(interpreter: str, run: str, port: int, keys: list[str], argv:
         "--",
         *argv,
     ]
+
+
+def socat_command(run: str, port: int, argv: list[str]) -> list[str]:
+    """``argv`` behind Debian's ``socat`` as the inside forwarder: a C program starts in a fraction of
+    Python's time (docs/sandboxes.md). ``sh`` starts it, waits until the port listens (its line in
+    ``/proc/net/tcp``, state 0A) and becomes ``argv``, so the environment stays exactly the caller's (a
+    command that starts at once may connect at once)."""
+    listen = f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr"
+    ready = (  # sh's own read: no process started per look
+        f'ready() {{ while read -r _ a _ s _; do [ "$a $s" = "0100007F:{port:04X} 0A" ] && return 0; done'
+        " < /proc/net/tcp; return 1; }"
+    )
+    script = f'{ready}; socat {listen} UNIX-CONNECT:{run}/{SOCKET} & until ready; do :; done; exec "$@"'
+    return ["sh", "-c", script, "sh", *argv]
