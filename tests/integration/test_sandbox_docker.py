@@ -82,3 +82,21 @@ async def test_the_image_is_built_from_the_tasks_dockerfile(
     async with started(backend, spec) as sandbox:
         result = await sandbox.exec(["cat", "/opt/task/hello.txt"], env={}, limit_s=120)
     assert result.output == "built from the task's Dockerfile\n"
+
+
+async def test_memory_and_cpus_are_the_containers_limits(
+    backend: DockerBackend, tmp_path: Path, gateway: str
+) -> None:
+    spec = SandboxSpec(
+        workspace=tmp_path, gateway=gateway, owner="limits", image=HOSTROOT_IMAGE, mounts=host_mounts(),
+        memory_mib=256, cpus=0.5,
+    )  # fmt: skip
+    async with started(backend, spec) as sandbox:
+        memory = (
+            "cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes"
+        )
+        cpu = "cut -d' ' -f1 /sys/fs/cgroup/cpu.max 2>/dev/null || cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us"
+        result = await sandbox.exec(["sh", "-c", f"{memory}; {cpu}"], env={}, limit_s=120)
+    memory_bytes, quota_us = result.output.split()  # cgroup v2 or v1: the CPU quota per 100 ms period
+    assert int(memory_bytes) == 256 * 1024 * 1024, result.output
+    assert int(quota_us) == 50_000, result.output
