@@ -95,17 +95,24 @@ async def image_for(spec: SandboxSpec) -> str:
     task's image is built once)."""
     if spec.image:
         return spec.image
-    if spec.environment is None or not (spec.environment / "Dockerfile").is_file():
+    if spec.environment is None:
         raise SandboxError("docker: the task has neither an image nor an environment/Dockerfile")
-    digest = hashlib.sha256()
-    for path in sorted(p for p in spec.environment.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(spec.environment)).encode() + b"\0" + path.read_bytes())
-    tag = f"turnstile-env:{digest.hexdigest()[:16]}"
+    tag = f"turnstile-env:{await asyncio.to_thread(_content_digest, spec.environment)}"
     with contextlib.suppress(SandboxError):
         await docker("image", "inspect", tag)
         return tag
     await docker("build", "-q", "-t", tag, str(spec.environment))
     return tag
+
+
+def _content_digest(environment: Path) -> str:
+    """16 hex digits of the folder's file names and contents: a changed Dockerfile or file, a new image."""
+    if not (environment / "Dockerfile").is_file():
+        raise SandboxError(f"docker: {environment} has no Dockerfile (and the task no image)")
+    digest = hashlib.sha256()
+    for path in sorted(p for p in environment.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(environment)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 class DockerSandbox:
