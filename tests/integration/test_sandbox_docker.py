@@ -60,8 +60,8 @@ def spec_for() -> Any:
 
 
 @pytest.fixture
-def child_args() -> list[str]:
-    return ["docker", HOSTROOT_IMAGE]
+def child_args(sandbox_root: Path) -> list[str]:
+    return ["docker", str(sandbox_root)]
 
 
 class TestDocker(SandboxContract):

@@ -1,7 +1,8 @@
 """A harness stand-in for the sweep test: starts two sandboxes, runs a long command in each, prints
 ``ready <marker>`` and waits to be killed (-9), leaving the sandboxes behind.
 
-``python -m tests.support.sandbox_child BACKEND ROOT_OR_IMAGE OWNER WORKSPACE GATEWAY``
+``python -m tests.support.sandbox_child BACKEND ROOT OWNER WORKSPACE GATEWAY`` (ROOT: the backend's
+folder for sandbox directories, the same as the test's backend, so that its sweep finds them)
 """
 
 from __future__ import annotations
@@ -15,21 +16,23 @@ from pipeline.harness.sandbox import SandboxBackend, SandboxSpec
 
 
 def backend_and_spec(
-    name: str, where: str, owner: str, workspace: Path, gateway: str
+    name: str, root: str, owner: str, workspace: Path, gateway: str
 ) -> tuple[SandboxBackend, SandboxSpec]:
     if name == "bubblewrap":
         from pipeline.harness.backends.bubblewrap import BubblewrapBackend
 
-        return BubblewrapBackend(Path(where)), SandboxSpec(workspace=workspace, gateway=gateway, owner=owner)
-    from pipeline.harness.backends.docker import DockerBackend
-    from pipeline.harness.backends.hostroot import real_folders as host_mounts
+        return BubblewrapBackend(Path(root)), SandboxSpec(workspace=workspace, gateway=gateway, owner=owner)
+    from pipeline.harness.backends.docker import HOSTROOT_IMAGE, DockerBackend
+    from pipeline.harness.backends.hostroot import real_folders
 
-    spec = SandboxSpec(workspace=workspace, gateway=gateway, owner=owner, image=where, mounts=host_mounts())
-    return DockerBackend(), spec
+    image, mounts = HOSTROOT_IMAGE, real_folders()
+    return DockerBackend(Path(root)), SandboxSpec(
+        workspace=workspace, gateway=gateway, owner=owner, image=image, mounts=mounts
+    )
 
 
-async def main(name: str, where: str, owner: str, workspace: str, gateway: str) -> None:
-    backend, spec = backend_and_spec(name, where, owner, Path(workspace), gateway)
+async def main(name: str, root: str, owner: str, workspace: str, gateway: str) -> None:
+    backend, spec = backend_and_spec(name, root, owner, Path(workspace), gateway)
     marker = f"{5000 + uuid.uuid4().int % 1000}.{uuid.uuid4().int % 1000}"
     sandboxes = [await backend.start(spec) for _ in range(2)]
     commands = [asyncio.create_task(s.exec(["sleep", marker], env={}, limit_s=3600)) for s in sandboxes]
