@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pipeline.harness.backends import forwarder, hostdirs, hostroot
-from pipeline.harness.backends.process import kill_process, run_limited
+from pipeline.harness.backends.commands import kill_process, run_limited
 from pipeline.harness.sandbox import ExecResult, SandboxError, SandboxSpec
 
 log = logging.getLogger(__name__)

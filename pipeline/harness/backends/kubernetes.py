@@ -35,7 +35,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.stream import stream
 
 from pipeline.harness.backends import hostdirs
-from pipeline.harness.backends.process import OutputTail
+from pipeline.harness.backends.commands import OutputTail
 from pipeline.harness.sandbox import ExecResult, SandboxError, SandboxSpec
 
 WORKDIR = "/workspace"
