@@ -19,6 +19,7 @@ own). On a small shared machine the agent's Python start-up bounds both paths: r
 side by side.
 
     python bench/harness.py                      # --levels 1,8,32 --episodes 8,32,64
+    python bench/harness.py --sandbox-start      # a sandbox's start-up per backend (bench/sandbox_start.py)
 """
 
 from __future__ import annotations
@@ -156,6 +157,10 @@ async def main(levels: list[int], counts: list[int], rounds: int) -> None:
 
 
 if __name__ == "__main__":
+    if "--sandbox-start" in sys.argv:  # the sandboxes' start-up cost: bench/sandbox_start.py
+        import sandbox_start
+
+        sys.exit(sandbox_start.main(sys.argv[1:]))
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -14,6 +14,9 @@ from pipeline.harness.sandbox import SandboxBackend
 
 BACKENDS: Final[dict[str, str]] = {
     "none": "pipeline.harness.backends.process:ProcessBackend",
+    "bwrap": "pipeline.harness.backends.bubblewrap:BubblewrapBackend",
+    "docker": "pipeline.harness.backends.docker:DockerBackend",
+    "kubernetes": "pipeline.harness.backends.kubernetes:KubernetesBackend",
 }
 """Backend name -> ``module:Class``."""
 

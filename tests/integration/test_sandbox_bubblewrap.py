@@ -1,0 +1,112 @@
+"""The bubblewrap backend against the sandbox contract (tests/support/sandboxes.py), with a real gateway,
+plus what only bubblewrap has: the host's network shared on request, its host directories swept."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.harness.backends.bubblewrap import BubblewrapBackend
+from pipeline.harness.sandbox import SandboxSpec
+from tests.conftest import Servers
+from tests.support.agent_gateway import gateway_process
+from tests.support.sandboxes import PROBE, SandboxContract, host_listener, started
+
+pytestmark = pytest.mark.bubblewrap
+
+
+@pytest.fixture(autouse=True)
+def _bwrap_installed() -> None:
+    if shutil.which("bwrap") is None:
+        missing = "bwrap is missing: apt-get install bubblewrap (.ci/run does)"
+        if os.environ.get("CI"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+
+
+@pytest.fixture
+async def gateway(servers: Servers, database_url: str) -> AsyncIterator[str]:
+    """A real ``turnstile serve gateway``; its ``host:port``."""
+    async with gateway_process(database_url, servers.nats_url, "sandbox", "admin-sandbox") as url:
+        yield url.removeprefix("http://")
+
+
+@pytest.fixture
+def sandbox_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sandboxes")
+
+
+@pytest.fixture
+def backend(sandbox_root: Path) -> BubblewrapBackend:
+    return BubblewrapBackend(sandbox_root)
+
+
+@pytest.fixture
+def spec_for() -> Any:
+    def spec(workspace: Path, gateway: str, owner: str, **more: Any) -> SandboxSpec:
+        return SandboxSpec(workspace=workspace, gateway=gateway, owner=owner, **more)
+
+    return spec
+
+
+@pytest.fixture
+def child_args(sandbox_root: Path) -> list[str]:
+    return ["bubblewrap", str(sandbox_root)]
+
+
+class TestBubblewrap(SandboxContract):
+    pass
+
+
+async def test_allow_internet_shares_the_host_network(
+    backend: BubblewrapBackend, tmp_path: Path, gateway: str
+) -> None:
+    """The trade-off documented in docs/sandboxes.md: the host's own loopback services become reachable."""
+    spec = SandboxSpec(workspace=tmp_path, gateway=gateway, owner="internet", allow_internet=True)
+    async with host_listener() as port, started(backend, spec) as sandbox:
+        assert sandbox.gateway_url == f"http://{gateway}"
+        result = await sandbox.exec(
+            ["python3", "-c", PROBE, sandbox.gateway_url, f"127.0.0.1:{port}"], env={}, limit_s=120
+        )
+    assert result.exit_code == 0, result.output
+    assert f"reached 127.0.0.1:{port}" in result.output
+
+
+async def test_the_sandbox_directory_is_gone_after_stop(
+    backend: BubblewrapBackend, sandbox_root: Path, tmp_path: Path, gateway: str
+) -> None:
+    sandbox = await backend.start(SandboxSpec(workspace=tmp_path, gateway=gateway, owner="gone"))
+    made = os.listdir(sandbox_root)
+    assert len(made) == 1
+    assert "owner.json" in os.listdir(sandbox_root / made[0])
+    await sandbox.exec(["sh", "-c", "mkdir -p /tmp/deep/er && chmod 500 /tmp/deep"], env={}, limit_s=120)
+    await sandbox.stop()
+    assert os.listdir(sandbox_root) == []
+    assert os.listdir(tmp_path) == []  # the workspace is the harness's, not the sandbox's
+
+
+async def test_the_python_forwarder_serves_the_gateway_where_socat_is_missing(
+    sandbox_root: Path, tmp_path: Path, gateway: str
+) -> None:
+    """The contract above runs with socat inside where it is installed; this is the fallback's check."""
+    backend = BubblewrapBackend(sandbox_root, socat=False)
+    async with host_listener() as port, started(backend, SandboxSpec(tmp_path, gateway, "python")) as sandbox:
+        result = await sandbox.exec(
+            ["python3", "-c", PROBE, sandbox.gateway_url, f"127.0.0.1:{port}"],
+            env={"ONLY": "this"},
+            limit_s=120,
+        )
+        listed = await sandbox.exec(["env"], env={"ONLY": "this"}, limit_s=120)
+    assert result.exit_code == 0, result.output
+    assert "gateway 200" in result.output
+    assert f"unreachable 127.0.0.1:{port}" in result.output
+    assert sorted(listed.output.split()) == [
+        "HOME=/home/sandbox",
+        "ONLY=this",
+        "PATH=/usr/local/bin:/usr/bin:/bin",
+    ]
