@@ -20,13 +20,14 @@ from consumers.cli.common import (
     ReadTimeout,
     Retries,
     Reward,
+    SwapInFlight,
     Temperature,
     console,
     sampling,
     with_materializer_options,
 )
 from pipeline.errors import ConfigError
-from pipeline.inference import DEFAULT_BUDGET_TOKENS
+from pipeline.inference import DEFAULT_BUDGET_TOKENS, IN_FLIGHT_DEFAULT
 from pipeline.settings import Settings
 
 if TYPE_CHECKING:
@@ -52,6 +53,12 @@ def inference(
         "", help="this consumer's id in sticky subjects \\[default: host-pid-random]"
     ),
     max_batch: int = typer.Option(16, help="torch backend: requests batched together"),
+    swap_in_flight: SwapInFlight = typer.Option(
+        SwapInFlight(IN_FLIGHT_DEFAULT),
+        help="torch and vllm: when a new policy version is loaded, the requests in flight are restarted on "
+        "it (their tokens of the old version dropped; the reply's timings.restarted_ms says so) or drained "
+        "(finished on the old version, which their replies name) before the swap",
+    ),
     held_tokens: int = typer.Option(
         DEFAULT_BUDGET_TOKENS,
         min=0,
@@ -78,6 +85,7 @@ def inference(
         model=model_dir,
         consumer_id=consumer_id,
         max_batch=max_batch,
+        in_flight=swap_in_flight.value,
         held_tokens=held_tokens,
         metrics_port=metrics_port,
         script=script,

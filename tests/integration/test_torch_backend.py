@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from consumers.inference import InferenceConfig
+from pipeline.inference import InFlight
 from pipeline.inference.backends.torch_backend import TorchBackend
 from pipeline.inference.client import NatsLLMClient
 from pipeline.inference.service import InferenceService
@@ -192,6 +193,8 @@ async def test_each_reply_comes_from_the_weights_of_the_version_it_is_tagged_wit
     assert sum(answered) == len(replies)
     assert replies[0].policy_version == 0
     assert {reply.policy_version for reply in replies} == {0, 1}
+    # the batch running at the swap (if one was) was run again on version 1, and its replies say so
+    assert all(reply.policy_version == 1 for reply in replies if reply.timings.restarted_ms > 0)
     for reply in replies:
         assert reply.completion_token_ids
         expected = recomputed_logprobs(
@@ -201,29 +204,56 @@ async def test_each_reply_comes_from_the_weights_of_the_version_it_is_tagged_wit
         assert error <= 1e-4, f"a reply tagged version {reply.policy_version} is off by {error}"
 
 
-async def test_a_checkpoint_of_another_shape_is_loaded_as_a_new_model_and_in_flight_replies_keep_theirs(
-    tiny_model_dir: Path, tmp_path: Path
+def new_version(tiny_model_dir: Path, directory: Path, shape: str) -> Path:
+    """Version 1: the same model with its output layer scaled (loaded in place), or one with a wider MLP
+    (loaded as a new model). Either is far from version 0: a token of the wrong version shows in its
+    logprob."""
+    if shape == "same":
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+        with torch.no_grad():
+            model.lm_head.weight.mul_(3.0)
+    else:
+        config = AutoConfig.from_pretrained(str(tiny_model_dir))
+        config.intermediate_size *= 2  # the weights cannot be copied into the running model
+        torch.manual_seed(3)
+        model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.mark.parametrize("shape", ["same", "wider"])
+@pytest.mark.parametrize("in_flight", ["restart", "drain"])
+async def test_a_batch_running_at_a_swap_is_restarted_on_the_new_version_or_finished_on_the_old(
+    tiny_model_dir: Path, tmp_path: Path, in_flight: InFlight, shape: str
 ) -> None:
-    config = AutoConfig.from_pretrained(str(tiny_model_dir))
-    config.intermediate_size *= 2  # the weights cannot be copied into the running model
-    torch.manual_seed(3)
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "wider"))
-    backend = TorchBackend(tiny_model_dir, max_batch=4)
+    checkpoint = new_version(tiny_model_dir, tmp_path / "v1", shape)
+    backend = TorchBackend(tiny_model_dir, max_batch=4, in_flight=in_flight)
     try:
+        # long enough that the batch is still running when the weights have been read and the swap comes
         running = [
-            asyncio.create_task(backend.generate(ask(f"q{i}", max_tokens=48, seed=i))) for i in range(4)
+            asyncio.create_task(backend.generate(ask(f"q{i}", max_tokens=200, seed=i))) for i in range(4)
         ]
         await wait_until(lambda: backend._swap.locked(), 60, "a batch to start")
-        await backend.load_version(1, str(tmp_path / "wider"))
+        await backend.load_version(1, str(checkpoint))
         finished = await asyncio.gather(*running)
         after = await backend.generate(ask("hello", max_tokens=12, seed=1))
     finally:
         await backend.close()
-    assert (backend.in_place_loads, backend.restarts) == (0, 1)
-    weights = {0: tiny_model_dir, 1: tmp_path / "wider"}
-    assert [generation.policy_version for generation in finished] == [0, 0, 0, 0]  # the batch that ran
+    assert (backend.in_place_loads, backend.restarts) == ((1, 0) if shape == "same" else (0, 1))
+    weights = {0: tiny_model_dir, 1: checkpoint}
+    if in_flight == "restart":  # cut short and run again on version 1, but for a row that had ended already
+        assert any(generation.policy_version == 1 for generation in finished)
+        for generation in finished:
+            assert (generation.restarted_seconds > 0) == (generation.policy_version == 1)
+            assert generation.policy_version == 1 or generation.finish_reason == "stop"
+    else:  # the batch ran to its end on version 0
+        assert [(generation.policy_version, generation.restarted_seconds) for generation in finished] == [
+            (0, 0.0)
+        ] * 4
     assert after.policy_version == 1
     for generation in [*finished, after]:
+        assert generation.finish_reason == "stop" or len(generation.completion_token_ids) == 200
+        # every token of it from the weights of the version it names: none left over from version 0
         expected = recomputed_logprobs(
             weights[generation.policy_version], generation.prompt_token_ids, generation.completion_token_ids
         )

@@ -14,19 +14,25 @@ With a ``Script`` (``--script FILE``) the backend does not sample: the first mat
 as the tokenizer's ids, is the completion, scored by one forward pass over prompt + completion (teacher
 forcing) — what the engine would have returned had it sampled that text.
 
-A new policy version goes in between batches: the batch running finishes on the old weights and its replies
-carry the old version, every later batch runs on the new ones. Its weights are copied into the model in
-place when the checkpoint is the same model with other values (``weights.in_place_refusal``); otherwise
-(another shape or configuration) a whole new model is loaded from the checkpoint, logged and counted in
-``restarts``.
+A new policy version goes in between batches. With ``in_flight="restart"`` (the default) the batch running
+is cut short at its next decode step: its rows that had not finished start again from their prompts, first
+in the next batch, on the new weights (their tokens of the old version are dropped); rows it had finished
+keep their replies of the old version. With ``in_flight="drain"`` the batch running finishes on the old
+weights and its replies carry the old version. Every later batch runs on the new ones. The weights are
+copied into the model in place when the checkpoint is the same model with other values
+(``weights.in_place_refusal``); otherwise (another shape or configuration) a whole new model is loaded from
+the checkpoint, logged and counted in ``restarts``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +40,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.inference.backends import Generation
+from pipeline.inference.backends import IN_FLIGHT_DEFAULT, Generation, InFlight
 from pipeline.inference.backends.weights import in_place_refusal, read_weights, state_refusal
 from pipeline.inference.chat import ChatRenderer, token_bytes
 from pipeline.inference.client import RequestRejected
@@ -59,6 +65,22 @@ class _Row:
     finish_reason: FinishReason | None = None
     started_at: float = 0.0
     first_token_at: float = 0.0
+    interrupted: bool = False
+    """Cut short by a new policy version before it finished: to run again from its prompt."""
+    restarted_seconds: float = 0.0
+
+    def reset(self) -> None:
+        """Forget what was generated: the row runs again from its prompt."""
+        self.completion.clear()
+        self.logprobs.clear()
+        self.top.clear()
+        self.finish_reason = None
+
+    def restart(self) -> None:
+        """After an interruption: the time it ran is counted as dropped, and it runs again."""
+        self.restarted_seconds += time.monotonic() - self.started_at
+        self.interrupted = False
+        self.reset()
 
 
 def attention_reach(config: Any) -> int | None:
@@ -86,8 +108,10 @@ class TorchBackend:
         policy_version: int = 0,
         script: Script | None = None,
         in_place: bool = True,
+        in_flight: InFlight = IN_FLIGHT_DEFAULT,
     ) -> None:
-        """``in_place=False``: every version loaded as a whole new model (the fallback; a baseline)."""
+        """``in_place=False``: every version loaded as a whole new model (the fallback; a baseline).
+        ``in_flight``: the batch running at a swap is restarted on the new weights or finished on the old."""
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = dtype
         self.max_batch = max_batch
@@ -97,6 +121,7 @@ class TorchBackend:
         self.checkpoint = str(model_dir)
         """The directory of the weights served now."""
         self.in_place = in_place
+        self.in_flight = in_flight
         self.in_place_loads = 0
         self.restarts = 0
         """Versions loaded as a whole new model (the checkpoint could not go into this one in place)."""
@@ -112,6 +137,8 @@ class TorchBackend:
         )
         self._queue: asyncio.Queue[_Row] = asyncio.Queue()
         self._swap = asyncio.Lock()  # held while a batch runs; a weight swap waits for it
+        self._interrupt = threading.Event()  # set: the batch running (in its thread) stops at its next step
+        self._resumed: list[_Row] = []  # rows cut short by a swap: they go first in the next batch
         self._worker: asyncio.Task[None] | None = None
 
     def _eos_ids(self) -> list[int]:
@@ -179,7 +206,7 @@ class TorchBackend:
         )
         weights = None if refusal is not None else await asyncio.to_thread(read_weights, checkpoint)
         if weights is not None:
-            async with self._swap:  # no batch runs while the values change
+            async with self._between_batches():  # no batch runs while the values change
                 refusal = state_refusal(self.model, weights)
                 if refusal is None:
                     await asyncio.to_thread(self._overwrite, weights)
@@ -190,7 +217,7 @@ class TorchBackend:
                 "policy version %d: loading a whole new model from %s: %s", version, checkpoint, refusal
             )
             model = await asyncio.to_thread(load_model, checkpoint, self.device, self.dtype)
-            async with self._swap:
+            async with self._between_batches():
                 self.model, self.policy_version, self.checkpoint = model, version, checkpoint
                 self.reach = attention_reach(model.config)
                 self.restarts += 1
@@ -202,6 +229,16 @@ class TorchBackend:
             how,
             time.monotonic() - started,
         )
+
+    @contextlib.asynccontextmanager
+    async def _between_batches(self) -> AsyncIterator[None]:
+        """Hold the batches off while the weights change. The batch running is cut short (``in_flight`` is
+        "restart") or ends on the old weights ("drain") before this enters."""
+        if self.in_flight == "restart":
+            self._interrupt.set()
+        async with self._swap:
+            self._interrupt.clear()  # the batch it was meant for has returned
+            yield
 
     @torch.no_grad()
     def _overwrite(self, weights: dict[str, torch.Tensor]) -> None:
@@ -216,7 +253,9 @@ class TorchBackend:
 
     async def _run(self) -> None:
         while True:
-            batch = [await self._queue.get()]
+            batch, self._resumed = self._resumed, []
+            if not batch:
+                batch.append(await self._queue.get())
             while len(batch) < self.max_batch and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             async with self._swap:
@@ -224,6 +263,10 @@ class TorchBackend:
                 await self._generate_isolated(batch)
             for row in batch:
                 if row.future.done():
+                    continue
+                if row.interrupted:  # by a new version: its tokens so far are the old one's, dropped
+                    row.restart()
+                    self._resumed.append(row)
                     continue
                 row.future.set_result(
                     Generation(
@@ -241,6 +284,7 @@ class TorchBackend:
                         chat_template=self.renderer.template_id,
                         started_at=row.started_at,
                         first_token_at=row.first_token_at,
+                        restarted_seconds=row.restarted_seconds,
                     )
                 )
 
@@ -256,10 +300,7 @@ class TorchBackend:
                 return
             log.warning("a batch of %d failed (%s); generating each request alone", len(batch), error)
             for row in batch:
-                row.completion.clear()
-                row.logprobs.clear()
-                row.top.clear()
-                row.finish_reason = None
+                row.reset()
                 await self._generate_isolated([row])
 
     def _text(self, completion: list[int]) -> str:
@@ -314,6 +355,10 @@ class TorchBackend:
         step_ids, step_positions = input_ids.to(self.device), positions.to(self.device)
         attention = attention.to(self.device)
         for _ in range(max(budgets)):
+            if self._interrupt.is_set():  # a new version waits: the rows not finished run again on it
+                for row in rows:
+                    row.interrupted = row.finish_reason is None
+                return
             output = model(
                 input_ids=step_ids,
                 attention_mask=attention,
