@@ -51,20 +51,28 @@ POLICY = "bench"
 TARGET_RATIO = 10.0
 
 
+@dataclass(frozen=True)
+class Reply:
+    at: float
+    version: int
+    restarted: bool
+    sender: int
+
+
 @dataclass
 class Load:
-    """The replies of the steady load: (monotonic time, version, restarted) each, and the failures."""
+    """The replies of the steady load (``Reply`` each) and the failures."""
 
-    replies: list[tuple[float, int, bool]] = field(default_factory=list)
+    replies: list[Reply] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     """Set by every reply or failure; cleared by whoever waits for the next."""
 
-    def record(self, body: dict[str, Any]) -> None:
+    def record(self, body: dict[str, Any], sender: int) -> None:
         if "policy_version" in body:
             restarted = bool(body.get("timings", {}).get("restarted_ms"))
-            self.replies.append((time.monotonic(), int(body["policy_version"]), restarted))
+            self.replies.append(Reply(time.monotonic(), int(body["policy_version"]), restarted, sender))
         else:
             self.failures.append(f"{body.get('code')}: {body.get('message')}")
         self.arrived.set()
@@ -117,7 +125,7 @@ async def sender(service: InferenceService, load: Load, first: int, step: int, m
     """One request in flight at every moment until told to stop."""
     index = first
     while not load.stop.is_set():
-        load.record(json.loads(await service.handle(request(index, max_tokens), None)))
+        load.record(json.loads(await service.handle(request(index, max_tokens), None)), sender=first)
         index += step
 
 
@@ -136,7 +144,7 @@ class Published:
         return max(self.checkpoints.items(), default=None)
 
 
-async def swap(service: InferenceService, load: Load, version: int, checkpoint: Path) -> Swap:
+async def swap(service: InferenceService, load: Load, version: int, checkpoint: Path, senders: int) -> Swap:
     published = PolicyVersionPublished(policy=POLICY, version=version, checkpoint=str(checkpoint))
     assert isinstance(service.versions, Published)
     service.versions.checkpoints[version] = str(checkpoint)  # as the trainer does: the log first
@@ -148,16 +156,26 @@ async def swap(service: InferenceService, load: Load, version: int, checkpoint: 
         return time.monotonic()
 
     loading = asyncio.create_task(publish_and_load())
-    while not any(v == version for _, v, _ in load.replies[seen:]):
+    while not any(reply.version == version for reply in load.replies[seen:]):
         if loading.done() and service.backend.policy_version != version:
             raise RuntimeError(f"version {version} was not loaded: see the log")
         await load.next()
-    first = next(t for t, v, _ in load.replies[seen:] if v == version)
+    first = next(reply.at for reply in load.replies[seen:] if reply.version == version)
     loaded = await loading - started
-    after = [(v, restarted) for t, v, restarted in load.replies[seen:] if t >= started]
-    old = sum(1 for v, _ in after if v < version)
-    restarted = sum(1 for v, again in after if v == version and again)
+    # The requests in flight at the publication: each sender's first reply after it
+    while len(answered := _first_per_sender(load.replies[seen:], started)) < senders:
+        await load.next()
+    old = sum(1 for reply in answered if reply.version < version)
+    restarted = sum(1 for reply in answered if reply.restarted)
     return Swap(first - started, len(load.failures) - failed_before, old, restarted, loaded)
+
+
+def _first_per_sender(replies: list[Reply], since: float) -> list[Reply]:
+    firsts: dict[int, Reply] = {}
+    for reply in replies:
+        if reply.at >= since:
+            firsts.setdefault(reply.sender, reply)
+    return list(firsts.values())
 
 
 @dataclass(frozen=True)
@@ -196,7 +214,7 @@ async def measure(
         for way in plan:
             backend.in_place, backend.in_flight = way.in_place, way.in_flight
             number = backend.policy_version + 1
-            swaps.append(await swap(service, load, number, next(versions)))
+            swaps.append(await swap(service, load, number, next(versions), senders))
             note(f"  version {number} ({way.name}): {swaps[-1]}")
             await load.replies_reach(len(load.replies) + senders)  # the load runs on the new version a while
     finally:

@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from consumers.inference import InferenceConfig
+from consumers.inference import InferenceConfig, instrument
+from consumers.runtime import Runtime
 from pipeline.inference import InFlight
 from pipeline.inference.backends.torch_backend import TorchBackend
 from pipeline.inference.client import NatsLLMClient
@@ -322,3 +323,28 @@ async def test_top_logprobs_are_the_most_likely_tokens_and_token_bytes_spell_the
     # the bytes are exact, even where a token holds part of a character (a random model writes such bytes)
     assert spelled.decode("utf-8", errors="replace") == backend.tokenizer.decode(ids)
     assert all(t.text == bytes(t.bytes).decode("utf-8", errors="replace") for t in reply.token_logprobs)
+
+
+async def test_a_restarted_reply_says_so_in_its_timings_and_in_the_consumers_metrics(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    async def nowhere(subject: str, body: bytes, headers: dict[str, str]) -> None:
+        """Heartbeats have nowhere to go in process (the requests carry no reply inbox)."""
+
+    backend = TorchBackend(tiny_model_dir, max_batch=4)  # in_flight: restart, the default
+    service = InferenceService(backend, policy="p", consumer_id="c", publish=nowhere)
+    runtime = Runtime("inference c", asyncio.Event())
+    instrument(runtime, service)
+    checkpoint = new_version(tiny_model_dir, tmp_path / "v1", "same")
+    try:
+        request = ask("a long one", max_tokens=200, seed=4).model_dump_json().encode()
+        answering = asyncio.create_task(service.handle(request, None))
+        await wait_until(lambda: backend._swap.locked(), 60, "its batch to start")
+        await backend.load_version(1, str(checkpoint))
+        reply = parse_wire(await answering)
+    finally:
+        await backend.close()
+    assert isinstance(reply, LLMResponse)
+    assert reply.policy_version == 1
+    assert 0 < reply.timings.restarted_ms <= reply.timings.queued_ms  # the dropped attempt counts as queued
+    assert b"turnstile_inference_restarted_total 1.0" in runtime.scrape()
