@@ -19,7 +19,7 @@ check='import importlib.util as u, sys, torch; sys.exit(0 if u.find_spec("vllm")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the repository, installed or not
 set +e  # the bench's own status is the script's, not grep's
-timeout --signal=INT 150 "$python" bench/version_swap.py --backends vllm --max-tokens 8,32 \
+timeout --signal=INT --kill-after=10 150 "$python" bench/version_swap.py --backends vllm --max-tokens 8,32 \
     --in-flight restart,drain --swaps 2 --restarts 1 2>&1 | tee build/gpu_swap.log \
     | grep --line-buffered -E '^(SUMMARY|\|)|Python|counted|Error|error'
 status=${PIPESTATUS[0]}
