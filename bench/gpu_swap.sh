@@ -21,7 +21,7 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHO
 set +e  # the bench's own status is the script's, not grep's
 timeout --signal=INT --kill-after=10 150 "$python" bench/version_swap.py --backends vllm --max-tokens 8,32 \
     --in-flight restart,drain --swaps 2 --restarts 1 2>&1 | tee build/gpu_swap.log \
-    | grep --line-buffered -E '^(SUMMARY|\|)|Python|counted|Error|error'
+    | grep --line-buffered -E '^(SUMMARY|\||Traceback)|^[0-9:]{8} (Python|vllm: the backend counted)|Error:'
 status=${PIPESTATUS[0]}
 set -e
 [ "$status" -eq 0 ] || echo "bench/version_swap.py ended with status $status (124: past 150 s): see build/gpu_swap.log" >&2
