@@ -1,17 +1,19 @@
 """New policy versions under a steady request load: loaded in place against the restart path, same run.
 
 For each backend (torch, and vLLM where it is installed: run with ``.venv-vllm/bin/python``) on the tiny
-model, ``--senders`` requesters each keep one request in flight through the consumer's ``InferenceService``
-(the code a NATS message reaches, in process: the NATS hop is the same for both paths and left out). Then
-``--swaps`` versions are published (``PolicyVersionPublished`` handed to ``service.on_version``) and loaded
-in place, then as many again with in-place loading off (vLLM: the engine restarts on the checkpoint; torch:
-a whole new model is loaded, as the backend did before). Per swap: the time from the publication to the
-first reply tagged with the new version, the replies that failed (an ``LLMError``), and those that finished
-on the old version after the publication (a request in flight across a swap is finished on the old one,
-never re-run)::
+model, one backend started once, and for each request size (``--max-tokens 8,32``): ``--senders`` requesters
+each keep one request in flight through the consumer's ``InferenceService`` (the code a NATS message
+reaches, in process: the NATS hop is the same for every path and left out). Then ``--swaps`` versions are
+published (``PolicyVersionPublished`` handed to ``service.on_version``) and loaded in place for each policy
+for the requests in flight (``--in-flight restart,drain``: cut short and run again on the new version, or
+finished on the old one first), then ``--restarts`` more with in-place loading off, drained (the baseline:
+vLLM restarts its engine on the checkpoint; torch loads a whole new model, as the backend did before). Per
+swap: the time from the publication to the first reply tagged with the new version, the replies that failed
+(an ``LLMError``), those that finished on the old version after the publication, and those restarted on
+the new one (``timings.restarted_ms`` > 0)::
 
     .venv-vllm/bin/python bench/version_swap.py               # torch and vLLM
-    .venv/bin/python bench/version_swap.py --backends torch
+    .venv/bin/python bench/version_swap.py --backends torch --max-tokens 8,32
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,25 +45,34 @@ from pipeline.inference import InferenceService  # noqa: E402
 from pipeline.inference.tinymodel import build_tiny_model  # noqa: E402
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished, SamplingParams  # noqa: E402
 
-from common import note, summary  # noqa: E402
+from common import machine, note, summary  # noqa: E402
 
 POLICY = "bench"
 TARGET_RATIO = 10.0
 
 
+@dataclass(frozen=True)
+class Reply:
+    at: float
+    version: int
+    restarted: bool
+    sender: int
+
+
 @dataclass
 class Load:
-    """The replies of the steady load: (monotonic time, version) each, and the failures."""
+    """The replies of the steady load (``Reply`` each) and the failures."""
 
-    replies: list[tuple[float, int]] = field(default_factory=list)
+    replies: list[Reply] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     """Set by every reply or failure; cleared by whoever waits for the next."""
 
-    def record(self, body: dict[str, Any]) -> None:
+    def record(self, body: dict[str, Any], sender: int) -> None:
         if "policy_version" in body:
-            self.replies.append((time.monotonic(), int(body["policy_version"])))
+            restarted = bool(body.get("timings", {}).get("restarted_ms"))
+            self.replies.append(Reply(time.monotonic(), int(body["policy_version"]), restarted, sender))
         else:
             self.failures.append(f"{body.get('code')}: {body.get('message')}")
         self.arrived.set()
@@ -80,6 +92,8 @@ class Swap:
     """From the publication to the first reply tagged with the new version."""
     failed: int
     finished_on_old: int
+    restarted: int
+    """Replies run again on the new version after a swap cut them short."""
     loaded: float
     """From the publication to the backend's load_version returning (the weights in use)."""
 
@@ -111,12 +125,29 @@ async def sender(service: InferenceService, load: Load, first: int, step: int, m
     """One request in flight at every moment until told to stop."""
     index = first
     while not load.stop.is_set():
-        load.record(json.loads(await service.handle(request(index, max_tokens), None)))
+        load.record(json.loads(await service.handle(request(index, max_tokens), None)), sender=first)
         index += step
 
 
-async def swap(service: InferenceService, load: Load, version: int, checkpoint: Path) -> Swap:
+class Published:
+    """The versions this run published, standing in for the log that the service checks each one against:
+    the check costs the same on every path (one look-up), so the bench needs no PostgreSQL (nor does the
+    GPU machine that runs bench/gpu_swap.sh)."""
+
+    def __init__(self) -> None:
+        self.checkpoints: dict[int, str] = {}
+
+    async def checkpoint(self, policy: str, version: int) -> str | None:
+        return self.checkpoints.get(version)
+
+    async def newest(self, policy: str) -> tuple[int, str] | None:
+        return max(self.checkpoints.items(), default=None)
+
+
+async def swap(service: InferenceService, load: Load, version: int, checkpoint: Path, senders: int) -> Swap:
     published = PolicyVersionPublished(policy=POLICY, version=version, checkpoint=str(checkpoint))
+    assert isinstance(service.versions, Published)
+    service.versions.checkpoints[version] = str(checkpoint)  # as the trainer does: the log first
     failed_before, seen = len(load.failures), len(load.replies)
     started = time.monotonic()
 
@@ -125,29 +156,66 @@ async def swap(service: InferenceService, load: Load, version: int, checkpoint: 
         return time.monotonic()
 
     loading = asyncio.create_task(publish_and_load())
-    while not any(v == version for _, v in load.replies[seen:]):
+    while not any(reply.version == version for reply in load.replies[seen:]):
         if loading.done() and service.backend.policy_version != version:
             raise RuntimeError(f"version {version} was not loaded: see the log")
         await load.next()
-    first = next(t for t, v in load.replies[seen:] if v == version)
+    first = next(reply.at for reply in load.replies[seen:] if reply.version == version)
     loaded = await loading - started
-    old = sum(1 for t, v in load.replies[seen:] if v < version and t >= started)
-    return Swap(first - started, len(load.failures) - failed_before, old, loaded)
+    # The requests in flight at the publication: each sender's first reply after it
+    while len(answered := _first_per_sender(load.replies[seen:], started)) < senders:
+        await load.next()
+    old = sum(1 for reply in answered if reply.version < version)
+    restarted = sum(1 for reply in answered if reply.restarted)
+    return Swap(first - started, len(load.failures) - failed_before, old, restarted, loaded)
 
 
-async def measure(backend: Any, versions: list[Path], senders: int, max_tokens: int) -> list[Swap]:
-    """Half the versions in place, the other half with in-place loading off."""
-    service = InferenceService(backend, policy=POLICY, consumer_id="bench", publish=_no_publish)
+def _first_per_sender(replies: list[Reply], since: float) -> list[Reply]:
+    firsts: dict[int, Reply] = {}
+    for reply in replies:
+        if reply.at >= since:
+            firsts.setdefault(reply.sender, reply)
+    return list(firsts.values())
+
+
+@dataclass(frozen=True)
+class Way:
+    """One way of loading a version: in place with an in-flight policy, or the restart baseline."""
+
+    name: str
+    in_place: bool
+    in_flight: str
+
+
+def paths(in_flight: list[str], swaps: int, restarts: int) -> Iterator[Way]:
+    for policy in in_flight:
+        for _ in range(swaps):
+            yield Way(f"in place, {policy}", True, policy)
+    for _ in range(restarts):
+        yield Way("restart", False, "drain")  # the path before in-place loading: drain, then restart
+
+
+async def measure(
+    backend: Any, plan: list[Way], versions: Iterator[Path], senders: int, max_tokens: int
+) -> list[Swap]:
+    """One swap per entry of ``plan``, under a steady load of ``max_tokens``-token requests."""
+    service = InferenceService(
+        backend,
+        policy=POLICY,
+        consumer_id="bench",
+        publish=_no_publish,
+        versions=Published(),  # type: ignore[arg-type]
+    )
     load = Load()
     tasks = [asyncio.create_task(sender(service, load, i, senders, max_tokens)) for i in range(senders)]
     swaps = []
     try:
-        await load.replies_reach(2 * senders)
-        for number, checkpoint in enumerate(versions, start=1):
-            backend.in_place = number <= len(versions) // 2
-            swaps.append(await swap(service, load, number, checkpoint))
-            path = "in place" if backend.in_place else "restart"
-            note(f"  version {number} ({path}): {swaps[-1]}")
+        await load.replies_reach(len(load.replies) + 2 * senders)
+        for way in plan:
+            backend.in_place, backend.in_flight = way.in_place, way.in_flight
+            number = backend.policy_version + 1
+            swaps.append(await swap(service, load, number, next(versions), senders))
+            note(f"  version {number} ({way.name}): {swaps[-1]}")
             await load.replies_reach(len(load.replies) + senders)  # the load runs on the new version a while
     finally:
         load.stop.set()
@@ -157,8 +225,44 @@ async def measure(backend: Any, versions: list[Path], senders: int, max_tokens: 
     return swaps
 
 
-async def run_backend(kind: str, base: Path, versions: list[Path], senders: int, max_tokens: int) -> None:
-    note(f"{kind}: {senders} senders, {max_tokens} tokens a request, {len(versions)} versions")
+def report(kind: str, max_tokens: int, plan: list[Way], swaps: list[Swap]) -> list[str]:
+    """A SUMMARY line per in-place policy against the restart baseline; the table's rows, returned."""
+    by_way: dict[str, list[Swap]] = {}
+    for way, measured in zip(plan, swaps, strict=True):
+        by_way.setdefault(way.name, []).append(measured)
+    slow = statistics.median(s.seconds for s in by_way["restart"])
+    rows = []
+    for name, measured in by_way.items():
+        median = statistics.median(s.seconds for s in measured)
+        failed = sum(s.failed for s in measured)
+        each = ", ".join(f"{s.seconds:.2f}" for s in measured)
+        rows.append(
+            f"| {kind} | {max_tokens} | {name} | {median:.2f} s ({each}) | {slow / median:.1f}x | {failed} "
+            f"| {sum(s.finished_on_old for s in measured)} | {sum(s.restarted for s in measured)} "
+            f"| {statistics.median(s.loaded for s in measured):.2f} s |"
+        )
+        if name != "restart":
+            summary(
+                "version_swap",
+                f"{kind} {max_tokens}-token requests, {name}: publication to first new-version reply",
+                f"{median * 1000:.0f} ms, {failed} failed",
+                f"{slow * 1000:.0f} ms restart",
+                slow / median,
+                f">= {TARGET_RATIO:.0f}x, 0 failed",
+                slow / median >= TARGET_RATIO and failed == 0,
+            )
+    return rows
+
+
+TABLE_HEAD = (
+    "| backend | tokens | path | to first new-version reply (median; each) | vs restart | failed "
+    "| finished on old | restarted on new | load_version |\n"
+    "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"
+)
+
+
+async def run_backend(kind: str, base: Path, versions: Iterator[Path], arguments: argparse.Namespace) -> None:
+    senders = arguments.senders
     if kind == "torch":
         from pipeline.inference.backends.torch_backend import TorchBackend
 
@@ -168,33 +272,19 @@ async def run_backend(kind: str, base: Path, versions: list[Path], senders: int,
 
         backend = VllmBackend(base)
         await backend.start()
+    # torch always drains (its running requests finish on the old version while admission pauses)
+    policies = arguments.in_flight if kind == "vllm" else ["drain"]
+    plan = list(paths(policies, arguments.swaps, arguments.restarts))
+    rows = []
     try:
-        swaps = await measure(backend, versions, senders, max_tokens)
+        for max_tokens in arguments.max_tokens:
+            note(f"{kind}: {senders} senders, {max_tokens} tokens a request, {len(plan)} versions")
+            swaps = await measure(backend, plan, versions, senders, max_tokens)
+            rows += report(kind, max_tokens, plan, swaps)
     finally:
         await backend.close()
-    half = len(swaps) // 2
-    in_place, restart = swaps[:half], swaps[half:]
-    fast = statistics.median(s.seconds for s in in_place)
-    slow = statistics.median(s.seconds for s in restart)
-    failed = sum(s.failed for s in swaps)
-    old = sum(s.finished_on_old for s in in_place)
-    loads = [statistics.median(s.loaded for s in part) * 1000 for part in (in_place, restart)]
-    note(
-        f"{kind}: in place {fast * 1000:.0f} ms (median of {half}), restart {slow * 1000:.0f} ms; "
-        f"{failed} failed; {old} finished on the old version across the in-place swaps, 0 re-run; "
-        f"backend counted {backend.in_place_loads} in place, {backend.restarts} restarts; "
-        f"load_version took {loads[0]:.0f} ms in place, {loads[1]:.0f} ms by the restart path"
-    )
-    ratio = slow / fast
-    summary(
-        "version_swap",
-        f"{kind} publication to first new-version reply",
-        f"{fast * 1000:.0f} ms in place, {failed} failed",
-        f"{slow * 1000:.0f} ms restart",
-        ratio,
-        f">= {TARGET_RATIO:.0f}x, 0 failed",
-        ratio >= TARGET_RATIO and failed == 0,
-    )
+    note(f"{kind}: the backend counted {backend.in_place_loads} loads in place, {backend.restarts} restarts")
+    print("\n".join([TABLE_HEAD, *rows]), flush=True)
 
 
 async def _no_publish(subject: str, data: bytes, headers: dict[str, str]) -> None:
@@ -206,10 +296,22 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--backends", default="torch,vllm", help="comma-separated: torch, vllm")
-    parser.add_argument("--swaps", type=int, default=3, help="versions loaded each way (default 3)")
+    parser.add_argument(
+        "--swaps", type=int, default=3, help="versions loaded in place per in-flight policy (default 3)"
+    )
+    parser.add_argument(
+        "--restarts", type=int, default=None, help="versions loaded by the restart path (default: --swaps)"
+    )
+    parser.add_argument(
+        "--in-flight", type=_names("restart", "drain"), default="restart,drain", help="in-place policies"
+    )
     parser.add_argument("--senders", type=int, default=4, help="requests kept in flight (default 4)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens a request (default 32)")
+    parser.add_argument(
+        "--max-tokens", type=_sizes, default="32", help="tokens a request, comma-separated (default 32)"
+    )
     arguments = parser.parse_args()
+    if arguments.restarts is None:
+        arguments.restarts = arguments.swaps
     kinds = [kind.strip() for kind in arguments.backends.split(",") if kind.strip()]
     if "vllm" in kinds:
         try:
@@ -217,11 +319,35 @@ def main() -> None:
         except ImportError:
             note("vLLM is not installed here: run with .venv-vllm/bin/python (see .ci/run); torch only")
             kinds.remove("vllm")
+    # is_available() asks the driver without starting CUDA here: vLLM's engine process may then fork
+    note(f"{machine()}; {'CUDA' if torch.cuda.is_available() else 'no GPU'}")
     with tempfile.TemporaryDirectory(prefix="version-swap-") as scratch:
         base = build_tiny_model(Path(scratch) / "v0")
-        versions = checkpoints(base, 2 * arguments.swaps)
+        per_size = len(arguments.in_flight) * arguments.swaps + arguments.restarts
+        versions = checkpoints(base, per_size * len(arguments.max_tokens))
         for kind in kinds:
-            asyncio.run(run_backend(kind, base, versions, arguments.senders, arguments.max_tokens))
+            asyncio.run(run_backend(kind, base, iter(versions), arguments))
+
+
+def _names(*allowed: str) -> Any:
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        wrong = [name for name in names if name not in allowed]
+        if wrong or not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: give some of {', '.join(allowed)}, comma-separated")
+        return names
+
+    return parse
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(size) for size in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give token counts of 1 or more, comma-separated")
+    return sizes
 
 
 if __name__ == "__main__":

@@ -27,7 +27,15 @@ from nats.aio.subscription import Subscription
 
 from consumers.runtime import LATENCY_BUCKETS, METRICS_HOST, Runtime, serve_metrics, tune_gc
 from pipeline.errors import ConfigError
-from pipeline.inference import DEFAULT_BUDGET_BYTES, QUEUE_GROUP, Backend, InferenceService, request_subject
+from pipeline.inference import (
+    DEFAULT_BUDGET_BYTES,
+    IN_FLIGHT_DEFAULT,
+    QUEUE_GROUP,
+    Backend,
+    InferenceService,
+    InFlight,
+    request_subject,
+)
 from pipeline.settings import nats_inbox_prefix
 from pipeline.versions import VersionLog, versions_subject
 from schemas import LLMResponse
@@ -48,6 +56,9 @@ class InferenceConfig:
     max_batch_tokens: int = 2048
     """torch backend: tokens fed in one step (a token per running request plus prefill; a longer prompt
     is prefilled in chunks)."""
+    in_flight: InFlight = IN_FLIGHT_DEFAULT
+    """vLLM: the requests in flight when a new version is loaded are restarted on it or drained (torch
+    always drains: its running requests finish on the old version while admission pauses)."""
     heartbeat_interval: float = 5.0
     held_bytes: int = DEFAULT_BUDGET_BYTES
     metrics_port: int | None = None  # /metrics and /health over HTTP (0: a free port)
@@ -80,7 +91,7 @@ def create_backend(config: InferenceConfig) -> Backend:
     if config.backend == "vllm":
         from pipeline.inference.backends.vllm_backend import VllmBackend
 
-        return VllmBackend(config.model)
+        return VllmBackend(config.model, in_flight=config.in_flight)
     from pipeline.inference import Script
     from pipeline.inference.backends.torch_backend import TorchBackend
 
@@ -227,6 +238,7 @@ def instrument(runtime: Runtime, service: InferenceService) -> None:
     tokens = {"prompt": 0, "completion": 0}
     # every code at 0 from the start: a rate over a series that appears only with its first error misses it
     errors: Counter[str] = Counter(dict.fromkeys(("invalid_request", "engine_error", "payload_too_large"), 0))
+    restarted = [0]
 
     # The labelled series looked up once: labels() takes a lock and builds a key on every call.
     queued, first_token, total = (latency.labels(stage) for stage in ("queued", "first_token", "total"))
@@ -239,6 +251,8 @@ def instrument(runtime: Runtime, service: InferenceService) -> None:
         # the whole prompt: the reply leaves out the prefix the requester sent or named
         tokens["prompt"] += response.prompt_prefix_tokens + len(response.prompt_token_ids)
         tokens["completion"] += len(response.completion_token_ids)
+        if response.timings.restarted_ms:
+            restarted[0] += 1
 
     def on_error(code: str) -> None:
         errors[code] += 1
@@ -263,6 +277,12 @@ def instrument(runtime: Runtime, service: InferenceService) -> None:
         "no_log, other_policy, unreadable)",
         lambda: {(reason,): float(n) for reason, n in service.versions_refused.items()},
         ["reason"],
+    )
+    runtime.counter(
+        "turnstile_inference_restarted_total",
+        "replies whose request a new policy version cut short and that were run again on it "
+        "(--swap-in-flight restart): their tokens of the old version dropped",
+        lambda: restarted[0],
     )
     runtime.gauge("turnstile_inference_in_flight", "requests being generated now", lambda: service.in_flight)
     held = service.held

@@ -166,3 +166,9 @@ class Timings(Contract):
     queued_ms: NonNegativeFloat = Field(default=0.0, allow_inf_nan=False)
     first_token_ms: NonNegativeFloat = Field(default=0.0, allow_inf_nan=False)
     total_ms: NonNegativeFloat = Field(default=0.0, allow_inf_nan=False)
+    restarted_ms: NonNegativeFloat = Field(
+        default=0.0,
+        allow_inf_nan=False,
+        description="time the request ran before a new policy version cut it short and it was run again on "
+        "that version (its tokens of the old version dropped; also counted in queued_ms); 0: it ran once",
+    )

@@ -67,6 +67,11 @@ class Backend(enum.StrEnum):
     scripted = "scripted"
 
 
+class SwapInFlight(enum.StrEnum):
+    restart = "restart"
+    drain = "drain"
+
+
 class Style(enum.StrEnum):
     individual = "individual"
     concat = "concat"

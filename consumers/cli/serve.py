@@ -22,13 +22,14 @@ from consumers.cli.common import (
     ReadTimeout,
     Retries,
     Reward,
+    SwapInFlight,
     Temperature,
     console,
     sampling,
     with_materializer_options,
 )
 from pipeline.errors import ConfigError
-from pipeline.inference import DEFAULT_BUDGET_BYTES
+from pipeline.inference import DEFAULT_BUDGET_BYTES, IN_FLIGHT_DEFAULT
 from pipeline.settings import Settings
 
 if TYPE_CHECKING:
@@ -62,6 +63,12 @@ def inference(
         help="torch backend: tokens fed to the model in one step, a token per running request plus prefill "
         "(a longer prompt is prefilled in chunks between decode steps); at least --max-batch",
     ),
+    swap_in_flight: SwapInFlight = typer.Option(
+        SwapInFlight(IN_FLIGHT_DEFAULT),
+        help="vllm: when a new policy version is loaded, the requests in flight are restarted on it (their "
+        "tokens of the old version dropped; the reply's timings.restarted_ms says so) or drained (finished "
+        "on the old version, which their replies name) before the swap; torch always drains",
+    ),
     held_mib: float = typer.Option(
         DEFAULT_BUDGET_BYTES / 2**20,
         min=0,
@@ -91,6 +98,7 @@ def inference(
         consumer_id=consumer_id,
         max_batch=max_batch,
         max_batch_tokens=max_batch_tokens,
+        in_flight=swap_in_flight.value,
         held_bytes=int(held_mib * 2**20),
         metrics_port=metrics_port,
         metrics_host=metrics_host,

@@ -3,7 +3,7 @@ with token-exact continuation and the engine backends' interface. The engines th
 (``backends.torch_backend``, ``backends.vllm_backend``) and the tiny local model (``tinymodel``) are
 imported by name: they need torch."""
 
-from pipeline.inference.backends import Backend, Generation
+from pipeline.inference.backends import IN_FLIGHT_DEFAULT, Backend, Generation, InFlight
 from pipeline.inference.chat import ChatRenderer, ChatTokenizer, Prompt, split_tool_calls
 from pipeline.inference.client import (
     CONSUMER_HEADER,
@@ -29,11 +29,13 @@ __all__ = [
     "CONSUMER_HEADER",
     "DEFAULT_BUDGET_BYTES",
     "HEARTBEAT_HEADER",
+    "IN_FLIGHT_DEFAULT",
     "QUEUE_GROUP",
     "Backend",
     "ChatRenderer",
     "ChatTokenizer",
     "Generation",
+    "InFlight",
     "InferenceError",
     "InferenceService",
     "InferenceTimeout",

@@ -335,6 +335,7 @@ class InferenceService:
                 queued_ms=round(max(0.0, generation.started_at - received) * 1000, 3),
                 first_token_ms=round(max(0.0, generation.first_token_at - received) * 1000, 3),
                 total_ms=round((now - received) * 1000, 3),
+                restarted_ms=round(generation.restarted_seconds * 1000, 3),
             ),
             prefix_break=generation.prefix_break,
             render_drift=generation.render_drift,

@@ -45,7 +45,7 @@ def check_event_fields(event: LogRow) -> None:
     ):
         raise ValueError(f"its parent_turn_id {recorded_parent!r} is not a uuid")
     timings = data.get("timings", {})
-    for name in ("queued_ms", "first_token_ms", "total_ms"):
+    for name in ("queued_ms", "first_token_ms", "total_ms", "restarted_ms"):
         value = timings.get(name, 0.0)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"its timings.{name} is {value!r}, not a number")

@@ -183,6 +183,8 @@ def render_transcript(
             f"{timings.total_ms:.1f} ms (queued {timings.queued_ms:.1f}, "
             f"first token {timings.first_token_ms:.1f})",
         ]
+        if timings.restarted_ms:
+            engine.append(f"restarted after {timings.restarted_ms:.1f} ms on an older version")
         parts.append(Text(SEPARATOR.join(numbers), style="dim"))
         parts.append(Text(SEPARATOR.join(engine), style="dim"))
     if tokens:

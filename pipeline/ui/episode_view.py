@@ -216,6 +216,8 @@ def episode_view(
             "queued": f"{timings.queued_ms:.1f} ms",
             "first token": f"{timings.first_token_ms:.1f} ms",
         }
+        if timings.restarted_ms:
+            numbers["restarted"] = f"after {timings.restarted_ms:.1f} ms on an older version"
         if turn.chat_template:
             numbers["chat template"] = turn.chat_template
         numbers.update(lineage_numbers(turn, materialized, index_of))

@@ -23,6 +23,7 @@ from pipeline.inference.chat import ChatRenderer
 from pipeline.inference.client import RequestRejected
 from schemas import ChatMessage, LLMRequest, SamplingParams, TokenPrefix
 from tests.support.reference import recomputed_logprobs
+from tests.support.waiting import wait_until
 
 # Reported as skipped, not left out, where vLLM is not installed (it has a virtualenv of its own: .ci/run).
 pytest.importorskip("vllm", reason="vLLM is not installed here; its tests run in .venv-vllm (see .ci/run)")
@@ -192,6 +193,15 @@ async def test_a_prompt_longer_than_the_context_is_rejected(backend: VllmBackend
     assert rejected.value.field == "messages"
 
 
+def scaled_checkpoint(model_dir: Path, directory: Path) -> Path:
+    """A copy of the model with its output layer tripled: same shapes (loaded in place), other logprobs."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    model.save_pretrained(str(directory))
+    return directory
+
+
 def eos_heavy_checkpoint(model_dir: Path, directory: Path) -> tuple[Path, int]:
     """A copy of the model (weights only) whose every step ends the turn with probability ~8%.
 
@@ -208,31 +218,68 @@ def eos_heavy_checkpoint(model_dir: Path, directory: Path) -> tuple[Path, int]:
     return directory, eos
 
 
-async def test_a_new_policy_version_is_loaded_without_dropping_requests_in_flight(
+async def running_mid_generation(
+    backend: VllmBackend, requests: list[LLMRequest]
+) -> list[asyncio.Task[Generation]]:
+    """``requests`` in flight, each with a few tokens generated: a short request admitted after them has
+    been answered (vLLM schedules the earlier ones in the same steps or before)."""
+    running = [asyncio.create_task(backend.generate(request)) for request in requests]
+    await wait_until(lambda: len(backend._in_flight) == len(requests), 60, "the requests to be admitted")
+    await backend.generate(ask("short", max_tokens=3, temperature=0))
+    assert not any(task.done() for task in running), "the requests finished before the swap: make them longer"
+    return running
+
+
+async def test_requests_in_flight_at_a_swap_restart_on_the_new_version_and_keep_none_of_the_old(
     backend: VllmBackend, model_dir: Path, tmp_path: Path
 ) -> None:
-    checkpoint, eos = eos_heavy_checkpoint(model_dir, tmp_path / "v1")
+    backend.in_flight = "restart"
+    checkpoint = scaled_checkpoint(model_dir, tmp_path / "v1")
+    long = [ask(f"long {i}", max_tokens=64, seed=i) for i in range(4)]
+    running = await running_mid_generation(backend, long)
+    await backend.load_version(1, str(checkpoint))
+    finished = await asyncio.gather(*running)
+    assert (backend.in_place_loads, backend.restarts) == (1, 0)  # into the running engine
+    for request, generation in zip(long, finished, strict=True):
+        # aborted with tokens of version 0, run again from the prompt on version 1, and tagged with it
+        assert generation.policy_version == 1
+        assert generation.restarted_seconds > 0
+        check_shape(generation, request, backend)
+        # every token from version 1's weights: none of version 0's partial completion was kept
+        expected = recomputed_logprobs(
+            checkpoint, generation.prompt_token_ids, generation.completion_token_ids
+        )
+        assert max_difference(generation.completion_logprobs, expected) <= 1e-4
+        old = recomputed_logprobs(model_dir, generation.prompt_token_ids, generation.completion_token_ids)
+        assert max_difference(generation.completion_logprobs, old) > 1e-2  # the versions are told apart
+
+
+async def test_requests_in_flight_at_a_swap_drain_on_the_old_version(
+    backend: VllmBackend, model_dir: Path, tmp_path: Path
+) -> None:
+    backend.in_flight = "drain"
+    serving, version = Path(backend.checkpoint), backend.policy_version + 1
+    checkpoint, eos = eos_heavy_checkpoint(model_dir, tmp_path / "eos")
     greedy = ask("hello", temperature=0, max_tokens=4)
     before = await backend.generate(greedy)
     long = [ask(f"long {i}", max_tokens=64, seed=i) for i in range(4)]
-    in_flight = [asyncio.create_task(backend.generate(request)) for request in long]
-    await asyncio.sleep(0.05)
-    await backend.load_version(1, str(checkpoint))
-    finished = await asyncio.gather(*in_flight)  # admitted before the swap: finished on version 0
-    assert [generation.policy_version for generation in finished] == [0, 0, 0, 0]
+    running = await running_mid_generation(backend, long)
+    loads = backend.in_place_loads
+    await backend.load_version(version, str(checkpoint))
+    finished = await asyncio.gather(*running)  # admitted before the swap: finished on the old version
+    assert [generation.policy_version for generation in finished] == [version - 1] * 4
     for request, generation in zip(long, finished, strict=True):
+        assert generation.restarted_seconds == 0
         check_shape(generation, request, backend)
-        # ... and produced by version 0's weights, every token of it
-        expected = recomputed_logprobs(
-            model_dir, generation.prompt_token_ids, generation.completion_token_ids
-        )
+        # ... and produced by the old version's weights, every token of it
+        expected = recomputed_logprobs(serving, generation.prompt_token_ids, generation.completion_token_ids)
         assert max_difference(generation.completion_logprobs, expected) <= 1e-4
-    assert backend.policy_version == 1
-    assert (backend.in_place_loads, backend.restarts) == (1, 0)  # into the running engine
+    assert backend.policy_version == version
+    assert (backend.in_place_loads, backend.restarts) == (loads + 1, 0)  # into the running engine
 
     # The same prompt as before the swap: vLLM's prefix cache must not answer it with version 0's KV blocks.
     after = await backend.generate(greedy)
-    assert after.policy_version == 1
+    assert after.policy_version == version
     assert after.prompt_token_ids == before.prompt_token_ids
     assert after.completion_logprobs != before.completion_logprobs
     expected = recomputed_logprobs(checkpoint, after.prompt_token_ids, after.completion_token_ids)
@@ -242,7 +289,7 @@ async def test_a_new_policy_version_is_loaded_without_dropping_requests_in_fligh
     requests = [ask("hello", seed=seed, max_tokens=100) for seed in range(4)]
     sampled = await asyncio.gather(*(backend.generate(request) for request in requests))
     for request, generation in zip(requests, sampled, strict=True):
-        assert generation.policy_version == 1
+        assert generation.policy_version == version
         assert generation.finish_reason == "stop"
         assert generation.completion_token_ids[-1] == eos
         assert "<|im_end|>" not in generation.text
@@ -287,15 +334,23 @@ async def test_a_checkpoint_of_another_shape_restarts_the_engine_and_is_served(
     config.intermediate_size *= 2  # in place is impossible: the MLP's tensors change shape
     torch.manual_seed(3)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "wider"))
-    loads_before = backend.in_place_loads
+    loads_before, serving = backend.in_place_loads, Path(backend.checkpoint)
     version = backend.policy_version + 1
+    backend.in_flight = "restart"  # across the engine restart too
     long = [ask(f"long {i}", max_tokens=48, seed=i) for i in range(3)]
     in_flight = [asyncio.create_task(backend.generate(request)) for request in long]
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: len(backend._in_flight) == len(long), 60, "the requests to be admitted")
     await backend.load_version(version, str(tmp_path / "wider"))
-    finished = await asyncio.gather(*in_flight)
-    assert {generation.policy_version for generation in finished} == {version - 1}  # none failed
+    finished = await asyncio.gather(*in_flight)  # none failed
     assert (backend.in_place_loads, backend.restarts) == (loads_before, 1)
+    weights = {version - 1: serving, version: tmp_path / "wider"}
+    for generation in finished:
+        # the old version ends a turn often: one may have finished before the swap, and says so
+        assert (generation.restarted_seconds > 0) == (generation.policy_version == version)
+        expected = recomputed_logprobs(
+            weights[generation.policy_version], generation.prompt_token_ids, generation.completion_token_ids
+        )
+        assert max_difference(generation.completion_logprobs, expected) <= 1e-4
 
     generation = await backend.generate(ask("hello", temperature=0, max_tokens=8))
     assert generation.policy_version == version

