@@ -30,7 +30,7 @@ from tests.support.harness import EXAMPLE_TASKS, SANDBOXES, SCRIPT, SHELL_AGENT,
 from tests.support.processes import running
 from tests.support.waiting import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.parametrize("sandbox", SANDBOXES)]
+pytestmark = [pytest.mark.harness, pytest.mark.parametrize("sandbox", SANDBOXES)]
 
 
 async def ending(store: EventStore, session_id: str) -> tuple[str, str | None, list[float]]:
