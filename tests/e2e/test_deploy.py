@@ -321,7 +321,7 @@ async def test_the_relay_publishes_batches_and_the_trainer_reads_them_and_publis
 
 EVENT = (
     "INSERT INTO events (position, stream, version, event_id, type, data, content_hash) "
-    "VALUES (1, 'episode-x', 1, gen_random_uuid(), 'EpisodeStarted', '{}', '\\x00')"
+    "VALUES (1, 'episode-x', 1, gen_random_uuid(), 'EpisodeStarted', '{\"episode_id\": \"x\"}', '\\x00')"
 )
 REFUSED = psycopg.errors.InsufficientPrivilege
 LOCK = f"SELECT pg_advisory_xact_lock({APPEND_LOCK})"  # appends hold it (migration 0007 checks)
@@ -791,7 +791,7 @@ def test_prometheus_scrapes_every_service_that_serves_metrics_and_grafana_is_pro
         if "--metrics-port" in args
     }
     assert set(serving_metrics) == {
-        "inference", "inference-gpu", "materializer", "relay", "trainer", "gateway", "runner"
+        "inference", "inference-gpu", "materializer", "relay", "trainer", "gateway-1", "gateway-2", "runner"
     }  # fmt: skip
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     scraped = {

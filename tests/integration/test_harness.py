@@ -203,12 +203,14 @@ async def test_ctrl_c_or_sigterm_ends_open_sessions_cancelled_and_stops_every_sa
 
 
 def sleeping(tmp_path: Path) -> int:
-    """How many ``sleep 600`` run with a working directory under ``tmp_path`` (the agents' commands)."""
+    """How many ``sleep 600`` run with a working directory under ``tmp_path`` (the agents' commands), or in
+    a sandbox's own ``/workspace`` (bwrap: /proc shows the path as the sandbox sees it)."""
     count = 0
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and (entry / "cmdline").read_bytes() == b"sleep\x00600\x00":
-                count += os.readlink(entry / "cwd").startswith(str(tmp_path))
+                cwd = os.readlink(entry / "cwd")
+                count += cwd.startswith(str(tmp_path)) or cwd == "/workspace"
         except OSError:
             continue
     return count

@@ -88,7 +88,7 @@ def seed(database_url: str) -> None:
         connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))  # appends hold the lock
         connection.execute(
             "INSERT INTO events (position, stream, version, event_id, type, data, content_hash) "
-            "VALUES (1, 'episode-e1', 1, %s, 'EpisodeStarted', '{}', '\\x00')",
+            "VALUES (1, 'episode-e1', 1, %s, 'EpisodeStarted', '{\"episode_id\": \"e1\"}', '\\x00')",
             (uuid.uuid4(),),
         )
         for position, (episode_id, row) in enumerate(EPISODES.items(), start=1):

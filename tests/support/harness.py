@@ -26,6 +26,14 @@ def admin_key(gateway: AgentGateway) -> str:
     return str(gateway.admin.headers["Authorization"]).removeprefix("Bearer ")
 
 
+def interpreter_mounts() -> dict[Path, str]:
+    """This Python (its virtualenv and the interpreter it was made from) and the examples, each mounted at its
+    own host path, so that ``SHELL_AGENT``'s host paths work inside an isolating sandbox (bwrap) too; what
+    the sandbox binds already (``/usr``) is left out."""
+    wanted = {Path(sys.prefix), Path(sys.base_prefix), REPOSITORY / "examples"}
+    return {path: str(path) for path in wanted if not str(path.resolve()).startswith("/usr")}
+
+
 def harness_config(gateway: AgentGateway, state_dir: Path, **settings: Any) -> HarnessConfig:
     """The command agent (examples/harness_shell_agent.py, unless ``agent`` is given) against ``gateway``, an
     owner of its own."""
@@ -33,6 +41,7 @@ def harness_config(gateway: AgentGateway, state_dir: Path, **settings: Any) -> H
         "owner": f"test-{os.getpid()}-{state_dir.name}",
         "concurrency": 2,
         "agent": agent_spec("command", SHELL_AGENT),
+        "mounts": interpreter_mounts(),
     } | settings
     return HarnessConfig(
         gateway=gateway.url,

@@ -125,6 +125,7 @@ class BubblewrapSandbox:
         """Lay out the host directory and listen for the gateway."""
         for folder in STATE_FOLDERS:
             (self.directory / "root" / folder).mkdir(parents=True)
+        (self.directory / "root" / HOME.lstrip("/")).mkdir()
         forwarder.install(self.socket_dir)
         if not self.spec.allow_internet:
             socket_path = str(self.socket_dir / forwarder.SOCKET)
@@ -137,8 +138,7 @@ class BubblewrapSandbox:
             args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
         args += ["--bind", str(self.spec.workspace), WORKDIR, "--ro-bind", str(self.socket_dir), RUN]
         for folder in sorted((self.directory / "root").iterdir()):
-            inside = HOME if folder.name == "home" else f"/{folder.name}"
-            args += ["--bind", str(folder), inside]
+            args += ["--bind", str(folder), f"/{folder.name}"]  # /home too: HOME and any other user's
         for source, target in self.spec.mounts.items():
             args += ["--ro-bind", str(source), target]
         return args
@@ -194,11 +194,11 @@ class BubblewrapSandbox:
         rest = parts[1] if len(parts) > 1 else ""
         if parts[0] == "workspace":
             return self.spec.workspace / rest
-        if path == HOME or path.startswith(HOME + "/"):
-            return self.directory / "root" / "home" / posixpath.relpath(path, HOME)
         read_only = [
             t for t in self.spec.mounts.values() if path == t or path.startswith(t.rstrip("/") + "/")
         ]
+        if parts[0] == "home" and rest and not read_only:  # /home is the sandbox's own (HOME is in it)
+            return self.directory / "root" / "home" / rest
         if not parts[0] or parts[0] in RESERVED or parts[0] == "home" or read_only:
             raise SandboxError(
                 f"bubblewrap: {inside!r} is read-only inside the sandbox; copy under /workspace"
