@@ -219,8 +219,15 @@ class ChatRenderer:
         if prefix.ids and prefix.ids[-1] in self.stop_ids:
             ids = self._without_end_sequence(ids)
         prompt = Chain.of(prefix.ids).then(ids).tolist()  # the engines take a list; a held prefix is a Chain
-        drift = self.full(request) != prompt if self.check_drift else None
-        return Prompt(prompt, render_drift=drift)
+        if not self.check_drift:
+            return Prompt(prompt)
+        full = self.full(request)
+        if ids and full[-len(ids) :] != ids:
+            # the glue or the new messages are not what the template renders for them in this conversation
+            # (Gemma 4's thought channel, R1 distills' tool outputs, Command-R7b's end sequence): never
+            # silently wrong, the template's own render marked prefix_break
+            return Prompt(full, prefix_break=True, render_drift=False)
+        return Prompt(prompt, render_drift=full != prompt)
 
     def continuation(self, new: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
         """The text that follows an assistant message's content when ``new`` comes next: its closing glue,
