@@ -17,7 +17,10 @@ and the prompt is rendered in full and marked ``prefix_break``. A template whose
 not local is never continued. When the completion ended on one of the engine's stop tokens, the template's
 own end sequence (the special tokens it writes after an assistant's content, e.g. Command-R's
 ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``, and whitespace before them) is not added again where the glue
-starts with it: never two end markers at the seam. Tool-call arguments reach the template as JSON objects,
+starts with it: never two end markers at the seam. And a continued turn whose new tokens are not the tail of
+the template's own full render (made anyway for ``render_drift``) falls back to that render, marked
+``prefix_break``: what no stand-in can hold (the continued message's own tool calls) cannot make a turn
+silently wrong. Tool-call arguments reach the template as JSON objects,
 as vLLM passes them, unless the template expects text.
 """
 
@@ -143,8 +146,10 @@ class ChatRenderer:
 
     ``stop_ids``: the tokens the engine stops on (``generation_config.eos_token_id``, which may list several);
     by default the tokenizer's ``eos_token_id``. ``check_drift``: also render each continued request in full
-    and say whether that differs from the continued prompt (``Prompt.render_drift``): where re-tokenizing
-    the conversation would have changed what the policy saw. It costs a full render per continued turn.
+    and say whether that differs from the continued prompt (``Prompt.render_drift``), where re-tokenizing
+    the conversation would have changed what the policy saw; and fall back to that full render, marked
+    ``prefix_break``, where the continued new part is not its tail. It costs a full render per continued
+    turn; without it, only the stand-in histories guard a continuation.
     """
 
     def __init__(
