@@ -42,6 +42,16 @@ _BASE_ASSISTANT: Final = "\u2063turnstile-base-assistant\u2063"
 _STAND_IN_ID: Final = "call_0"
 """The stand-in tool-call id when the new messages name none (else their own ids' format is copied)."""
 _REASONING: Final = "\u2063turnstile-base-reasoning\u2063"
+_NOTE: Final = "\u2063turnstile-base-note\u2063"
+
+
+def _as_user_note(message: dict[str, Any]) -> dict[str, Any]:
+    """A system message after the conversation began, for a template that cannot render one there: a user
+    message holding its text in ``<system-reminder>`` tags (see ``ChatRenderer.system_in_place``)."""
+    return {
+        "role": "user",
+        "content": f"<system-reminder>\n{message.get('content') or ''}\n</system-reminder>",
+    }
 
 
 def _stand_ins(call_id: str, *, after_call: bool) -> tuple[list[dict[str, Any]], ...]:
@@ -165,6 +175,7 @@ class ChatRenderer:
         self._arguments: str | None = None
         self._closers: frozenset[int] | None = None
         self._local: bool | None = None
+        self._system_in_place: bool | None = None
 
     def render(
         self,
@@ -201,7 +212,31 @@ class ChatRenderer:
         return self._arguments
 
     def messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
-        return message_dicts(messages, arguments=self.arguments)
+        dicts = message_dicts(messages, arguments=self.arguments)
+        if self.system_in_place or not dicts:
+            return dicts
+        return [dicts[0], *(_as_user_note(m) if m["role"] == "system" else m for m in dicts[1:])]
+
+    @property
+    def system_in_place(self) -> bool:
+        """Whether the template renders a ``system`` message after the conversation began where it stands.
+        A template that raises on one there (Qwen3.5: "System message must be at the beginning") or drops it
+        (MiniMax-M2, gpt-oss) gets the nearest equivalent: a user message holding the note in
+        ``<system-reminder>`` tags, as Claude Code writes its own reminders, so a later note still extends
+        the prompt instead of being lost or failing the request."""
+        if self._system_in_place is None:
+            probe = [
+                {"role": "user", "content": _BASE_USER},
+                {"role": "assistant", "content": _BASE_ASSISTANT},
+                {"role": "system", "content": _NOTE},
+                {"role": "user", "content": _BASE_USER},
+            ]
+            try:
+                rendered = self.render(probe, None, add_generation_prompt=True)
+            except Exception:  # a template that refuses a system message there
+                rendered = ""
+            self._system_in_place = _NOTE in rendered
+        return self._system_in_place
 
     def full(self, request: LLMRequest) -> list[int]:
         text = self.render(
@@ -215,9 +250,8 @@ class ChatRenderer:
             return Prompt(self.full(request), render_drift=False)
         if prefix.message_count >= len(request.messages) or not self.local:
             return Prompt(self.full(request), prefix_break=True, render_drift=False)
-        tail = self.continuation(
-            self.messages(request.messages[prefix.message_count :]), tool_dicts(request.tools)
-        )
+        new = self.messages(request.messages)[prefix.message_count :]  # a note's form depends on its place
+        tail = self.continuation(new, tool_dicts(request.tools))
         if tail is None:
             return Prompt(self.full(request), prefix_break=True, render_drift=False)
         ids = self.tokenizer.encode(tail, add_special_tokens=False)

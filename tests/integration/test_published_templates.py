@@ -18,6 +18,7 @@ from pipeline.inference.chat import ChatRenderer
 from schemas import ChatMessage, LLMRequest, TokenPrefix
 from tests.integration.test_templates import SCRIPT, TOOLS, assert_new_part_is_the_templates_own
 from tests.support.published_templates import PUBLISHED, Published, tokenizer_for
+from tests.support.real_templates import tokenizer_with_template
 
 EXPECTED = {
     "mistralai-Mistral-Nemo-Instruct-2407": "flagged",
@@ -120,3 +121,51 @@ def test_a_six_call_tool_conversation_is_continued_exactly_or_flagged(published:
     # the start-up diagnosis agrees: a template it finds not local is never continued, and the reverse
     assert renderer.local == (continued > 0)
     assert renderer.local == (not [p for p in diagnosis if "prefix_break" in p or "cannot render" in p])
+
+
+REFUSES_SYSTEM = """{%- for m in messages -%}
+{%- if m.role == 'system' and not loop.first -%}
+{{- raise_exception('System message must be at the beginning.') -}}
+{%- endif -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt -%}<|im_start|>assistant
+{% endif -%}"""
+"""Hand-made: ChatML that raises on a system message after the first message, as Qwen3.5's does."""
+
+
+@pytest.mark.parametrize(
+    ("name", "tokenizer_name"),
+    [("hand-made", "qwen"), ("Qwen3.5-4B", "qwen3"), ("Apertus-8B-Instruct", "qwen")],
+)
+def test_a_system_note_mid_conversation_becomes_a_user_note_and_later_ones_extend_the_prompt(
+    name: str, tokenizer_name: str
+) -> None:
+    """Templates that refuse a system message after the first get the note as a user message in
+    ``<system-reminder>`` tags where it stands: each later note continues the prompt token for token."""
+    if name == "hand-made":
+        tokenizer = tokenizer_with_template(tokenizer_name, "qwen2.5-instruct")
+        tokenizer.chat_template = REFUSES_SYSTEM
+    else:
+        tokenizer = tokenizer_for(Published(name, tokenizer_name, ("<|im_end|>",)))
+    renderer = ChatRenderer(tokenizer, stop_ids={tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    assert not renderer.system_in_place
+    messages = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi.")]
+    prefix: TokenPrefix | None = None
+    for turn in range(3):
+        request = LLMRequest(policy="p", messages=messages, prefix=prefix)
+        prompt = renderer.prompt(request)
+        if prefix is not None:
+            assert not prompt.prefix_break
+            assert prompt.token_ids[: len(prefix.token_ids)] == prefix.token_ids
+            assert_new_part_is_the_templates_own(renderer, request, prompt.token_ids, len(prefix.token_ids))
+            assert f"<system-reminder>\n{turn} tokens left\n</system-reminder>" in tokenizer.decode(
+                prompt.token_ids
+            )
+        reply = ChatMessage(role="assistant", content=f"Reply {turn}.")
+        end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ids = [*tokenizer.encode(f"Reply {turn}.", add_special_tokens=False), end]
+        prefix = TokenPrefix(token_ids=[*prompt.token_ids, *ids], message_count=len(messages) + 1)
+        note = ChatMessage(role="system", content=f"{turn + 1} tokens left")
+        messages = [*messages, reply, note, ChatMessage(role="user", content="Go on.")]
