@@ -17,7 +17,10 @@ and the prompt is rendered in full and marked ``prefix_break``. A template whose
 not local is never continued. When the completion ended on one of the engine's stop tokens, the template's
 own end sequence (the special tokens it writes after an assistant's content, e.g. Command-R's
 ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``, and whitespace before them) is not added again where the glue
-starts with it: never two end markers at the seam. Tool-call arguments reach the template as JSON objects,
+starts with it: never two end markers at the seam. And a continued turn whose new tokens are not the tail of
+the template's own full render (made anyway for ``render_drift``) falls back to that render, marked
+``prefix_break``: what no stand-in can hold (the continued message's own tool calls) cannot make a turn
+silently wrong. Tool-call arguments reach the template as JSON objects,
 as vLLM passes them, unless the template expects text.
 """
 
@@ -39,6 +42,16 @@ _BASE_ASSISTANT: Final = "\u2063turnstile-base-assistant\u2063"
 _STAND_IN_ID: Final = "call_0"
 """The stand-in tool-call id when the new messages name none (else their own ids' format is copied)."""
 _REASONING: Final = "\u2063turnstile-base-reasoning\u2063"
+_NOTE: Final = "\u2063turnstile-base-note\u2063"
+
+
+def _as_user_note(message: dict[str, Any]) -> dict[str, Any]:
+    """A system message after the conversation began, for a template that cannot render one there: a user
+    message holding its text in ``<system-reminder>`` tags (see ``ChatRenderer.system_in_place``)."""
+    return {
+        "role": "user",
+        "content": f"<system-reminder>\n{message.get('content') or ''}\n</system-reminder>",
+    }
 
 
 def _stand_ins(call_id: str, *, after_call: bool) -> tuple[list[dict[str, Any]], ...]:
@@ -143,8 +156,10 @@ class ChatRenderer:
 
     ``stop_ids``: the tokens the engine stops on (``generation_config.eos_token_id``, which may list several);
     by default the tokenizer's ``eos_token_id``. ``check_drift``: also render each continued request in full
-    and say whether that differs from the continued prompt (``Prompt.render_drift``): where re-tokenizing
-    the conversation would have changed what the policy saw. It costs a full render per continued turn.
+    and say whether that differs from the continued prompt (``Prompt.render_drift``), where re-tokenizing
+    the conversation would have changed what the policy saw; and fall back to that full render, marked
+    ``prefix_break``, where the continued new part is not its tail. It costs a full render per continued
+    turn; without it, only the stand-in histories guard a continuation.
     """
 
     def __init__(
@@ -160,6 +175,7 @@ class ChatRenderer:
         self._arguments: str | None = None
         self._closers: frozenset[int] | None = None
         self._local: bool | None = None
+        self._system_in_place: bool | None = None
 
     def render(
         self,
@@ -196,7 +212,31 @@ class ChatRenderer:
         return self._arguments
 
     def messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
-        return message_dicts(messages, arguments=self.arguments)
+        dicts = message_dicts(messages, arguments=self.arguments)
+        if self.system_in_place or not dicts:
+            return dicts
+        return [dicts[0], *(_as_user_note(m) if m["role"] == "system" else m for m in dicts[1:])]
+
+    @property
+    def system_in_place(self) -> bool:
+        """Whether the template renders a ``system`` message after the conversation began where it stands.
+        A template that raises on one there (Qwen3.5: "System message must be at the beginning") or drops it
+        (MiniMax-M2, gpt-oss) gets the nearest equivalent: a user message holding the note in
+        ``<system-reminder>`` tags, as Claude Code writes its own reminders, so a later note still extends
+        the prompt instead of being lost or failing the request."""
+        if self._system_in_place is None:
+            probe = [
+                {"role": "user", "content": _BASE_USER},
+                {"role": "assistant", "content": _BASE_ASSISTANT},
+                {"role": "system", "content": _NOTE},
+                {"role": "user", "content": _BASE_USER},
+            ]
+            try:
+                rendered = self.render(probe, None, add_generation_prompt=True)
+            except Exception:  # a template that refuses a system message there
+                rendered = ""
+            self._system_in_place = _NOTE in rendered
+        return self._system_in_place
 
     def full(self, request: LLMRequest) -> list[int]:
         text = self.render(
@@ -210,17 +250,23 @@ class ChatRenderer:
             return Prompt(self.full(request), render_drift=False)
         if prefix.message_count >= len(request.messages) or not self.local:
             return Prompt(self.full(request), prefix_break=True, render_drift=False)
-        tail = self.continuation(
-            self.messages(request.messages[prefix.message_count :]), tool_dicts(request.tools)
-        )
+        new = self.messages(request.messages)[prefix.message_count :]  # a note's form depends on its place
+        tail = self.continuation(new, tool_dicts(request.tools))
         if tail is None:
             return Prompt(self.full(request), prefix_break=True, render_drift=False)
         ids = self.tokenizer.encode(tail, add_special_tokens=False)
         if prefix.ids and prefix.ids[-1] in self.stop_ids:
             ids = self._without_end_sequence(ids)
         prompt = Chain.of(prefix.ids).then(ids).tolist()  # the engines take a list; a held prefix is a Chain
-        drift = self.full(request) != prompt if self.check_drift else None
-        return Prompt(prompt, render_drift=drift)
+        if not self.check_drift:
+            return Prompt(prompt)
+        full = self.full(request)
+        if ids and full[-len(ids) :] != ids:
+            # the glue or the new messages are not what the template renders for them in this conversation
+            # (Gemma 4's thought channel, R1 distills' tool outputs, Command-R7b's end sequence): never
+            # silently wrong, the template's own render marked prefix_break
+            return Prompt(full, prefix_break=True, render_drift=False)
+        return Prompt(prompt, render_drift=full != prompt)
 
     def continuation(self, new: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
         """The text that follows an assistant message's content when ``new`` comes next: its closing glue,
