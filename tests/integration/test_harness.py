@@ -19,6 +19,7 @@ from rich.console import Console
 
 from consumers.harness import serve_harness
 from pipeline.harness import HarnessStats, HarnessTask, backend, load_tasks, run_harness
+from pipeline.harness.backends.hostdirs import read_owner
 from pipeline.harness.backends.process import sandboxes_root
 from pipeline.log import EventStore
 from pipeline.runners import TASKS_STREAM, TaskSpec, submit_tasks, task_subject
@@ -26,7 +27,15 @@ from pipeline.settings import jetstream
 from schemas import EpisodeFinished, EpisodeStarted, RewardAssigned
 from tests.conftest import Servers
 from tests.support.agent_gateway import AgentGateway, agent_gateway, episode_events
-from tests.support.harness import EXAMPLE_TASKS, SANDBOXES, SCRIPT, SHELL_AGENT, admin_key, harness_config
+from tests.support.harness import (
+    EXAMPLE_TASKS,
+    SANDBOXES,
+    SCRIPT,
+    SHELL_AGENT,
+    admin_key,
+    harness_config,
+    mount_options,
+)
 from tests.support.processes import running
 from tests.support.waiting import wait_until
 
@@ -48,8 +57,15 @@ async def open_sessions(gateway: AgentGateway) -> list[object]:
 
 
 def owned_sandboxes(owner: str, tmp: Path | None = None) -> list[Path]:
-    directory = (tmp / "turnstile-sandboxes" if tmp else sandboxes_root()) / owner
-    return sorted(directory.iterdir()) if directory.is_dir() else []
+    """The sandbox directories of ``owner``: ``<root>/<owner>/*`` (none) or ``<root>/sandbox-*`` whose owner
+    file names it (bwrap, docker)."""
+    root = tmp / "turnstile-sandboxes" if tmp else sandboxes_root()
+    mine = sorted((root / owner).iterdir()) if (root / owner).is_dir() else []
+    for directory in root.glob("sandbox-*") if root.is_dir() else []:
+        found = read_owner(directory)
+        if found is not None and found.label == owner:
+            mine.append(directory)
+    return mine
 
 
 async def test_a_task_the_agent_solves_gets_1_and_one_it_fails_gets_0_in_groups(
@@ -139,6 +155,7 @@ async def test_a_harness_killed_mid_run_leaves_nothing_after_the_next_run(
             sys.executable, "-m", "consumers.cli", "harness", "run", "--agent", "command",
             "--agent-command", SHELL_AGENT, "--sandbox", sandbox, "--gateway", gateway.url,
             "--policy", gateway.policy, "--owner", "killed", "--concurrency", "2", "--group-size", "2",
+            *mount_options(),
         ]  # fmt: skip
         async with running(*command, str(waiting), env=env, stdout=asyncio.subprocess.DEVNULL) as harness:
             # both agents called the model and run `sleep 600` in their sandboxes
@@ -184,7 +201,8 @@ async def test_ctrl_c_or_sigterm_ends_open_sessions_cancelled_and_stops_every_sa
         command = [
             sys.executable, "-m", "consumers.cli", "harness", "run", "--agent", "command",
             "--agent-command", SHELL_AGENT, "--sandbox", sandbox, "--gateway", gateway.url,
-            "--policy", gateway.policy, "--owner", "stopped", "--group-size", "2", str(waiting),
+            "--policy", gateway.policy, "--owner", "stopped", "--group-size", "2", *mount_options(),
+            str(waiting),
         ]  # fmt: skip
         async with running(*command, env=env, stderr=asyncio.subprocess.PIPE) as harness:
             await wait_until(lambda: sleeping(tmp_path) == 2, 120, "the agents' commands running")

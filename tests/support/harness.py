@@ -34,6 +34,11 @@ def interpreter_mounts() -> dict[Path, str]:
     return {path: str(path) for path in wanted if not str(path.resolve()).startswith("/usr")}
 
 
+def mount_options() -> list[str]:
+    """``interpreter_mounts`` as ``turnstile harness run --mount`` options."""
+    return [arg for host, inside in interpreter_mounts().items() for arg in ("--mount", f"{host}:{inside}")]
+
+
 def harness_config(gateway: AgentGateway, state_dir: Path, **settings: Any) -> HarnessConfig:
     """The command agent (examples/harness_shell_agent.py, unless ``agent`` is given) against ``gateway``, an
     owner of its own."""
