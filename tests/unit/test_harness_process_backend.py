@@ -80,7 +80,8 @@ async def test_a_missing_mount_source_is_a_sandbox_error_and_an_unknown_backend_
 ) -> None:
     with pytest.raises(SandboxError, match=r"mount source .* is not a directory"):
         await ProcessBackend(tmp_path).start(spec(tmp_path, mounts={tmp_path / "nope": "/opt/x"}))
-    with pytest.raises(ConfigError, match="unknown sandbox backend 'lxc': choose one of none"):
+    known = "bwrap, docker, kubernetes, none"
+    with pytest.raises(ConfigError, match=f"unknown sandbox backend 'lxc': choose one of {known}"):
         backend("lxc")
     assert backend("none").name == "none"
 
