@@ -39,6 +39,7 @@ def run_demo(data_dir: Path, batches: int) -> dict[str, object]:
 
 
 @pytest.mark.slow
+@pytest.mark.demo  # about 3 minutes: a step of its own in .ci/run, so the main run stays near 15
 def test_the_demo_learns_and_every_trained_batch_traces_back_to_its_turns(server_dir: Path) -> None:
     data_dir = server_dir / ".turnstile"  # where the README's commands after the demo look
     first = run_demo(data_dir, 40)
