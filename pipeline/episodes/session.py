@@ -136,6 +136,35 @@ class EpisodeSession:
         stream moved on by deliveries only is made again (``_only_deliveries_since``)."""
 
     @classmethod
+    def like(
+        cls,
+        started: EpisodeStarted,
+        store: Store,
+        llm: LLMClient,
+        *,
+        max_turns: int | None = None,
+        runner_id: str | None = None,
+    ) -> EpisodeSession:
+        """A session (not started) for the episode ``started`` describes: its policy, task, agent, ids,
+        group, sampling, tags and retry (a replica catching up, a rerun of the recording)."""
+        return cls(
+            store,
+            llm,
+            policy=started.policy,
+            task=started.task,
+            task_id=started.task_id,
+            agent=started.agent,
+            episode_id=started.episode_id,
+            group_id=started.group_id,
+            group_size=started.group_size,
+            sampling=started.sampling,
+            tags=started.tags,
+            retry_of=started.retry_of,
+            max_turns=max_turns,
+            runner_id=runner_id,
+        )
+
+    @classmethod
     def from_log(
         cls,
         store: Store,
@@ -153,22 +182,7 @@ class EpisodeSession:
                 f"{recorded[0].stream if recorded else 'the stream'} holds no EpisodeStarted"
             )
         started = recorded[0].event
-        session = cls(
-            store,
-            llm,
-            policy=started.policy,
-            task=started.task,
-            task_id=started.task_id,
-            agent=started.agent,
-            episode_id=started.episode_id,
-            group_id=started.group_id,
-            group_size=started.group_size,
-            sampling=started.sampling,
-            tags=started.tags,
-            retry_of=started.retry_of,
-            max_turns=max_turns,
-            runner_id=runner_id,
-        )
+        session = cls.like(started, store, llm, max_turns=max_turns, runner_id=runner_id)
         session.started = started
         session.shared = True
         session._started_at -= max(0.0, time.time() - recorded[0].recorded_at.timestamp())

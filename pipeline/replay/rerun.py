@@ -283,19 +283,10 @@ async def rerun_episode(
     # An episode that ended in error because an LLM call failed holds no turn for that call.
     llm_failed = ending == "error" and bool(LLM_FAILURE.match(recorded_error))
     client = RecordedLLM(recorded, complete=ending in COMPLETE_ENDINGS and not llm_failed)
-    session = EpisodeSession(
+    session = EpisodeSession.like(
+        started,
         InMemoryStore(),  # a dry run: nothing reaches the log
         client,
-        policy=started.policy,
-        task=started.task,
-        task_id=started.task_id,
-        agent=started.agent,
-        episode_id=started.episode_id,
-        group_id=started.group_id,
-        group_size=started.group_size,
-        sampling=started.sampling,
-        tags=started.tags,
-        retry_of=started.retry_of,
         max_turns=len(recorded) if ending == "max_turns" else None,
     )
     outcome = await run_episode(agent, session, timeout=timeout)
