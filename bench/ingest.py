@@ -27,11 +27,13 @@ a tool result; varied per event), 1,000 prompt token ids, 200 completion token i
 from a fixed seed. ``--delta-turns T``: episodes of T turns as an agent records them (DESIGN.md, a turn
 records what it adds to its parent): the first turn whole as above, each later one only its new tool result
 (800 characters, ``DELTA_PROMPT_TOKENS`` new prompt ids) and its reply (a tool call, 200 completion ids and
-logprobs); each appender then writes whole episodes, each a stream of its own, one after the other. Every event is built before the clock starts; the same events are used by every
-measurement, and the tables are truncated before each one so every level starts from an empty log.
+logprobs); each appender then writes whole episodes, each a stream of its own, one after the other.
+Every event is built before the clock starts; the same events are used by every measurement, and the
+tables are truncated before each one so every level starts from an empty log.
 
 After each measurement the table's size on disk (``pg_total_relation_size``: heap, TOAST and indexes) and
-the WAL written are divided by the events recorded: "B/event" and "WAL B/event".
+the WAL written are divided by the events recorded: "B/event" and "WAL B/event". ``--without-index NAME``:
+each level again with that index of ``events`` dropped (created again after), what it costs the appends.
 
 Server: ``TURNSTILE_DATABASE_URL`` if set, else an embedded PostgreSQL in a temporary directory (under
 ``--tmp-dir``; it should be on a real disk, since fsync on tmpfs is free). Either way the run works in
@@ -53,7 +55,8 @@ import sys
 import time
 import uuid
 from array import array
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -326,6 +329,7 @@ async def copy_baseline(
 
 
 UNGUARDED = "without the append guard"
+WITHOUT = "without"
 COPIED = "COPY path"
 
 # --- the event store -----------------------------------------------------------------------------
@@ -382,6 +386,26 @@ async def store_level(
     return Measurement(label, len(events), seconds, transactions, cpu_us, size)
 
 
+@asynccontextmanager
+async def index_dropped(url: str, index: str) -> AsyncIterator[None]:
+    """The block without index ``index`` of ``events``; it is created again (as it was) after."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
+        cursor = await connection.execute(
+            "SELECT pg_get_indexdef(indexrelid) FROM pg_index WHERE indrelid = 'events'::regclass "
+            "AND indexrelid::regclass::text = %s",
+            (index,),
+        )
+        row = await cursor.fetchone()
+        if row is None:
+            raise SystemExit(f"--without-index {index}: events has no such index (\\d events lists them)")
+        await connection.execute(f'DROP INDEX "{index}"')
+        try:
+            yield
+        finally:
+            await truncate(url, "events")  # so the index is built over an empty table
+            await connection.execute(row[0])
+
+
 # --- the run -------------------------------------------------------------------------------------
 
 
@@ -412,6 +436,15 @@ async def measure(
                 )
                 results.append(replace(result, ratio=result.rate / baseline.rate))
                 note(f"round {round_ + 1}: {level} appenders, {COPIED} {result.rate:,.0f} events/s")
+            for index in args.without_index:
+                async with index_dropped(url, index):
+                    result = await store_level(
+                        url, events[:size], level, meter, episode_turns=args.delta_turns
+                    )
+                results.append(
+                    replace(result, label=f"{level} {WITHOUT} {index}", ratio=result.rate / baseline.rate)
+                )
+                note(f"round {round_ + 1}: {level} appenders without {index} {result.rate:,.0f} events/s")
         if args.guard_cost:
             level = max(args.levels)
             size = level_size(level, args)
@@ -521,6 +554,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0,
         help="episodes of this many turns, each after the first recording only what it adds (0: every turn "
         "whole, each appender one stream)",
+    )
+    add(
+        "--without-index",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also measure each level with this index of events dropped (repeatable), e.g. events_turn_text",
     )
     add("--seed", type=int, default=1234, help="seed of the payload (default 1234)")
     add(

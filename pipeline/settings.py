@@ -109,7 +109,7 @@ def parse_policy_urls(text: str) -> dict[str, str]:
         policy, equals, url = entry.partition("=")
         if not equals or not POLICY_NAME.fullmatch(policy) or not url:
             raise ConfigError(
-                f"TURNSTILE_DATABASE_URLS entry {entry!r}: write policy=postgresql://user@host:port/database, "
+                f"TURNSTILE_DATABASE_URLS entry {entry!r}: write policy=postgresql://user@host:port/db, "
                 "entries apart by spaces (policy names: letters, digits, '_' and '-')"
             )
         if policy in found:
