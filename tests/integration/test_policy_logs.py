@@ -112,7 +112,9 @@ async def test_gateway_records_each_policy_in_its_own_log_and_each_log_is_batche
     servers: Servers, database_url: str, second_log: str, policies: tuple[str, str]
 ) -> None:
     shared, apart = policies
-    settings = Settings(database_url=database_url, database_urls=f"{apart}={second_log}")
+    # a third policy in the same log: the gateway opens one store and one lease there, not two
+    mapping = f"{apart}={second_log} idle{uuid.uuid4().hex[:8]}={second_log}"
+    settings = Settings(database_url=database_url, database_urls=mapping)
     config = GatewayConfig(
         settings.require_database_url(),
         servers.nats_url,
