@@ -24,8 +24,16 @@ hundreds of appends per transaction ("events/tx"). The target is a ratio of at l
 
 The payload per event: about 2,000 characters of chat messages (system, user, an assistant tool call and
 a tool result; varied per event), 1,000 prompt token ids, 200 completion token ids and 200 logprobs,
-from a fixed seed. Every event is built before the clock starts; the same events are used by every
-measurement, and the tables are truncated before each one so every level starts from an empty log.
+from a fixed seed. ``--delta-turns T``: episodes of T turns as an agent records them (DESIGN.md, a turn
+records what it adds to its parent): the first turn whole as above, each later one only its new tool result
+(800 characters, ``DELTA_PROMPT_TOKENS`` new prompt ids) and its reply (a tool call, 200 completion ids and
+logprobs); each appender then writes whole episodes, each a stream of its own, one after the other.
+Every event is built before the clock starts; the same events are used by every measurement, and the
+tables are truncated before each one so every level starts from an empty log.
+
+After each measurement the table's size on disk (``pg_total_relation_size``: heap, TOAST and indexes) and
+the WAL written are divided by the events recorded: "B/event" and "WAL B/event". ``--without-index NAME``:
+each level again with that index of ``events`` dropped (created again after), what it costs the appends.
 
 Server: ``TURNSTILE_DATABASE_URL`` if set, else an embedded PostgreSQL in a temporary directory (under
 ``--tmp-dir``; it should be on a real disk, since fsync on tmpfs is free). Either way the run works in
@@ -33,6 +41,7 @@ a scratch database ``bench_<random>`` that is dropped at the end.
 
     python bench/ingest.py                      # defaults: levels 1,64,512
     python bench/ingest.py --events 50000 --repeat 3 --levels 64,512
+    python bench/ingest.py --levels 64,512 --delta-turns 32 --events 32768   # docs/scale.md
 """
 
 from __future__ import annotations
@@ -46,7 +55,8 @@ import sys
 import time
 import uuid
 from array import array
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -67,6 +77,9 @@ from common import summary as print_summary
 VOCAB_SIZE = 151_936
 PROMPT_TOKENS = 1_000
 COMPLETION_TOKENS = 200
+DELTA_PROMPT_TOKENS = 250
+"""New prompt ids of a turn that continues its parent: the chat template's glue and an 800-character tool
+result."""
 TARGET_RATIO = 0.70
 TARGET_LEVEL = 512
 BASELINE = "COPY"
@@ -90,12 +103,24 @@ class Measurement:
     transactions: int
     cpu_us: dict[str, float]
     """CPU microseconds per event (row) by process: this one, and PostgreSQL where it is embedded."""
+    size: Size
     ratio: float = 1.0
     """events/s divided by the rows/s of the COPY baseline measured in the same round."""
 
     @property
     def rate(self) -> float:
         return self.rows / self.seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Size:
+    """What the rows of a measurement take, per row: on disk (heap, TOAST and indexes) and in the WAL."""
+
+    total: float
+    table: float
+    """Heap and TOAST."""
+    indexes: float
+    wal: float
 
 
 # --- payload -------------------------------------------------------------------------------------
@@ -144,10 +169,55 @@ def make_turn(rng: random.Random, words: Sequence[str]) -> TurnCompleted:
     )
 
 
-def make_events(count: int, seed: int) -> list[TurnCompleted]:
+def make_delta_turn(rng: random.Random, words: Sequence[str], parent: TurnCompleted) -> TurnCompleted:
+    """A turn that continues ``parent`` after its tool call: only the tool's result and the new reply are
+    recorded, the rest is counted in ``prefix_messages`` and ``prefix_tokens``."""
+    call = ToolCall(
+        id=f"call_{rng.getrandbits(48):012x}",
+        function=FunctionCall(name="search_docs", arguments=f'{{"query": "{make_text(rng, words, 60)}"}}'),
+    )
+    previous_call = parent.reply.tool_calls[0].id if parent.reply.tool_calls else call.id
+    return TurnCompleted(
+        parent_turn_id=parent.turn_id,
+        prefix_messages=parent.prefix_messages + len(parent.request.messages) + 1,
+        prefix_tokens=parent.prefix_tokens + len(parent.prompt_token_ids) + len(parent.completion_token_ids),
+        request=TurnRequest(
+            messages=[
+                ChatMessage(role="tool", tool_call_id=previous_call, content=make_text(rng, words, 800))
+            ]
+        ),
+        reply=TurnReply(text=make_text(rng, words, 120), tool_calls=[call], finish_reason="tool_calls"),
+        prompt_token_ids=token_ids(rng, DELTA_PROMPT_TOKENS),
+        completion_token_ids=token_ids(rng, COMPLETION_TOKENS),
+        completion_logprobs=[-rng.expovariate(2.0) for _ in range(COMPLETION_TOKENS)],
+        policy_version=parent.policy_version,
+        engine_id=parent.engine_id,
+        event_id=uuid.UUID(int=rng.getrandbits(128), version=4),
+        turn_id=uuid.UUID(int=rng.getrandbits(128), version=4),
+    )
+
+
+def make_events(count: int, seed: int, episode_turns: int = 0) -> list[TurnCompleted]:
+    """``count`` turns; with ``episode_turns``, episodes of that many one after the other, each a whole
+    turn followed by turns that continue it."""
     rng = random.Random(seed)
     words = make_words(rng)
-    return [make_turn(rng, words) for _ in range(count)]
+    events: list[TurnCompleted] = []
+    for index in range(count):
+        whole = not episode_turns or index % episode_turns == 0
+        events.append(make_turn(rng, words) if whole else make_delta_turn(rng, words, events[-1]))
+    return events
+
+
+def episodes_of(
+    events: Sequence[TurnCompleted], concurrency: int, index: int, episode_turns: int
+) -> list[Sequence[TurnCompleted]]:
+    """What appender ``index`` of ``concurrency`` writes, one stream each: every ``concurrency``-th event
+    in one stream, or with ``episode_turns`` every ``concurrency``-th episode."""
+    if not episode_turns:
+        return [events[index::concurrency]]
+    episodes = [events[start : start + episode_turns] for start in range(0, len(events), episode_turns)]
+    return episodes[index::concurrency]
 
 
 # --- server and scratch database -----------------------------------------------------------------
@@ -208,6 +278,24 @@ async def create_baseline_table(url: str, indexed: bool, default_storage: bool) 
             await connection.execute(f"ALTER TABLE copy_baseline ALTER COLUMN {column} SET STORAGE {mode}")
 
 
+async def wal_position(url: str) -> str:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
+        row = await (await connection.execute("SELECT pg_current_wal_lsn()::text")).fetchone()
+    return str(row[0]) if row else "0/0"
+
+
+async def measure_size(url: str, table: str, rows: int, wal_before: str) -> Size:
+    """Bytes per row of ``table`` on disk and of the WAL written since ``wal_before``."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
+        cursor = await connection.execute(
+            "SELECT pg_total_relation_size(%s), pg_table_size(%s), pg_indexes_size(%s), "
+            "pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)",
+            (table, table, table, wal_before),
+        )
+        total, heap, indexes, wal = await cursor.fetchone() or (0, 0, 0, 0)
+    return Size(*(float(value) / max(rows, 1) for value in (total, heap, indexes, wal)))
+
+
 async def truncate(url: str, table: str) -> None:
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
         await connection.execute(f"TRUNCATE {table}")
@@ -223,6 +311,7 @@ async def copy_baseline(
     await truncate(url, "copy_baseline")
     statement = f"COPY copy_baseline ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
     transactions = 0
+    wal_before = await wal_position(url)
     async with await psycopg.AsyncConnection.connect(url) as connection:
         connection.adapters.register_dumper(JsonText, JsonTextBinaryDumper)
         meter.start()
@@ -234,20 +323,25 @@ async def copy_baseline(
                     await copy.write_row(row)
             transactions += 1
         seconds = time.perf_counter() - started
-    return Measurement(BASELINE, len(rows), seconds, transactions, meter.per(len(rows)))
+    cpu_us = meter.per(len(rows))
+    size = await measure_size(url, "copy_baseline", len(rows), wal_before)
+    return Measurement(BASELINE, len(rows), seconds, transactions, cpu_us, size)
 
 
 UNGUARDED = "without the append guard"
+WITHOUT = "without"
 COPIED = "COPY path"
 
 # --- the event store -----------------------------------------------------------------------------
 
 
-async def appender(store: EventStore, events: Sequence[TurnCompleted]) -> None:
-    """One writer of one stream: one event per append, each expecting the version the last one left."""
-    stream = f"episode-{uuid.uuid4().hex}"
-    for version, event in enumerate(events):
-        await store.append(stream, [event], expected_version=version)
+async def appender(store: EventStore, episodes: Sequence[Sequence[TurnCompleted]]) -> None:
+    """One writer of one stream at a time: one event per append, each expecting the version the last one
+    left."""
+    for events in episodes:
+        stream = f"episode-{uuid.uuid4().hex}"
+        for version, event in enumerate(events):
+            await store.append(stream, [event], expected_version=version)
 
 
 async def warm_up(store: EventStore, event: TurnCompleted) -> None:
@@ -264,6 +358,7 @@ async def store_level(
     *,
     guard: bool = True,
     one_round_trip: bool = True,
+    episode_turns: int = 0,
 ) -> Measurement:
     await truncate(url, "events")
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
@@ -273,20 +368,42 @@ async def store_level(
     try:
         await warm_up(store, events[0])
         before = store.stats.transactions
+        wal_before = await wal_position(url)
         meter.start()
         started = time.perf_counter()
         async with asyncio.TaskGroup() as group:
             for index in range(concurrency):
-                group.create_task(appender(store, events[index::concurrency]))
+                group.create_task(appender(store, episodes_of(events, concurrency, index, episode_turns)))
         seconds = time.perf_counter() - started
         cpu_us = meter.per(len(events))
         transactions = store.stats.transactions - before
     finally:
         await store.close()
+    size = await measure_size(url, "events", len(events) + 1, wal_before)  # + 1: the warm-up's event
     label = str(concurrency) if guard else f"{concurrency} {UNGUARDED}"
     if not one_round_trip:
         label = f"{label} {COPIED}"
-    return Measurement(label, len(events), seconds, transactions, cpu_us)
+    return Measurement(label, len(events), seconds, transactions, cpu_us, size)
+
+
+@asynccontextmanager
+async def index_dropped(url: str, index: str) -> AsyncIterator[None]:
+    """The block without index ``index`` of ``events``; it is created again (as it was) after."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
+        cursor = await connection.execute(
+            "SELECT pg_get_indexdef(indexrelid) FROM pg_index WHERE indrelid = 'events'::regclass "
+            "AND indexrelid::regclass::text = %s",
+            (index,),
+        )
+        row = await cursor.fetchone()
+        if row is None:
+            raise SystemExit(f"--without-index {index}: events has no such index (\\d events lists them)")
+        await connection.execute(f'DROP INDEX "{index}"')
+        try:
+            yield
+        finally:
+            await truncate(url, "events")  # so the index is built over an empty table
+            await connection.execute(row[0])
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -309,17 +426,31 @@ async def measure(
         results.append(baseline)
         note(f"round {round_ + 1}: {BASELINE} {baseline.rate:,.0f} rows/s")
         for level in args.levels:
-            result = await store_level(url, events[: level_size(level, args)], level, meter)
+            size = level_size(level, args)
+            result = await store_level(url, events[:size], level, meter, episode_turns=args.delta_turns)
             results.append(replace(result, ratio=result.rate / baseline.rate))
             note(f"round {round_ + 1}: {level} appenders {result.rate:,.0f} events/s")
             if args.copy_path:
-                size = level_size(level, args)
-                result = await store_level(url, events[:size], level, meter, one_round_trip=False)
+                result = await store_level(
+                    url, events[:size], level, meter, one_round_trip=False, episode_turns=args.delta_turns
+                )
                 results.append(replace(result, ratio=result.rate / baseline.rate))
                 note(f"round {round_ + 1}: {level} appenders, {COPIED} {result.rate:,.0f} events/s")
+            for index in args.without_index:
+                async with index_dropped(url, index):
+                    result = await store_level(
+                        url, events[:size], level, meter, episode_turns=args.delta_turns
+                    )
+                results.append(
+                    replace(result, label=f"{level} {WITHOUT} {index}", ratio=result.rate / baseline.rate)
+                )
+                note(f"round {round_ + 1}: {level} appenders without {index} {result.rate:,.0f} events/s")
         if args.guard_cost:
             level = max(args.levels)
-            result = await store_level(url, events[: level_size(level, args)], level, meter, guard=False)
+            size = level_size(level, args)
+            result = await store_level(
+                url, events[:size], level, meter, guard=False, episode_turns=args.delta_turns
+            )
             results.append(replace(result, ratio=result.rate / baseline.rate))
             note(f"round {round_ + 1}: {level} appenders {UNGUARDED} {result.rate:,.0f} events/s")
     return results
@@ -340,9 +471,11 @@ def print_report(results: Sequence[Measurement], args: argparse.Namespace) -> No
     several = args.repeat > 1
     table = Table(
         title="durable TurnCompleted ingest" + (f": median of {args.repeat} rounds" if several else ""),
-        caption="x COPY: events/s ÷ COPY rows/s of the same round; CPU: µs per event (row) by process",
+        caption="x COPY: events/s ÷ COPY rows/s of the same round; CPU: µs per event (row) by process; "
+        "B/event: the table on disk (heap + TOAST, indexes) per event; WAL: bytes written per event",
     )
-    for column in ["level", "events", "seconds", "events/s", "x COPY", "tx", "events/tx", "CPU us/event"]:
+    columns = ["level", "events", "seconds", "events/s", "x COPY", "tx", "events/tx", "CPU us/event"]
+    for column in [*columns, "B/event (heap, indexes)", "WAL B/event"]:
         table.add_column(column, justify="right")
     if several:
         table.add_column("each round: events/s (x COPY)", justify="right")
@@ -356,6 +489,8 @@ def print_report(results: Sequence[Measurement], args: argparse.Namespace) -> No
             f"{run.transactions:,}",
             f"{run.rows / run.transactions:.1f}",
             cpu_text(run.cpu_us),
+            f"{run.size.total:,.0f} ({run.size.table:,.0f}, {run.size.indexes:,.0f})",
+            f"{run.size.wal:,.0f}",
         ]
         each = "  ".join(f"{one.rate:,.0f} ({one.ratio:.2f})" for one in rounds)
         table.add_row(*cells, *([each] if several else []))
@@ -375,13 +510,16 @@ def print_report(results: Sequence[Measurement], args: argparse.Namespace) -> No
 
 
 def describe_payload(events: Sequence[TurnCompleted]) -> str:
-    sample = [encode_event(event) for event in events[:200]]
-    data = statistics.mean(len(item.data) for item in sample)
-    tokens = statistics.mean(len(item.tokens or b"") for item in sample)
-    chars = statistics.mean(
-        sum(len(m.content or "") for m in event.request.messages) for event in events[:200]
+    sample = events[:1024]
+    encoded = [encode_event(event) for event in sample]
+    data = statistics.mean(len(item.data) for item in encoded)
+    tokens = statistics.mean(len(item.tokens or b"") for item in encoded)
+    chars = statistics.mean(sum(len(m.content or "") for m in event.request.messages) for event in sample)
+    whole = sum(1 for event in sample if event.parent_turn_id is None)
+    return (
+        f"{chars:,.0f} message chars, {data:,.0f} B JSON + {tokens:,.0f} B tokens per event; "
+        f"{whole / len(sample):.0%} whole turns"
     )
-    return f"{chars:,.0f} message chars, {data:,.0f} B JSON + {tokens:,.0f} B tokens per event"
 
 
 def parse_levels(text: str) -> list[int]:
@@ -410,6 +548,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="COPY into a table LIKE events INCLUDING ALL (with its indexes) instead of a bare one",
     )
+    add(
+        "--delta-turns",
+        type=int,
+        default=0,
+        help="episodes of this many turns, each after the first recording only what it adds (0: every turn "
+        "whole, each appender one stream)",
+    )
+    add(
+        "--without-index",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also measure each level with this index of events dropped (repeatable), e.g. events_turn_text",
+    )
     add("--seed", type=int, default=1234, help="seed of the payload (default 1234)")
     add(
         "--guard-cost",
@@ -426,6 +578,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.events, args.events_at_1, args.repeat, args.copy_chunk) < 1:
         parser.error("--events, --events-at-1, --repeat and --copy-chunk must be at least 1")
+    if args.delta_turns < 0:
+        parser.error("--delta-turns must be 0 (off) or more")
     return args
 
 
@@ -433,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     count = max(level_size(level, args) for level in args.levels)
     started = time.perf_counter()
-    events = make_events(count, args.seed)
+    events = make_events(count, args.seed, args.delta_turns)
     elapsed = time.perf_counter() - started
     note(f"built {count:,} events in {elapsed:.1f} s: {describe_payload(events)}")
     with postgres_server(args.tmp_dir) as (server_url, postgres_pid), scratch_database(server_url) as url:

@@ -11,8 +11,8 @@ recorded with them and a stop leaves them open.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
@@ -23,6 +23,7 @@ from consumers.runtime import (
     METRICS_HOST,
     Connections,
     episode_services,
+    policy_logs,
     running,
     serve_until_stopped,
 )
@@ -62,10 +63,17 @@ class GatewayConfig:
     metrics_host: str = METRICS_HOST
     max_body_bytes: int = MAX_BODY_BYTES
     read_timeout: float = READ_TIMEOUT
+    policy_database_urls: Mapping[str, str] = field(default_factory=dict)
+    """Policies recorded in a database of their own (TURNSTILE_DATABASE_URLS); the others in database_url."""
 
     def __post_init__(self) -> None:
         if not self.admin_key:
             raise ConfigError("the gateway needs an admin key (it protects session creation)")
+        if self.shared_sessions and self.policy_database_urls:
+            raise ConfigError(
+                "--shared-sessions takes sessions up from one log: unset TURNSTILE_DATABASE_URLS, or run "
+                "gateway replicas for each policy's log apart (docs/scale.md)"
+            )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port must be 0 to 65535, got {self.port}")
         if self.capacity is not None and self.capacity < 1:
@@ -107,6 +115,7 @@ async def serve_gateway(
             "gateway", stop=stop, metrics_port=config.metrics_port, metrics_host=config.metrics_host
         ) as runtime,
         episode_services(connections) as services,
+        policy_logs(config.policy_database_urls, services, connections) as policy_stores,
     ):
         if services.recovered:
             console.print(
@@ -125,6 +134,7 @@ async def serve_gateway(
             runner_id=services.lease.runner_id,
             public_url=config.public_url,
             shared=shared,
+            policy_stores=policy_stores,
         )
 
         def metered(app: Any) -> RequestMetrics:

@@ -33,7 +33,16 @@ import random
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Final, Protocol, TypeVar
@@ -567,3 +576,30 @@ async def episode_services(
                 await connection.drain()
     finally:
         await store.close()
+
+
+@contextlib.asynccontextmanager
+async def policy_logs(
+    urls: Mapping[str, str], services: EpisodeServices, connections: Connections
+) -> AsyncIterator[dict[str, EventStore]]:
+    """A store for each policy with a log of its own (TURNSTILE_DATABASE_URLS, docs/scale.md), by policy.
+
+    Each of those databases gets what ``episode_services`` gives the default one: the episodes a stopped
+    runner or gateway left open there closed ``aborted``, and a lease under ``services``' runner id (the id
+    its sessions record wherever they are written), so that if this process dies its sessions in every log
+    are closed by whoever starts next on that log. Policies that share a database share one store; one in
+    the default database uses ``services.store``."""
+    default = connections.database_url
+    async with contextlib.AsyncExitStack() as stack:
+        by_url: dict[str, EventStore] = {default: services.store}
+        for url in dict.fromkeys(urls.values()):
+            if url in by_url:
+                continue
+            store = await connect_store(url, connect_for=connections.connect_for)
+            assert store is not None  # None only when stopped, and no stop event was given
+            stack.push_async_callback(store.close)
+            await close_abandoned_episodes(store, lease_timeout=connections.lease_timeout)
+            lease = RunnerLease(store, runner_id=services.lease.runner_id, interval=services.lease.interval)
+            await stack.enter_async_context(lease)
+            by_url[url] = store
+        yield {policy: by_url[url] for policy, url in urls.items()}

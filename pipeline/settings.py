@@ -20,6 +20,12 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TURNSTILE_", extra="ignore")
 
     database_url: str | None = Field(default=None, description="PostgreSQL URL; unset: embedded servers")
+    database_urls: str = Field(
+        default="",
+        description="logs of their own for some policies, 'policy=postgresql://... other=postgresql://...' "
+        "(entries apart by whitespace): a policy named here is recorded in, and read from, its database; any "
+        "other policy in database_url (docs/scale.md)",
+    )
     reader_url: str | None = Field(
         default=None, description="PostgreSQL URL for readers (`turnstile sql`); unset: database_url"
     )
@@ -44,7 +50,15 @@ class Settings(BaseSettings):
                 break
         return found
 
-    def require_database_url(self) -> str:
+    def policy_database_urls(self) -> dict[str, str]:
+        """TURNSTILE_DATABASE_URLS as policy -> URL (``parse_policy_urls``)."""
+        return parse_policy_urls(self.database_urls)
+
+    def require_database_url(self, policy: str | None = None) -> str:
+        """The log of ``policy``: its own database where TURNSTILE_DATABASE_URLS names one, else the
+        database of every other policy (TURNSTILE_DATABASE_URL, or that of a running `turnstile up`)."""
+        if policy is not None and (url := self.policy_database_urls().get(policy)):
+            return url
         if not self.database_url and (url := self.running_servers().get("TURNSTILE_DATABASE_URL")):
             return url
         if not self.database_url:
@@ -81,6 +95,28 @@ class Settings(BaseSettings):
                 "or start embedded servers with `turnstile up` (in this directory, or export what it prints)"
             )
         return self.nats_url
+
+
+POLICY_NAME = re.compile(r"[A-Za-z0-9_-]+")
+"""What a policy may be called: a token of NATS subjects (``llm.<policy>.requests``)."""
+
+
+def parse_policy_urls(text: str) -> dict[str, str]:
+    """``policy=url`` entries apart by whitespace (a URL holds none; commas are libpq's host lists) as a
+    mapping, each URL checked to be PostgreSQL's; ConfigError naming the entry that is not."""
+    found: dict[str, str] = {}
+    for entry in text.split():
+        policy, equals, url = entry.partition("=")
+        if not equals or not POLICY_NAME.fullmatch(policy) or not url:
+            raise ConfigError(
+                f"TURNSTILE_DATABASE_URLS entry {entry!r}: write policy=postgresql://user@host:port/db, "
+                "entries apart by spaces (policy names: letters, digits, '_' and '-')"
+            )
+        if policy in found:
+            raise ConfigError(f"TURNSTILE_DATABASE_URLS names policy {policy!r} twice; give it one database")
+        sqlalchemy_url(url)  # refuses what is not a PostgreSQL URL, naming it
+        found[policy] = url
+    return found
 
 
 def sqlalchemy_url(url: str) -> str:

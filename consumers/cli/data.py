@@ -31,6 +31,12 @@ if TYPE_CHECKING:
 def rematerialize(
     name: str = typer.Option(..., help="the rebuild's name: its tables go to schema rm_<name>"),
     replace: bool = typer.Option(False, help="drop an earlier rebuild of that name first"),
+    policy: str = typer.Option(
+        None,
+        help="the policy whose log is rebuilt: its database in TURNSTILE_DATABASE_URLS (docs/scale.md) "
+        "\\[default: TURNSTILE_DATABASE_URL]",
+        show_default=False,
+    ),
     config: MaterializerConfig | None = None,
 ) -> None:
     """Rebuild read models and batches from position 0 into schema rm_NAME; the log and the live
@@ -44,7 +50,7 @@ def rematerialize(
     if name == "main":
         raise ConfigError("'main' is the live materializer; give the rebuild another --name")
     assert config is not None  # with_materializer_options gives it
-    done = asyncio.run(rebuild(Settings().require_database_url(), config, replace=replace))
+    done = asyncio.run(rebuild(Settings().require_database_url(policy), config, replace=replace))
     console.print(
         f"rebuilt [bold]{name}[/bold] up to position {done.position} in schema {config.schema}; "
         f'query it with turnstile sql --schema {name} "SELECT ..."'

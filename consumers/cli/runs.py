@@ -59,7 +59,7 @@ def run(
     if connect_timeout < 0:
         raise ConfigError(f"--connect-timeout must be 0 (one attempt) or more, got {connect_timeout:g}")
     connections = Connections(
-        settings.require_database_url(), settings.require_nats_url(), connect_for=connect_timeout
+        settings.require_database_url(policy), settings.require_nats_url(), connect_for=connect_timeout
     )
     loaded = load_agent(agent)
     reward_fn = load_reward_function(reward) if reward else None

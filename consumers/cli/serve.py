@@ -36,11 +36,11 @@ if TYPE_CHECKING:
     from pipeline.materialize import MaterializerConfig
 
 
-def optional_database_url() -> str | None:
-    """The log's URL if one is set (or `turnstile up` runs here), else None: an inference consumer without one
-    serves its first weights and refuses every version (it cannot check them against the log)."""
+def optional_database_url(policy: str) -> str | None:
+    """The policy's log's URL if one is set (or `turnstile up` runs here), else None: an inference consumer
+    without one serves its first weights and refuses every version (it cannot check them against the log)."""
     try:
-        return Settings().require_database_url()
+        return Settings().require_database_url(policy)
     except ConfigError:
         return None
 
@@ -103,7 +103,7 @@ def inference(
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         script=script,
-        database_url=optional_database_url(),
+        database_url=optional_database_url(policy),
     )
     application, service = create_app(config)
     console.print(
@@ -150,7 +150,7 @@ def runner(
         raise ConfigError(f"--max-batches-ahead must be 0 or more, got {max_batches_ahead}")
     settings = Settings()
     connections = Connections(
-        settings.require_database_url(),
+        settings.require_database_url(policy),
         settings.require_nats_url(),
         heartbeat_timeout=heartbeat_timeout,
         lease_timeout=lease_timeout,
@@ -183,9 +183,16 @@ def runner(
     console.print("runner stopped")
 
 
+POLICY_LOG_HELP = (
+    "the policy whose log this is: its database in TURNSTILE_DATABASE_URLS (docs/scale.md) \\[default: "
+    "TURNSTILE_DATABASE_URL]"
+)
+
+
 @with_materializer_options
 def materializer(
     name: str = typer.Option("main", help="the read models' name (main: the public tables)"),
+    policy: str = typer.Option(None, help=POLICY_LOG_HELP, show_default=False),
     metrics_port: MetricsPort = None,
     metrics_host: MetricsHost = METRICS_HOST,
     config: MaterializerConfig | None = None,
@@ -200,7 +207,10 @@ def materializer(
     console.print(f"materializer {name!r} running ({config.semantics()})")
     done = run(
         serve_materializer(
-            Settings().require_database_url(), config, metrics_port=metrics_port, metrics_host=metrics_host
+            Settings().require_database_url(policy),
+            config,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
         )
     )
     console.print(f"materializer stopped at position {done.position}")
@@ -208,6 +218,7 @@ def materializer(
 
 def relay(
     schema: str = typer.Option("public", help="the schema whose batch_outbox is published"),
+    policy: str = typer.Option(None, help=POLICY_LOG_HELP, show_default=False),
     poll_interval: float = typer.Option(
         1.0, help="seconds between passes when no NOTIFY wakes the relay sooner"
     ),
@@ -232,7 +243,7 @@ def relay(
     setup_logging()
     settings = Settings()
     config = RelayConfig(
-        settings.require_database_url(),
+        settings.require_database_url(policy),
         settings.require_nats_url(),
         schema=schema,
         poll_interval=poll_interval,
@@ -299,7 +310,7 @@ def trainer(
     setup_logging()
     settings = Settings()
     config = TrainerConfig(
-        database_url=settings.require_database_url(),
+        database_url=settings.require_database_url(policy),
         nats_url=settings.require_nats_url(),
         policy=policy,
         model=model_dir,
@@ -394,6 +405,7 @@ def gateway(
     settings = Settings()
     config = GatewayConfig(
         database_url=settings.require_database_url(),
+        policy_database_urls=settings.policy_database_urls(),
         nats_url=settings.require_nats_url(),
         admin_key=admin_key,
         policy_default=policy_default,

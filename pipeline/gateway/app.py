@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -46,12 +46,14 @@ def create_gateway(
     runner_id: str | None = None,
     public_url: str | None = None,
     shared: SharedSessions | None = None,
+    policy_stores: Mapping[str, Store] | None = None,
 ) -> FastAPI:
     """The gateway app; its ``Gateway`` is ``app.state.gateway`` (also ``gateway_of(app)``).
 
     With no ``store``/``llm`` and no ``admin_key`` it serves only sessions registered in ``registry``
     (how ``pipeline.runners.proxy`` runs one inside a runner). With ``shared``, its sessions are served by
-    any replica that shares the bucket (``pipeline.gateway.replicas``).
+    any replica that shares the bucket (``pipeline.gateway.replicas``). ``policy_stores``: the logs of the
+    policies that have one of their own (docs/scale.md); every other policy is recorded in ``store``.
     """
     gateway = Gateway(
         store,
@@ -67,6 +69,7 @@ def create_gateway(
         runner_id=runner_id,
         public_url=public_url,
         shared=shared,
+        policy_stores=policy_stores,
     )
 
     @contextlib.asynccontextmanager

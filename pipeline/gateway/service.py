@@ -18,7 +18,7 @@ import dataclasses
 import hmac
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -136,8 +136,11 @@ class Gateway:
         runner_id: str | None = None,
         public_url: str | None = None,
         shared: SharedSessions | None = None,
+        policy_stores: Mapping[str, Store] | None = None,
     ) -> None:
         self.store = store
+        self.policy_stores = dict(policy_stores or {})
+        """The logs of policies recorded apart from the others (docs/scale.md), by policy."""
         self.llm = llm
         self.registry = registry if registry is not None else SessionRegistry()
         self.admin_digest = key_digest(admin_key) if admin_key else None
@@ -157,6 +160,8 @@ class Gateway:
         if shared is not None:
             if store is None or llm is None:
                 raise TurnstileError("a gateway that shares its sessions needs a store and an LLM client")
+            if self.policy_stores:  # a replica takes a session up from the one log it reads
+                raise TurnstileError("a gateway that shares its sessions records every policy in one log")
             timeouts = (idle_timeout, gone_after)
             self.replicas = Replicas(shared, store, llm, self.registry, timeouts=timeouts)
 
@@ -234,12 +239,17 @@ class Gateway:
     def _retry_after(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, round(self.retry_after)))}
 
+    def store_for(self, policy: str) -> Store | None:
+        """The log ``policy`` is recorded in: its own, or the one of every other policy."""
+        return self.policy_stores.get(policy, self.store)
+
     async def published_version(self, policy: str) -> int | None:
-        """The newest PolicyVersionPublished of ``policy`` in the log (looked up at most once a second)."""
+        """The newest PolicyVersionPublished of ``policy`` in its log (looked up at most once a second)."""
         checked_at, version = self._published.get(policy, (float("-inf"), None))
-        if self.store is None or time.monotonic() - checked_at < STALENESS_CACHE_S:
+        store = self.store_for(policy)
+        if store is None or time.monotonic() - checked_at < STALENESS_CACHE_S:
             return version
-        events = await self.store.read_stream(f"policy-{policy}")
+        events = await store.read_stream(f"policy-{policy}")
         versions = [r.event.version for r in events if isinstance(r.event, PolicyVersionPublished)]
         version = max(versions, default=None)
         self._published[policy] = (time.monotonic(), version)
@@ -253,12 +263,14 @@ class Gateway:
         policy = spec.policy or self.policy_default
         if policy is None:
             raise GatewayError(400, "no policy: give 'policy' (this gateway has no default)", param="policy")
+        store = self.store_for(policy)
+        assert store is not None  # self.store is not None, checked above
         self.check_capacity()
         self._starting += 1  # a slot held while the session starts, so concurrent starts cannot overfill
         try:
             await self.check_staleness(policy)
             session = EpisodeSession(
-                self.store,
+                store,
                 self.llm,
                 policy=policy,
                 task=spec.task,
