@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -43,6 +44,7 @@ from pipeline.harness.agents import host_values as agent_host_values
 from pipeline.harness.report import Attempt, HarnessStats
 from pipeline.harness.sandbox import ExecResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from pipeline.harness.tasks import HarnessTask
+from schemas import SamplingParams
 
 log = logging.getLogger(__name__)
 OUTPUT_TAIL = 600
@@ -68,6 +70,8 @@ class HarnessConfig:
     tags: dict[str, str] = field(default_factory=dict)
     mounts: dict[Path, str] = field(default_factory=dict)
     """More host directories mounted read-only in every sandbox (host -> inside), e.g. a command's venv."""
+    sampling: SamplingParams | None = None
+    """The sessions' sampling defaults: what the agent's calls leave out (e.g. ``max_tokens``)."""
 
     def check(self) -> None:
         for name, value, least in (
@@ -148,6 +152,27 @@ class Harness:
         async with asyncio.TaskGroup() as group:
             for _ in range(size):
                 group.create_task(self._member(task, group_id, size))
+
+    async def run_continuously(
+        self, tasks: list[HarnessTask], pace: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """The tasks in turn, one group after another, until cancelled (a closed loop: ``turnstile demo
+        --harness``): enough groups in flight to fill every slot, each new group after ``pace`` (the
+        learner's backlog) lets it start."""
+        if not tasks:
+            raise ConfigError("no tasks to run")
+        turn = itertools.cycle(tasks)
+
+        async def groups() -> None:
+            while True:
+                if pace is not None:
+                    await pace()
+                await self.run_group(next(turn))
+
+        in_flight = -(-self.config.concurrency // self.config.group_size)  # ceil: every slot busy
+        async with asyncio.TaskGroup() as group:
+            for _ in range(in_flight):
+                group.create_task(groups())
 
     async def _member(self, task: HarnessTask, group_id: str, group_size: int) -> None:
         retry_of: str | None = None
@@ -235,6 +260,8 @@ class Harness:
         }
         if self.config.policy:
             spec["policy"] = self.config.policy
+        if self.config.sampling is not None:
+            spec["sampling"] = self.config.sampling.model_dump(mode="json")
         return spec
 
     @contextlib.contextmanager
@@ -361,6 +388,23 @@ def read_reward(logs: Path, ran: ExecResult) -> float:
     )
 
 
+@contextlib.asynccontextmanager
+async def opened_harness(
+    config: HarnessConfig, backend: SandboxBackend, stats: HarnessStats | None = None
+) -> AsyncIterator[tuple[Harness, Recovered]]:
+    """A harness holding the owner's lock, with what a dead harness of this owner left cleaned up; the lock
+    and the gateway client are released on the way out."""
+    config.check()
+    admin = AdminClient(config.gateway, config.admin_key)
+    harness = Harness(config, backend, admin, stats)
+    harness.journal.acquire(config.owner)
+    try:
+        yield harness, await harness.recover()
+    finally:
+        harness.journal.release()
+        await admin.close()
+
+
 async def run_harness(
     config: HarnessConfig,
     tasks: list[HarnessTask],
@@ -370,16 +414,8 @@ async def run_harness(
     on_start: Callable[[Harness, Recovered], None] | None = None,
 ) -> Harness:
     """Take the owner's lock, clean up what a dead harness of this owner left, run every task."""
-    config.check()
-    admin = AdminClient(config.gateway, config.admin_key)
-    harness = Harness(config, backend, admin, stats)
-    harness.journal.acquire(config.owner)
-    try:
-        recovered = await harness.recover()
+    async with opened_harness(config, backend, stats) as (harness, recovered):
         if on_start is not None:
             on_start(harness, recovered)
         await harness.run(tasks)
-    finally:
-        harness.journal.release()
-        await admin.close()
     return harness

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.harness import HarnessConfig, agent_spec
+from pipeline.harness import HarnessConfig, agent_spec, python_mounts
 from tests.support.agent_gateway import AgentGateway
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -27,11 +27,9 @@ def admin_key(gateway: AgentGateway) -> str:
 
 
 def interpreter_mounts() -> dict[Path, str]:
-    """This Python (its virtualenv and the interpreter it was made from) and the examples, each mounted at its
-    own host path, so that ``SHELL_AGENT``'s host paths work inside an isolating sandbox (bwrap) too; what
-    the sandbox binds already (``/usr``) is left out."""
-    wanted = {Path(sys.prefix), Path(sys.base_prefix), REPOSITORY / "examples"}
-    return {path: str(path) for path in wanted if not str(path.resolve()).startswith("/usr")}
+    """This Python and the examples, each mounted at its own host path, so that ``SHELL_AGENT``'s host paths
+    work inside an isolating sandbox (bwrap) too."""
+    return python_mounts() | {REPOSITORY / "examples": str(REPOSITORY / "examples")}
 
 
 def mount_options() -> list[str]:
