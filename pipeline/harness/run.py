@@ -224,6 +224,7 @@ class Harness:
         assert attempt.session_id is not None
         with self._timed(attempt, "agent"):
             ran = await self._run_agent(task, sandbox, api_key)
+        attempt.exit_code = None if ran.timed_out else ran.exit_code
         described = await self.admin.describe(attempt.session_id)
         attempt.turns = int(described.get("turns", 0))
         attempt.tokens = int(described.get("prompt_tokens", 0)) + int(described.get("completion_tokens", 0))
