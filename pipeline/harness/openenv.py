@@ -43,7 +43,7 @@ from pipeline.harness.run import Harness, HarnessConfig, opened_harness
 from pipeline.harness.sandbox import SandboxBackend
 from pipeline.harness.tasks import HarnessTask, load_tasks, queued_task
 from pipeline.log import EventStore
-from schemas import SamplingParams, TurnCompleted
+from schemas import SamplingParams, TurnCompleted, TurnDelivered
 
 T = TypeVar("T")
 
@@ -122,17 +122,22 @@ class TurnstileSession(ResourceSession):
     ) -> None:
         self.factory, self.task, self.rollout_id = factory, task, rollout_id
         self._episode = factory.start(_attempt(factory.harness, task, group_id))
+        self._ended: Attempt | None = None
 
     @property
     def attempt(self) -> Attempt:
         """The finished episode (waited for)."""
-        return self.factory.run(_finished(self._episode, None))
+        return self._ended or self._wait(None)
+
+    def _wait(self, timeout_s: float | None) -> Attempt:
+        self._ended = self.factory.run(_finished(self._episode, timeout_s))
+        return self._ended
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
         """The agent's exit status once the episode (agent, verifier, reward, end) is over. ``TimeoutError``
         when the agent ran past its limit (the episode ends ``timeout``) or ``timeout_s`` passed (the
         episode goes on; ``close`` cancels it); ``RolloutFailed`` when the infrastructure failed."""
-        attempt = self.factory.run(_finished(self._episode, timeout_s))
+        attempt = self._wait(timeout_s)
         if attempt.outcome == "timeout":
             raise TimeoutError(attempt.cause)
         if attempt.outcome in ("error", "cancelled"):
@@ -145,8 +150,15 @@ class TurnstileSession(ResourceSession):
         if session_id is None:
             raise RolloutFailed(f"no episode was started: {self.attempt.cause}")
         recorded = self.factory.run(self.factory.store.read_stream(f"episode-{session_id}"))
-        episode = fold_episode([r.event for r in recorded if r.event is not None])
-        return TrainingTrace(turns=[training_turn(turn, session_id) for turn in episode.turns])
+        events = [r.event for r in recorded if r.event is not None]
+        # a gateway records a turn before its reply reaches the agent, and says so with its next event
+        handed = {i for event in events if isinstance(event, TurnDelivered) for i in event.turn_ids}
+        return TrainingTrace(
+            turns=[
+                training_turn(turn, session_id, turn.delivered is not False or turn.turn_id in handed)
+                for turn in fold_episode(events).turns
+            ]
+        )
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
         """The verifier's reward, which the harness already posted (None: not verified, not 0)."""
@@ -202,11 +214,11 @@ def as_task(task: Any) -> HarnessTask:
     )
 
 
-def training_turn(turn: TurnCompleted, session_id: str) -> TrainingTurn:
+def training_turn(turn: TurnCompleted, session_id: str, delivered: bool) -> TrainingTurn:
     """A whole recorded turn as OpenEnv's ``TrainingTurn``: the engine's prompt and completion ids and
     logprobs as recorded; the loss mask 0 over the prompt and, over the completion, 1 unless the turn is not
     for training (a side call marked ``train: false``, or a reply that never reached the agent)."""
-    trained = turn.train is not False and turn.delivered is not False
+    trained = turn.train is not False and delivered
     mask = [0] * len(turn.prompt_token_ids) + [int(trained)] * len(turn.completion_token_ids)
     message: dict[str, Any] = {"role": "assistant", "content": turn.reply.text}
     if turn.reply.tool_calls:
