@@ -124,7 +124,7 @@ def _status_line(status: dict[str, Any]) -> str:
     mean = status["mean_reward_recent"]
     shown = "-" if mean is None else f"{mean:.3f}"
     return (
-        f"{status['elapsed']:.0f} s: {status['episodes']} episodes, {status['turns_per_s']:.0f} turns/s, "
+        f"{status['elapsed']:.0f} s: {status['episodes']} episodes, {status['turns_per_s']:.1f} turns/s, "
         f"{status['batches_trained']} batches trained, policy version {status['policy_version']}, "
         f"mean reward (last 200) {shown}"
     )
