@@ -74,6 +74,7 @@ class TurnstileSessionFactory(ResourceSessionFactory["TurnstileSession"]):
         self._thread = threading.Thread(target=self._loop.run_forever, name="turnstile-harness", daemon=True)
         self._thread.start()
         self._opened = opened_harness(config, backend)
+        self._episodes: set[asyncio.Task[Attempt]] = set()
         try:
             self.harness, _ = self.run(self._opened.__aenter__())
             self.store = self.run(EventStore.connect(database_url))
@@ -85,28 +86,36 @@ class TurnstileSessionFactory(ResourceSessionFactory["TurnstileSession"]):
         """``work`` on the harness's event loop, waited for from this thread."""
         return asyncio.run_coroutine_threadsafe(work, self._loop).result()
 
-    def start(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """``work`` as a task of the harness's event loop, not waited for."""
+    def _start(self, episode: Coroutine[Any, Any, Attempt]) -> asyncio.Task[Attempt]:
+        """``episode`` as a task of the harness's event loop, not waited for (``close`` cancels it)."""
 
-        async def spawn() -> asyncio.Task[T]:
-            return asyncio.create_task(work)
+        async def spawn() -> asyncio.Task[Attempt]:  # on the loop's thread, which alone touches the tasks
+            task = asyncio.create_task(episode)
+            self._episodes.add(task)
+            task.add_done_callback(self._episodes.discard)
+            return task
 
         return self.run(spawn())
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> TurnstileSession:
         """Start one episode of ``task``: a ``HarnessTask``, a Harbor task directory (a path), or the JSONL
-        form (a dict). Rollouts of the same ``seed`` are one group (TRL gives a group's members one seed)."""
+        form (a dict). Each is a group of its own for Turnstile (TRL makes its groups itself: the members of
+        one share a ``seed``); the seed and TRL's rollout id are tags of the episode."""
         chosen = as_task(task)
-        group_id = f"{chosen.task_id}-openenv-{seed if seed is not None else uuid.uuid4().hex[:12]}"
-        return TurnstileSession(self, chosen, group_id, episode_id)
+        tags = {"openenv_rollout": episode_id or "", "openenv_seed": "" if seed is None else str(seed)}
+        return TurnstileSession(self, chosen, self._start(_attempt(self.harness, chosen, tags)))
 
     def close(self) -> None:
         """End every open episode (``cancelled``), release the owner's lock, stop the loop's thread."""
         try:
+            self.run(self._cancel_all())
             self.run(self.store.close())
             self.run(self._opened.__aexit__(None, None, None))
         finally:
             self._stop_loop()
+
+    async def _cancel_all(self) -> None:
+        await _cancelled(*self._episodes)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -118,10 +127,9 @@ class TurnstileSession(ResourceSession):
     """One harness episode as OpenEnv's loop-owning, trainable session (``TrainableSession``)."""
 
     def __init__(
-        self, factory: TurnstileSessionFactory, task: HarnessTask, group_id: str, rollout_id: str | None
+        self, factory: TurnstileSessionFactory, task: HarnessTask, episode: asyncio.Task[Attempt]
     ) -> None:
-        self.factory, self.task, self.rollout_id = factory, task, rollout_id
-        self._episode = factory.start(_attempt(factory.harness, task, group_id))
+        self.factory, self.task, self._episode = factory, task, episode
         self._ended: Attempt | None = None
 
     @property
@@ -188,16 +196,18 @@ async def _finished(episode: asyncio.Task[Attempt], timeout_s: float | None) -> 
     return await asyncio.wait_for(asyncio.shield(episode), timeout_s)
 
 
-async def _cancelled(episode: asyncio.Task[Attempt]) -> None:
-    """Cancel the episode if it still runs, and wait until its session ended and its sandbox is gone."""
-    episode.cancel()
-    await asyncio.gather(episode, return_exceptions=True)
+async def _cancelled(*episodes: asyncio.Task[Attempt]) -> None:
+    """Cancel the episodes that still run; wait until their sessions ended and their sandboxes are gone."""
+    for episode in episodes:
+        episode.cancel()
+    await asyncio.gather(*episodes, return_exceptions=True)
 
 
-async def _attempt(harness: Harness, task: HarnessTask, group_id: str) -> Attempt:
-    """One episode in one of the harness's slots; no retry (the trainer decides what to run again)."""
+async def _attempt(harness: Harness, task: HarnessTask, tags: dict[str, str]) -> Attempt:
+    """One episode, a group of one, in one of the harness's slots; no retry (the trainer decides what to run
+    again)."""
     async with harness.slots:
-        return await harness.episode(task, group_id, 1, 0, None)
+        return await harness.episode(task, f"{task.task_id}-{uuid.uuid4().hex[:12]}", 1, 0, tags)
 
 
 def as_task(task: Any) -> HarnessTask:

@@ -24,7 +24,7 @@ import logging
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -178,27 +178,35 @@ class Harness:
         retry_of: str | None = None
         for number in range(self.config.retries + 1):
             async with self.slots:
-                attempt = await self.episode(task, group_id, group_size, number, retry_of)
+                attempt = await self.episode(
+                    task, group_id, group_size, number, {"retry_of": retry_of} if retry_of else None
+                )
             if attempt.outcome != "error":
                 return
             retry_of = attempt.session_id
 
     async def episode(
-        self, task: HarnessTask, group_id: str, group_size: int, number: int, retry_of: str | None
+        self,
+        task: HarnessTask,
+        group_id: str,
+        group_size: int,
+        number: int,
+        tags: Mapping[str, str] | None = None,
     ) -> Attempt:
-        """One attempt: never raises but for cancellation; its outcome says what happened."""
+        """One attempt: never raises but for cancellation; its outcome says what happened. ``tags`` are
+        recorded with its episode beside the config's (``retry_of``: the attempt it runs again)."""
         attempt = Attempt(task.task_id, group_id, group_size, number)
         self.stats.running += 1
         try:
-            await self._episode(task, attempt, retry_of)
+            await self._episode(task, attempt, tags or {})
         finally:
             self.stats.running -= 1
             self.stats.add(attempt)
         return attempt
 
-    async def _episode(self, task: HarnessTask, attempt: Attempt, retry_of: str | None) -> None:
+    async def _episode(self, task: HarnessTask, attempt: Attempt, tags: Mapping[str, str]) -> None:
         try:
-            session = await self.admin.open_session(self._session_spec(task, attempt, retry_of))
+            session = await self.admin.open_session(self._session_spec(task, attempt, tags))
         except GatewayUnavailable as error:
             attempt.cause = str(error)
             return
@@ -246,10 +254,8 @@ class Harness:
         attempt.outcome = "passed" if reward >= 1.0 else "failed"
         return None
 
-    def _session_spec(self, task: HarnessTask, attempt: Attempt, retry_of: str | None) -> dict[str, Any]:
-        tags = {**self.config.tags, "harness": self.config.owner, "attempt": str(attempt.number)}
-        if retry_of:
-            tags["retry_of"] = retry_of
+    def _session_spec(self, task: HarnessTask, attempt: Attempt, tags: Mapping[str, str]) -> dict[str, Any]:
+        tags = {**self.config.tags, "harness": self.config.owner, "attempt": str(attempt.number), **tags}
         spec: dict[str, Any] = {
             "task": {"instruction": task.instruction},
             "task_id": task.task_id,

@@ -19,10 +19,11 @@ from trl.experimental.async_grpo.openenv_harness import _turns_from_training_tra
 from pipeline.harness import backend
 from pipeline.harness.openenv import RolloutFailed, TurnstileSessionFactory
 from pipeline.log import EventStore
-from schemas import RewardAssigned, TurnCompleted
+from schemas import EpisodeFinished, EpisodeStarted, RewardAssigned, TurnCompleted
 from tests.conftest import Servers
 from tests.support.agent_gateway import agent_gateway, episode_events
-from tests.support.harness import EXAMPLE_TASKS, SCRIPT, harness_config
+from tests.support.harness import EXAMPLE_TASKS, SCRIPT, harness_config, owned_sandboxes
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.openenv
 
@@ -90,4 +91,35 @@ async def test_an_infrastructure_failure_is_unscorable_not_a_reward_of_0(
     assert verdict.env_reward is None  # unscored: TRL keeps it out of the group's baseline
     assert session.attempt.session_id is not None
     events = await episode_events(store, session.attempt.session_id)
+    assert not [e for e in events if isinstance(e, RewardAssigned)]
+
+
+async def test_closing_a_running_session_ends_its_episode_cancelled_and_removes_its_sandbox(
+    servers: Servers, database_url: str, store: EventStore, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    waiting = {
+        "id": "wait",
+        "instruction": "Wait a long time.",
+        "verifier": "true",
+    }  # the agent runs sleep 600
+    async with agent_gateway(servers.nats_url, database_url, tiny_model_dir, SCRIPT) as gateway:
+        config = harness_config(gateway, tmp_path)
+        factory = await asyncio.to_thread(TurnstileSessionFactory, config, backend("none"), database_url)
+        try:
+            session = await asyncio.to_thread(factory.create, waiting, seed=3, episode_id="rollout-1")
+            await wait_until(lambda: bool(owned_sandboxes(config.owner)), 120, "the episode's sandbox")
+            with pytest.raises(TimeoutError):  # still running: the agent sleeps
+                await asyncio.to_thread(session.wait_for_completion, 1.0)
+            await asyncio.to_thread(session.close)
+        finally:
+            await asyncio.to_thread(factory.close)
+    assert session.attempt.outcome == "cancelled"
+    assert owned_sandboxes(config.owner) == []
+    assert session.attempt.session_id is not None
+    events = await episode_events(store, session.attempt.session_id)
+    started, finished = events[0], events[-1]
+    assert isinstance(started, EpisodeStarted)
+    assert (started.tags["openenv_seed"], started.tags["openenv_rollout"]) == ("3", "rollout-1")
+    assert isinstance(finished, EpisodeFinished)
+    assert finished.termination == "cancelled"
     assert not [e for e in events if isinstance(e, RewardAssigned)]
