@@ -160,7 +160,8 @@ def demo(
     ),
 ) -> None:
     """The closed loop on this machine: embedded servers, tiny model, inference, materializer, relay,
-    trainer and a runner on a task the model learns; live progress, then a summary and a reward curve."""
+    trainer and a runner on a task the model learns (--harness: a black-box agent under the harness, scored
+    by task verifiers); live progress, then a summary and a reward curve."""
     from consumers.closed_loop import (
         HARNESS_TASKS,
         DemoConfig,
