@@ -20,6 +20,7 @@ TRL calls them from a pool of threads); ``close()`` on the factory stops it. Nee
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import threading
 import uuid
@@ -102,8 +103,10 @@ class TurnstileSessionFactory(ResourceSessionFactory["TurnstileSession"]):
         form (a dict). Each is a group of its own for Turnstile (TRL makes its groups itself: the members of
         one share a ``seed``); the seed and TRL's rollout id are tags of the episode."""
         chosen = as_task(task)
+        group_id = f"{chosen.task_id}-{uuid.uuid4().hex[:12]}"
         tags = {"openenv_rollout": episode_id or "", "openenv_seed": "" if seed is None else str(seed)}
-        return TurnstileSession(self, chosen, self._start(_attempt(self.harness, chosen, tags)))
+        episode = self._start(_attempt(self.harness, chosen, group_id, tags))
+        return TurnstileSession(self, chosen, episode, group_id)
 
     def close(self) -> None:
         """End every open episode (``cancelled``), release the owner's lock, stop the loop's thread."""
@@ -127,9 +130,14 @@ class TurnstileSession(ResourceSession):
     """One harness episode as OpenEnv's loop-owning, trainable session (``TrainableSession``)."""
 
     def __init__(
-        self, factory: TurnstileSessionFactory, task: HarnessTask, episode: asyncio.Task[Attempt]
+        self,
+        factory: TurnstileSessionFactory,
+        task: HarnessTask,
+        episode: asyncio.Task[Attempt],
+        group_id: str,
     ) -> None:
-        self.factory, self.task, self._episode = factory, task, episode
+        self.factory, self.task, self.group_id = factory, task, group_id
+        self._episode = episode
         self._ended: Attempt | None = None
 
     @property
@@ -138,7 +146,10 @@ class TurnstileSession(ResourceSession):
         return self._ended or self._wait(None)
 
     def _wait(self, timeout_s: float | None) -> Attempt:
-        self._ended = self.factory.run(_finished(self._episode, timeout_s))
+        try:
+            self._ended = self.factory.run(_finished(self._episode, timeout_s))
+        except concurrent.futures.CancelledError:
+            raise RolloutFailed("the episode was cancelled before it began") from None
         return self._ended
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
@@ -189,6 +200,9 @@ class TurnstileSession(ResourceSession):
     def close(self) -> None:
         """Cancel the episode if it still runs (it ends ``cancelled``, its sandbox removed); wait for it."""
         self.factory.run(_cancelled(self._episode))
+        if self._ended is None:  # a cancelled episode returns nothing: its attempt is in the harness's record
+            recorded = self.factory.harness.stats.attempts
+            self._ended = next((a for a in recorded if a.group_id == self.group_id), None)
 
 
 async def _finished(episode: asyncio.Task[Attempt], timeout_s: float | None) -> Attempt:
@@ -203,11 +217,11 @@ async def _cancelled(*episodes: asyncio.Task[Attempt]) -> None:
     await asyncio.gather(*episodes, return_exceptions=True)
 
 
-async def _attempt(harness: Harness, task: HarnessTask, tags: dict[str, str]) -> Attempt:
+async def _attempt(harness: Harness, task: HarnessTask, group_id: str, tags: dict[str, str]) -> Attempt:
     """One episode, a group of one, in one of the harness's slots; no retry (the trainer decides what to run
     again)."""
     async with harness.slots:
-        return await harness.episode(task, f"{task.task_id}-{uuid.uuid4().hex[:12]}", 1, 0, tags)
+        return await harness.episode(task, group_id, 1, 0, tags)
 
 
 def as_task(task: Any) -> HarnessTask:
