@@ -82,13 +82,16 @@ async def bare_episode(admin: httpx.AsyncClient, url: str, home: Path) -> None:
     )  # what the harness gives an agent, so that only the harness differs
     env |= {"OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": session["api_key"]}
     with tempfile.TemporaryDirectory() as work:
+        # a session of its own, as the process sandbox starts every command: where the kernel groups
+        # processes by session for scheduling (sched_autogroup), agents that share the benchmark's session
+        # share one CPU share among them and ran up to 4x slower under other users' load
         agent = await asyncio.create_subprocess_exec(
             *AGENT, "Say ok.", cwd=work, env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         output, _ = await agent.communicate()
         assert agent.returncode == 0, output.decode()
-        verifier = await asyncio.create_subprocess_exec("true", cwd=work, env={})
+        verifier = await asyncio.create_subprocess_exec("true", cwd=work, env={}, start_new_session=True)
         reward = 1.0 if await verifier.wait() == 0 else 0.0
     await admin.post(f"/admin/sessions/{session['session_id']}/reward", json={"value": reward})
     await admin.post(f"/admin/sessions/{session['session_id']}/end", json={})

@@ -20,13 +20,13 @@ from rich.console import Console
 from consumers.runtime import connect_nats, running, stop_on_signals
 from pipeline.errors import ConfigError
 from pipeline.harness import (
-    AdminClient,
     Harness,
     HarnessConfig,
     HarnessStats,
     HarnessTask,
     Recovered,
     backend,
+    opened_harness,
     queued_task,
     run_harness,
 )
@@ -153,29 +153,23 @@ async def serve_harness(
 ) -> HarnessQueue | None:
     """Take harness tasks from the queue until stopped (SIGINT, SIGTERM or ``stop``); the owner's lock and
     clean-up as for ``turnstile harness run``."""
-    config.check()
-    admin = AdminClient(config.gateway, config.admin_key)
-    harness = Harness(config, backend(sandbox), admin, stats)
-    harness.journal.acquire(config.owner)
-    try:
-        async with running("harness", stop=stop) as runtime:
-            recovered = await harness.recover()
-            subject = task_subject(config.policy or "", harness=True)
-            console.print(
-                f"harness {config.owner!r} taking tasks from {subject} "
-                f"({config.concurrency} episodes at most, sandbox {sandbox!r}); cleaned up "
-                f"{recovered.sandboxes} sandboxes and {recovered.sessions} sessions of a stopped harness"
-            )
-            connection = await connect_nats(nats_url, stop=runtime.stop)
-            if connection is None:  # stopped before NATS answered
-                return None
-            queue = HarnessQueue(harness, connection, ack_wait=ack_wait)
-            try:
-                async with live_progress(console, harness.stats.table, harness.stats.line, every=10.0):
-                    await queue.run(runtime.stop)
-            finally:
-                await connection.drain()
-            return queue
-    finally:
-        harness.journal.release()
-        await admin.close()
+    async with (
+        opened_harness(config, backend(sandbox), stats) as (harness, recovered),
+        running("harness", stop=stop) as runtime,
+    ):
+        subject = task_subject(config.policy or "", harness=True)
+        console.print(
+            f"harness {config.owner!r} taking tasks from {subject} "
+            f"({config.concurrency} episodes at most, sandbox {sandbox!r}); cleaned up "
+            f"{recovered.sandboxes} sandboxes and {recovered.sessions} sessions of a stopped harness"
+        )
+        connection = await connect_nats(nats_url, stop=runtime.stop)
+        if connection is None:  # stopped before NATS answered
+            return None
+        queue = HarnessQueue(harness, connection, ack_wait=ack_wait)
+        try:
+            async with live_progress(console, harness.stats.table, harness.stats.line, every=10.0):
+                await queue.run(runtime.stop)
+        finally:
+            await connection.drain()
+        return queue

@@ -124,7 +124,10 @@ def harness_config(
     sandbox_gateway: str | None,
     tag: list[str],
     mount: list[str],
-    **settings: int,
+    *,
+    concurrency: int,
+    retries: int,
+    group_size: int = 1,
 ) -> HarnessConfig:
     """The harness's configuration from the options ``harness run`` and ``serve harness`` share."""
     from pipeline.harness import DEFAULT_CLIS, HarnessConfig, agent_spec
@@ -143,7 +146,9 @@ def harness_config(
         sandbox_gateway=sandbox_gateway,
         tags=tags(tag),
         mounts=mounts(mount),
-        **settings,
+        concurrency=concurrency,
+        retries=retries,
+        group_size=group_size,
     )
 
 

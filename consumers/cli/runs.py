@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -140,15 +141,35 @@ def demo(
         None, help="servers, model, checkpoints and logs \\[default: $TURNSTILE_DATA_DIR or .turnstile]"
     ),
     seed: int = typer.Option(0, help="trainer seed"),
-    concurrency: int = typer.Option(64, help="episodes in flight"),
+    concurrency: int = typer.Option(None, help="episodes in flight \\[default: 64; 8 with --harness]"),
     max_batches_ahead: int = typer.Option(
         0, help="start no new group while the trainer has more batches than this waiting (pacing)"
     ),
     pace: bool = typer.Option(True, help="pace rollouts to the learner (--no-pace: as fast as they come)"),
+    harness: bool = typer.Option(
+        False,
+        "--harness",
+        help="a black-box agent instead: a gateway, and the harness running a command agent per episode in "
+        "a sandbox on Harbor task directories, rewarded by their verifiers (policy harness-demo)",
+    ),
+    tasks: Path = typer.Option(
+        None, help="--harness: task directories \\[default: examples/harness-demo]", exists=True
+    ),
+    sandbox: str = typer.Option(
+        None, help="--harness: the sandbox backend \\[default: bwrap where installed, else none]"
+    ),
 ) -> None:
     """The closed loop on this machine: embedded servers, tiny model, inference, materializer, relay,
-    trainer and a runner on a task the model learns; live progress, then a summary and a reward curve."""
-    from consumers.closed_loop import DemoConfig, report, run_demo
+    trainer and a runner on a task the model learns (--harness: a black-box agent under the harness, scored
+    by task verifiers); live progress, then a summary and a reward curve."""
+    from consumers.closed_loop import (
+        HARNESS_TASKS,
+        DemoConfig,
+        HarnessDemo,
+        default_sandbox,
+        report,
+        run_demo,
+    )
 
     if minutes <= 0:
         raise ConfigError(f"--minutes must be positive, got {minutes}")
@@ -156,13 +177,22 @@ def demo(
         raise ConfigError(f"--until-batches must be at least 1, got {until_batches}")
     if max_batches_ahead < 0:
         raise ConfigError(f"--max-batches-ahead must be 0 or more, got {max_batches_ahead}")
+    if not harness and (tasks is not None or sandbox is not None):
+        raise ConfigError("--tasks and --sandbox are options of `turnstile demo --harness`")
+    if concurrency is not None and concurrency < 1:
+        raise ConfigError(f"--concurrency must be at least 1, got {concurrency}")
     config = DemoConfig(
         data_dir=data_dir or Settings().data_dir,
         minutes=minutes,
         until_batches=until_batches,
         seed=seed,
-        concurrency=concurrency,
+        concurrency=concurrency or 64,
         max_batches_ahead=max_batches_ahead if pace else None,
     )
+    if harness:  # a sandboxed agent is a process of its own: fewer at a time, smaller groups and batches
+        black_box = HarnessDemo(tasks or HARNESS_TASKS, sandbox or default_sandbox())
+        config = replace(
+            config, harness=black_box, concurrency=concurrency or 8, group_size=4, batch_samples=16
+        )
     summary = run_demo(config, console)
     report(summary, config, Console())

@@ -25,22 +25,23 @@ from pipeline.dev.embedded import (
     prune_outside_clusters,
 )
 from pipeline.dev.supervisor import (
+    HARNESS_POLICY,
     POLICY,
-    TRY_QUERIES,
     ServiceProcesses,
     Summary,
     batches_trained,
     log_head,
     loop_status,
     summarize,
+    try_queries,
 )
 
 __all__ = [
     "CHART_NAMES",
+    "HARNESS_POLICY",
     "NO_MATPLOTLIB",
     "POLICY",
     "SYSTEM_DIR",
-    "TRY_QUERIES",
     "Chart",
     "EmbeddedNats",
     "EmbeddedNatsCluster",
@@ -63,4 +64,5 @@ __all__ = [
     "prune_outside_clusters",
     "read_charts",
     "summarize",
+    "try_queries",
 ]

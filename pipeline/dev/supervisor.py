@@ -3,6 +3,7 @@ of the closed loop read back from the database (rewards per episode, status, the
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from pipeline.dev.charts import curve_points, mean_ci
 from pipeline.settings import libpq_url
 
 POLICY: Final = "demo"
+HARNESS_POLICY: Final = "harness-demo"
+"""The policy of ``turnstile demo --harness``: its own line of versions beside the demo's."""
 
 
 @dataclass
@@ -45,18 +48,37 @@ class ServiceProcesses:
     def __init__(self, env: dict[str, str], logs: Path) -> None:
         self.env, self.logs = env, logs
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._log_starts: dict[str, int] = {}
 
-    def start(self, name: str, *args: str) -> None:
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
+        """``turnstile ARGS`` as the service ``name``, logging to ``<logs>/<name>.log`` (appended); ``env``
+        adds to the shared environment."""
         self.logs.mkdir(parents=True, exist_ok=True)
         log = (self.logs / f"{name}.log").open("ab")
+        self._log_starts[name] = log.tell()
         self.processes[name] = subprocess.Popen(
             [sys.executable, "-m", "consumers.cli", *args],
-            env=self.env,
+            env=self.env | (env or {}),
             stdout=log,
             stderr=log,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C reaches the demo; the demo stops them in order
         )
+
+    def wait_for_log(self, name: str, pattern: str, timeout: float = 180.0) -> re.Match[str]:
+        """The first match of ``pattern`` in what service ``name`` logged since it started (e.g. the URL it
+        bound to a free port); a ``RuntimeError`` if it exits or ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        path = self.logs / f"{name}.log"
+        while True:
+            with path.open("rb") as log:
+                log.seek(self._log_starts[name])
+                if found := re.search(pattern, log.read().decode(errors="replace")):
+                    return found
+            self.check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {name} service did not log {pattern!r} in {timeout:g} s; see {path}")
+            time.sleep(0.2)  # a log file has no event to wait on: polled
 
     def check(self) -> None:
         for name, process in self.processes.items():
@@ -77,14 +99,16 @@ class ServiceProcesses:
                 process.wait()
 
 
-TRY_QUERIES: Final = (
-    "SELECT policy_version, episodes, round(mean_reward::numeric, 3) AS mean_reward "
-    "FROM reward_by_policy_version WHERE policy = 'demo' ORDER BY policy_version",
-    "SELECT b.batch_id, t.policy_version AS trained_into, b.samples, b.groups, b.min_policy_version "
-    "FROM trained_batches t JOIN batches b USING (batch_id) ORDER BY t.trained_at DESC LIMIT 5",
-    "SELECT * FROM turn_latency_by_consumer",
-)
-"""Queries the demo suggests for ``turnstile sql`` once it has run."""
+def try_queries(policy: str = POLICY) -> tuple[str, ...]:
+    """Queries the demo suggests for ``turnstile sql`` once it has run (``policy``: a name of letters,
+    digits, ``-`` and ``_``, as every policy's is)."""
+    return (
+        "SELECT policy_version, episodes, round(mean_reward::numeric, 3) AS mean_reward "
+        f"FROM reward_by_policy_version WHERE policy = '{policy}' ORDER BY policy_version",
+        "SELECT b.batch_id, t.policy_version AS trained_into, b.samples, b.groups, b.min_policy_version "
+        "FROM trained_batches t JOIN batches b USING (batch_id) ORDER BY t.trained_at DESC LIMIT 5",
+        "SELECT * FROM turn_latency_by_consumer",
+    )
 
 
 def query(database_url: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -102,26 +126,28 @@ def batches_trained(database_url: str) -> int:
     return int(query(database_url, "SELECT count(*) FROM trained_batches WHERE outcome = 'trained'")[0][0])
 
 
-def rewards_since(database_url: str, since_position: int) -> list[float]:
+def rewards_since(database_url: str, since_position: int, policy: str = POLICY) -> list[float]:
     """Mean reward per turn of each finished episode recorded after ``since_position``, in finish order."""
     rows = query(
         database_url,
         "SELECT reward / turns FROM episodes WHERE policy = %s AND status = 'finished' "
         "AND termination IN ('done', 'truncated', 'max_turns') AND turns > 0 AND started_position > %s "
         "ORDER BY finished_position",
-        POLICY,
+        policy,
         since_position,
     )
     return [float(r[0] or 0.0) for r in rows]
 
 
-def loop_status(database_url: str, since_position: int, started: float) -> dict[str, Any]:
-    rewards = rewards_since(database_url, since_position)
+def loop_status(
+    database_url: str, since_position: int, started: float, policy: str = POLICY
+) -> dict[str, Any]:
+    rewards = rewards_since(database_url, since_position, policy)
     trained = batches_trained(database_url)
     version = query(
         database_url,
         "SELECT coalesce(max((data->>'version')::int), 0) FROM events WHERE stream = %s",
-        f"policy-{POLICY}",
+        f"policy-{policy}",
     )[0][0]
     turns = query(
         database_url,
@@ -141,10 +167,12 @@ def loop_status(database_url: str, since_position: int, started: float) -> dict[
     }
 
 
-def summarize(database_url: str, since: int, started_wall: float, window: int) -> Summary:
+def summarize(
+    database_url: str, since: int, started_wall: float, window: int, policy: str = POLICY
+) -> Summary:
     """The run's figures: episodes and turns since position ``since``, the mean reward of the first and last
     ``window`` episodes with 95% intervals, the reward curve, batches trained and the first update's time."""
-    rewards = rewards_since(database_url, since)
+    rewards = rewards_since(database_url, since, policy)
     summary = Summary(episodes=len(rewards))
     summary.turns = int(
         query(
@@ -168,7 +196,7 @@ def summarize(database_url: str, since: int, started_wall: float, window: int) -
         database_url,
         "SELECT (data->>'version')::int, extract(epoch FROM recorded_at) FROM events WHERE stream = %s "
         "AND position > %s ORDER BY position",
-        f"policy-{POLICY}",
+        f"policy-{policy}",
         since,
     )
     if versions:

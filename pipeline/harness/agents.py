@@ -230,3 +230,11 @@ def agent_spec(name: str, command: str | None = None) -> AgentSpec:
 def host_values() -> dict[str, str]:
     """Placeholders that name things of the harness's own machine (the Agents SDK example's Python)."""
     return {"python": sys.executable}
+
+
+def python_mounts() -> dict[Path, str]:
+    """This Python (its virtualenv and the interpreter it was made from), each to be mounted at its own host
+    path, so that ``$python`` and the packages it imports work inside an isolating sandbox (bwrap) too; what
+    a sandbox binds already (``/usr``) is left out."""
+    wanted = {Path(sys.prefix), Path(sys.base_prefix)}
+    return {path: str(path) for path in wanted if not str(path.resolve()).startswith("/usr")}

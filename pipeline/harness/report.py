@@ -31,6 +31,8 @@ class Attempt:
     turns: int = 0
     tokens: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    exit_code: int | None = None
+    """The agent's exit status (None: it did not run, or ran past its limit)."""
 
 
 @dataclass

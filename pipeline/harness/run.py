@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -43,6 +44,7 @@ from pipeline.harness.agents import host_values as agent_host_values
 from pipeline.harness.report import Attempt, HarnessStats
 from pipeline.harness.sandbox import ExecResult, Sandbox, SandboxBackend, SandboxError, SandboxSpec
 from pipeline.harness.tasks import HarnessTask
+from schemas import SamplingParams
 
 log = logging.getLogger(__name__)
 OUTPUT_TAIL = 600
@@ -68,6 +70,8 @@ class HarnessConfig:
     tags: dict[str, str] = field(default_factory=dict)
     mounts: dict[Path, str] = field(default_factory=dict)
     """More host directories mounted read-only in every sandbox (host -> inside), e.g. a command's venv."""
+    sampling: SamplingParams | None = None
+    """The sessions' sampling defaults: what the agent's calls leave out (e.g. ``max_tokens``)."""
 
     def check(self) -> None:
         for name, value, least in (
@@ -149,31 +153,60 @@ class Harness:
             for _ in range(size):
                 group.create_task(self._member(task, group_id, size))
 
+    async def run_continuously(
+        self, tasks: list[HarnessTask], pace: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """The tasks in turn, one group after another, until cancelled (a closed loop: ``turnstile demo
+        --harness``): enough groups in flight to fill every slot, each new group after ``pace`` (the
+        learner's backlog) lets it start."""
+        if not tasks:
+            raise ConfigError("no tasks to run")
+        turn = itertools.cycle(tasks)
+
+        async def groups() -> None:
+            while True:
+                if pace is not None:
+                    await pace()
+                await self.run_group(next(turn))
+
+        in_flight = -(-self.config.concurrency // self.config.group_size)  # ceil: every slot busy
+        async with asyncio.TaskGroup() as group:
+            for _ in range(in_flight):
+                group.create_task(groups())
+
     async def _member(self, task: HarnessTask, group_id: str, group_size: int) -> None:
         retry_of: str | None = None
         for number in range(self.config.retries + 1):
             async with self.slots:
-                attempt = await self.episode(task, group_id, group_size, number, retry_of)
+                attempt = await self.episode(
+                    task, group_id, group_size, number, {"retry_of": retry_of} if retry_of else None
+                )
             if attempt.outcome != "error":
                 return
             retry_of = attempt.session_id
 
     async def episode(
-        self, task: HarnessTask, group_id: str, group_size: int, number: int, retry_of: str | None
+        self,
+        task: HarnessTask,
+        group_id: str,
+        group_size: int,
+        number: int,
+        tags: Mapping[str, str] | None = None,
     ) -> Attempt:
-        """One attempt: never raises but for cancellation; its outcome says what happened."""
+        """One attempt: never raises but for cancellation; its outcome says what happened. ``tags`` are
+        recorded with its episode beside the config's (``retry_of``: the attempt it runs again)."""
         attempt = Attempt(task.task_id, group_id, group_size, number)
         self.stats.running += 1
         try:
-            await self._episode(task, attempt, retry_of)
+            await self._episode(task, attempt, tags or {})
         finally:
             self.stats.running -= 1
             self.stats.add(attempt)
         return attempt
 
-    async def _episode(self, task: HarnessTask, attempt: Attempt, retry_of: str | None) -> None:
+    async def _episode(self, task: HarnessTask, attempt: Attempt, tags: Mapping[str, str]) -> None:
         try:
-            session = await self.admin.open_session(self._session_spec(task, attempt, retry_of))
+            session = await self.admin.open_session(self._session_spec(task, attempt, tags))
         except GatewayUnavailable as error:
             attempt.cause = str(error)
             return
@@ -199,6 +232,7 @@ class Harness:
         assert attempt.session_id is not None
         with self._timed(attempt, "agent"):
             ran = await self._run_agent(task, sandbox, api_key)
+        attempt.exit_code = None if ran.timed_out else ran.exit_code
         described = await self.admin.describe(attempt.session_id)
         attempt.turns = int(described.get("turns", 0))
         attempt.tokens = int(described.get("prompt_tokens", 0)) + int(described.get("completion_tokens", 0))
@@ -220,10 +254,8 @@ class Harness:
         attempt.outcome = "passed" if reward >= 1.0 else "failed"
         return None
 
-    def _session_spec(self, task: HarnessTask, attempt: Attempt, retry_of: str | None) -> dict[str, Any]:
-        tags = {**self.config.tags, "harness": self.config.owner, "attempt": str(attempt.number)}
-        if retry_of:
-            tags["retry_of"] = retry_of
+    def _session_spec(self, task: HarnessTask, attempt: Attempt, tags: Mapping[str, str]) -> dict[str, Any]:
+        tags = {**self.config.tags, "harness": self.config.owner, "attempt": str(attempt.number), **tags}
         spec: dict[str, Any] = {
             "task": {"instruction": task.instruction},
             "task_id": task.task_id,
@@ -235,6 +267,8 @@ class Harness:
         }
         if self.config.policy:
             spec["policy"] = self.config.policy
+        if self.config.sampling is not None:
+            spec["sampling"] = self.config.sampling.model_dump(mode="json")
         return spec
 
     @contextlib.contextmanager
@@ -366,6 +400,23 @@ def read_reward(logs: Path, ran: ExecResult) -> float:
     )
 
 
+@contextlib.asynccontextmanager
+async def opened_harness(
+    config: HarnessConfig, backend: SandboxBackend, stats: HarnessStats | None = None
+) -> AsyncIterator[tuple[Harness, Recovered]]:
+    """A harness holding the owner's lock, with what a dead harness of this owner left cleaned up; the lock
+    and the gateway client are released on the way out."""
+    config.check()
+    admin = AdminClient(config.gateway, config.admin_key)
+    harness = Harness(config, backend, admin, stats)
+    harness.journal.acquire(config.owner)
+    try:
+        yield harness, await harness.recover()
+    finally:
+        harness.journal.release()
+        await admin.close()
+
+
 async def run_harness(
     config: HarnessConfig,
     tasks: list[HarnessTask],
@@ -375,16 +426,8 @@ async def run_harness(
     on_start: Callable[[Harness, Recovered], None] | None = None,
 ) -> Harness:
     """Take the owner's lock, clean up what a dead harness of this owner left, run every task."""
-    config.check()
-    admin = AdminClient(config.gateway, config.admin_key)
-    harness = Harness(config, backend, admin, stats)
-    harness.journal.acquire(config.owner)
-    try:
-        recovered = await harness.recover()
+    async with opened_harness(config, backend, stats) as (harness, recovered):
         if on_start is not None:
             on_start(harness, recovered)
         await harness.run(tasks)
-    finally:
-        harness.journal.release()
-        await admin.close()
     return harness

@@ -3,39 +3,18 @@ second run resumes on the same data."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shlex
-import signal
 import subprocess
-import sys
-import urllib.request
 from pathlib import Path
 
 import psycopg
 import pytest
 
 from pipeline.dev.embedded import EmbeddedServers
+from tests.support.demo import browse, run_demo, turnstile_up
 
-TURNSTILE = [sys.executable, "-m", "consumers.cli"]
 README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def run_demo(data_dir: Path, batches: int) -> dict[str, object]:
-    """A run of a fixed amount of training (``batches``), not of a fixed time: a loaded machine trains as
-    much, only later. The 8 minutes are a bound on a stuck run."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
-    done = subprocess.run(
-        [*TURNSTILE, "demo", "--until-batches", str(batches), "--minutes", "8", "--data-dir", str(data_dir),
-         "--seed", "0"],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "turnstile demo: summary" in done.stdout
-    assert "turnstile sql" in done.stdout
-    summary: dict[str, object] = json.loads((data_dir / "summary.json").read_text())
-    return summary
 
 
 @pytest.mark.slow
@@ -93,19 +72,7 @@ def readme_commands_after_the_demo(directory: Path) -> None:
     assert block is not None, "README: the block of commands after the demo moved; update this test"
     lines = [line.split("  #")[0].strip() for line in block.group(1).splitlines() if line.strip()]
     assert lines[0] == "turnstile up &", lines
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    up = subprocess.Popen(
-        shlex.split(lines[0].rstrip("& ")), cwd=directory, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        assert up.stdout is not None
-        for output in up.stdout:  # bounded by the servers' own start-up timeouts
-            if "ready" in output:
-                break
-        else:
-            raise AssertionError(f"turnstile up ended: {up.wait()}")
+    with turnstile_up(directory) as env:
         for line in lines[1:]:
             command = shlex.split(line)
             if command[:2] == ["turnstile", "ui"]:
@@ -119,27 +86,3 @@ def readme_commands_after_the_demo(directory: Path) -> None:
                 assert "demo" in done.stdout, done.stdout  # the demo's policy has rows
             if command[:2] == ["turnstile", "plot"]:
                 assert (directory / ".turnstile" / "plots" / "reward_curve.png").exists()
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(timeout=120)
-
-
-def browse(command: list[str], directory: Path, env: dict[str, str]) -> None:
-    """``turnstile ui ...`` as written but on a free port: its episode list has the demo's episodes."""
-    ui = subprocess.Popen(
-        [*command, "--port", "0"], cwd=directory, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        assert ui.stdout is not None
-        for output in ui.stdout:
-            found = re.search(r"episode browser on (http://\S+/episodes)", output)
-            if found:
-                break
-        else:
-            raise AssertionError(f"turnstile ui ended: {ui.wait()}")
-        with urllib.request.urlopen(found.group(1), timeout=60) as page:
-            assert "demo" in page.read().decode()
-    finally:
-        ui.send_signal(signal.SIGINT)
-        ui.wait(timeout=120)

@@ -19,8 +19,6 @@ from rich.console import Console
 
 from consumers.harness import serve_harness
 from pipeline.harness import HarnessStats, HarnessTask, backend, load_tasks, run_harness
-from pipeline.harness.backends.hostdirs import read_owner
-from pipeline.harness.backends.process import sandboxes_root
 from pipeline.log import EventStore
 from pipeline.runners import TASKS_STREAM, TaskSpec, submit_tasks, task_subject
 from pipeline.settings import jetstream
@@ -35,6 +33,7 @@ from tests.support.harness import (
     admin_key,
     harness_config,
     mount_options,
+    owned_sandboxes,
 )
 from tests.support.processes import running
 from tests.support.waiting import wait_until
@@ -54,18 +53,6 @@ async def open_sessions(gateway: AgentGateway) -> list[object]:
     listed = await gateway.admin.get("/admin/sessions")
     data: list[object] = listed.json()["data"]
     return data
-
-
-def owned_sandboxes(owner: str, tmp: Path | None = None) -> list[Path]:
-    """The sandbox directories of ``owner``: ``<root>/<owner>/*`` (none) or ``<root>/sandbox-*`` whose owner
-    file names it (bwrap, docker)."""
-    root = tmp / "turnstile-sandboxes" if tmp else sandboxes_root()
-    mine = sorted((root / owner).iterdir()) if (root / owner).is_dir() else []
-    for directory in root.glob("sandbox-*") if root.is_dir() else []:
-        found = read_owner(directory)
-        if found is not None and found.label == owner:
-            mine.append(directory)
-    return mine
 
 
 async def test_a_task_the_agent_solves_gets_1_and_one_it_fails_gets_0_in_groups(

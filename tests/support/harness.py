@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.harness import HarnessConfig, agent_spec
+from pipeline.harness import HarnessConfig, agent_spec, python_mounts
+from pipeline.harness.backends.hostdirs import read_owner
+from pipeline.harness.backends.process import sandboxes_root
 from tests.support.agent_gateway import AgentGateway
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -27,11 +29,9 @@ def admin_key(gateway: AgentGateway) -> str:
 
 
 def interpreter_mounts() -> dict[Path, str]:
-    """This Python (its virtualenv and the interpreter it was made from) and the examples, each mounted at its
-    own host path, so that ``SHELL_AGENT``'s host paths work inside an isolating sandbox (bwrap) too; what
-    the sandbox binds already (``/usr``) is left out."""
-    wanted = {Path(sys.prefix), Path(sys.base_prefix), REPOSITORY / "examples"}
-    return {path: str(path) for path in wanted if not str(path.resolve()).startswith("/usr")}
+    """This Python and the examples, each mounted at its own host path, so that ``SHELL_AGENT``'s host paths
+    work inside an isolating sandbox (bwrap) too."""
+    return python_mounts() | {REPOSITORY / "examples": str(REPOSITORY / "examples")}
 
 
 def mount_options() -> list[str]:
@@ -55,3 +55,15 @@ def harness_config(gateway: AgentGateway, state_dir: Path, **settings: Any) -> H
         policy=gateway.policy,
         **options,
     )
+
+
+def owned_sandboxes(owner: str, tmp: Path | None = None) -> list[Path]:
+    """The sandbox directories of ``owner``: ``<root>/<owner>/*`` (none) or ``<root>/sandbox-*`` whose owner
+    file names it (bwrap, docker)."""
+    root = tmp / "turnstile-sandboxes" if tmp else sandboxes_root()
+    mine = sorted((root / owner).iterdir()) if (root / owner).is_dir() else []
+    for directory in root.glob("sandbox-*") if root.is_dir() else []:
+        found = read_owner(directory)
+        if found is not None and found.label == owner:
+            mine.append(directory)
+    return mine
