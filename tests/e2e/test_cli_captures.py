@@ -26,7 +26,7 @@ from tests.e2e.test_agent_codex import CODEX_FLAGS, codex_config
 from tests.e2e.test_agent_opencode import OPENCODE_OFFLINE, opencode_config
 from tests.support.agent_gateway import CLIS, FOLLOW_UP, PROMPT, cli_binary, offline_env, run_cli
 from tests.support.captured import expected
-from tests.support.cli_capture import CaptureGateway, capture_gateway, write_fixture
+from tests.support.cli_capture import CLI_CAPTURES, CaptureGateway, capture_gateway, write_fixture
 
 pytestmark = pytest.mark.agent_cli
 
@@ -199,6 +199,16 @@ async def captured_session(gateway: CaptureGateway, session_id: str) -> dict[str
 
 
 def keep(name: str, captured: dict[str, Any]) -> None:
-    """Write the capture as the fixture ``name`` when asked to (``TURNSTILE_RECAPTURE=1``)."""
+    """Write the capture as the fixture ``name`` when asked to (``TURNSTILE_RECAPTURE=1``); otherwise check
+    that the stored fixture still stands for what the pinned CLI sends: the same calls (routes, models,
+    whether tools are offered) and the same lineages."""
     if os.environ.get("TURNSTILE_RECAPTURE") == "1":
         write_fixture(name, captured)
+        return
+    stored = json.loads((CLI_CAPTURES / f"{name}.json").read_text(encoding="utf-8"))
+    assert shape(stored) == shape(captured), f"re-capture {name}: TURNSTILE_RECAPTURE=1 (docs/lineages.md)"
+    assert stored["expect"] == captured["expect"]
+
+
+def shape(captured: dict[str, Any]) -> list[tuple[str, str | None, bool]]:
+    return [(c["route"], c["body"].get("model"), bool(c["body"].get("tools"))) for c in captured["calls"]]
