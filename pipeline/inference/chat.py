@@ -245,18 +245,27 @@ class ChatRenderer:
         must alternate user/assistant"); their runs are joined into one user message, as a client would have
         written it, so a note beside a user message does not fail the request."""
         if self._users_in_a_row is None:
-            probe = [
-                {"role": "user", "content": _BASE_USER},
-                {"role": "assistant", "content": _BASE_ASSISTANT},
-                {"role": "user", "content": _NOTE},
-                {"role": "user", "content": _BASE_USER},
-            ]
-            try:
-                rendered = self.render(probe, None, add_generation_prompt=True)
-            except Exception:  # a template that refuses the run
-                rendered = ""
-            self._users_in_a_row = _NOTE in rendered and rendered.count(_BASE_USER) == 2
+            self._users_in_a_row = self._renders_note_as("user")
         return self._users_in_a_row
+
+    def _renders_note_as(self, role: str) -> bool:
+        """Whether a note as a ``role`` message between an assistant's reply and a user message renders,
+        every message in it: without tools, or with them (Hermes-2-Pro's tool-use template raises without,
+        whatever the messages)."""
+        probe = [
+            {"role": "user", "content": _BASE_USER},
+            {"role": "assistant", "content": _BASE_ASSISTANT},
+            {"role": role, "content": _NOTE},
+            {"role": "user", "content": _BASE_USER},
+        ]
+        for tools in (None, _PROBE_TOOLS):
+            try:
+                rendered = self.render(probe, tools, add_generation_prompt=True)
+            except Exception:  # a template that refuses the probe
+                continue
+            if _NOTE in rendered and rendered.count(_BASE_USER) == 2:
+                return True
+        return False
 
     @property
     def system_in_place(self) -> bool:
@@ -266,17 +275,7 @@ class ChatRenderer:
         ``<system-reminder>`` tags, as Claude Code writes its own reminders, so a later note still extends
         the prompt instead of being lost or failing the request."""
         if self._system_in_place is None:
-            probe = [
-                {"role": "user", "content": _BASE_USER},
-                {"role": "assistant", "content": _BASE_ASSISTANT},
-                {"role": "system", "content": _NOTE},
-                {"role": "user", "content": _BASE_USER},
-            ]
-            try:
-                rendered = self.render(probe, None, add_generation_prompt=True)
-            except Exception:  # a template that refuses a system message there
-                rendered = ""
-            self._system_in_place = _NOTE in rendered
+            self._system_in_place = self._renders_note_as("system")
         return self._system_in_place
 
     def full(self, request: LLMRequest) -> list[int]:
