@@ -176,6 +176,7 @@ class ChatRenderer:
         self._closers: frozenset[int] | None = None
         self._local: bool | None = None
         self._system_in_place: bool | None = None
+        self._users_in_a_row: bool | None = None
 
     def render(
         self,
@@ -212,10 +213,59 @@ class ChatRenderer:
         return self._arguments
 
     def messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        """``messages`` as this template takes them: notes where it renders no system message, and runs of
+        user messages joined where it refuses two in a row."""
+        return self._joined(self._placed(messages))
+
+    def _placed(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        """One dict per message, a system message after the first as a note where the template needs one."""
         dicts = message_dicts(messages, arguments=self.arguments)
         if self.system_in_place or not dicts:
             return dicts
         return [dicts[0], *(_as_user_note(m) if m["role"] == "system" else m for m in dicts[1:])]
+
+    def _joined(self, dicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``dicts`` with each run of user messages as one, for a template that refuses two in a row (a note
+        before or after a user message makes such a run). A run never crosses a continued turn's seam (its
+        messages end in the assistant's reply), so the new part is joined on its own."""
+        if self.users_in_a_row:
+            return dicts
+        joined: list[dict[str, Any]] = []
+        for message in dicts:
+            if joined and message["role"] == "user" == joined[-1]["role"]:
+                texts = [joined[-1].get("content") or "", message.get("content") or ""]
+                joined[-1] = {**joined[-1], "content": "\n\n".join(text for text in texts if text)}
+            else:
+                joined.append(message)
+        return joined
+
+    @property
+    def users_in_a_row(self) -> bool:
+        """Whether the template renders two user messages in a row. Mistral's and Gemma's raise ("roles
+        must alternate user/assistant"); their runs are joined into one user message, as a client would have
+        written it, so a note beside a user message does not fail the request."""
+        if self._users_in_a_row is None:
+            self._users_in_a_row = self._renders_note_as("user")
+        return self._users_in_a_row
+
+    def _renders_note_as(self, role: str) -> bool:
+        """Whether a note as a ``role`` message between an assistant's reply and a user message renders,
+        every message in it: without tools, or with them (Hermes-2-Pro's tool-use template raises without,
+        whatever the messages)."""
+        probe = [
+            {"role": "user", "content": _BASE_USER},
+            {"role": "assistant", "content": _BASE_ASSISTANT},
+            {"role": role, "content": _NOTE},
+            {"role": "user", "content": _BASE_USER},
+        ]
+        for tools in (None, _PROBE_TOOLS):
+            try:
+                rendered = self.render(probe, tools, add_generation_prompt=True)
+            except Exception:  # a template that refuses the probe
+                continue
+            if _NOTE in rendered and rendered.count(_BASE_USER) == 2:
+                return True
+        return False
 
     @property
     def system_in_place(self) -> bool:
@@ -225,17 +275,7 @@ class ChatRenderer:
         ``<system-reminder>`` tags, as Claude Code writes its own reminders, so a later note still extends
         the prompt instead of being lost or failing the request."""
         if self._system_in_place is None:
-            probe = [
-                {"role": "user", "content": _BASE_USER},
-                {"role": "assistant", "content": _BASE_ASSISTANT},
-                {"role": "system", "content": _NOTE},
-                {"role": "user", "content": _BASE_USER},
-            ]
-            try:
-                rendered = self.render(probe, None, add_generation_prompt=True)
-            except Exception:  # a template that refuses a system message there
-                rendered = ""
-            self._system_in_place = _NOTE in rendered
+            self._system_in_place = self._renders_note_as("system")
         return self._system_in_place
 
     def full(self, request: LLMRequest) -> list[int]:
@@ -250,7 +290,7 @@ class ChatRenderer:
             return Prompt(self.full(request), render_drift=False)
         if prefix.message_count >= len(request.messages) or not self.local:
             return Prompt(self.full(request), prefix_break=True, render_drift=False)
-        new = self.messages(request.messages)[prefix.message_count :]  # a note's form depends on its place
+        new = self._joined(self._placed(request.messages)[prefix.message_count :])  # a note's form: its place
         tail = self.continuation(new, tool_dicts(request.tools))
         if tail is None:
             return Prompt(self.full(request), prefix_break=True, render_drift=False)

@@ -2,11 +2,11 @@
 distills, GLM, Kimi, MiniMax, Qwen3-Coder, Seed-OSS, granite), fetched at test time from llama-cpp-python's
 sdist (``tests/support/published_templates.py``): never silently wrong.
 
-The six-call tool conversation of ``test_templates.py`` goes through ``ChatRenderer`` turn by turn. Each
-completion is the template's own render of the assistant message (the render with the reply minus the
-generation prompt), ending on the model's stop token. Each turn is either continued, its new part equal
-token for token to the template's own full render of the longer conversation, or flagged ``prefix_break``;
-and the start-up diagnosis agrees (a template found not local is never continued).
+The six-call tool conversation of ``tests/support/template_conversation.py`` goes through ``ChatRenderer``
+turn by turn. Each completion is the template's own render of the assistant message (the render with the
+reply minus the generation prompt), ending on the model's stop token. Each turn is either continued, its new
+part equal token for token to the template's own full render of the longer conversation, or flagged
+``prefix_break``; and the start-up diagnosis agrees (a template found not local is never continued).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 
 from pipeline.inference.chat import ChatRenderer
 from schemas import ChatMessage, LLMRequest, TokenPrefix
-from tests.integration.test_templates import SCRIPT, TOOLS, assert_new_part_is_the_templates_own
 from tests.support.published_templates import PUBLISHED, Published, tokenizer_for
 from tests.support.real_templates import tokenizer_with_template
+from tests.support.template_conversation import SCRIPT, TOOLS, assert_new_part_is_the_templates_own
 
 EXPECTED = {
     "mistralai-Mistral-Nemo-Instruct-2407": "flagged",
@@ -168,4 +168,66 @@ def test_a_system_note_mid_conversation_becomes_a_user_note_and_later_ones_exten
         ids = [*tokenizer.encode(f"Reply {turn}.", add_special_tokens=False), end]
         prefix = TokenPrefix(token_ids=[*prompt.token_ids, *ids], message_count=len(messages) + 1)
         note = ChatMessage(role="system", content=f"{turn + 1} tokens left")
+        messages = [*messages, reply, note, ChatMessage(role="user", content="Go on.")]
+
+
+REFUSES_RUNS = """{%- for m in messages -%}
+{%- if m.role == 'system' and not loop.first -%}
+{{- raise_exception('System message must be at the beginning.') -}}
+{%- endif -%}
+{%- if m.role == 'user' and not loop.first and messages[loop.index0 - 1].role == 'user' -%}
+{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
+{%- endif -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt -%}<|im_start|>assistant
+{% endif -%}"""
+"""Hand-made: ChatML that refuses a system message after the first and two user messages in a row."""
+MISTRAL_SMALL = next(p for p in PUBLISHED if p.name == "Mistral-Small-3.2-24B-Instruct-2506")
+
+
+@pytest.mark.parametrize("name", ["hand-made", MISTRAL_SMALL.name])
+def test_a_note_beside_a_user_message_is_joined_to_it_where_the_template_refuses_two_in_a_row(
+    name: str,
+) -> None:
+    """Claude Code's first call ends in a system message after the user's (its environment), later calls
+    put one before the next user message: where the template renders no system message there and refuses
+    two user messages in a row (Mistral Small 3.2: "roles must alternate"), the note and the user message
+    are one user message. Each turn renders (no template error), holds every note and user text, and is
+    continued token for token (the hand-made template) or flagged with the template's own render (Mistral,
+    not local: ``test_a_six_call_tool_conversation_is_continued_exactly_or_flagged``)."""
+    if name == "hand-made":
+        tokenizer = tokenizer_with_template("qwen", "qwen2.5-instruct")
+        tokenizer.chat_template = REFUSES_RUNS
+        end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    else:
+        tokenizer = tokenizer_for(MISTRAL_SMALL)
+        end = tokenizer.convert_tokens_to_ids(MISTRAL_SMALL.stops[0])
+    renderer = ChatRenderer(tokenizer, stop_ids={end})
+    assert not renderer.users_in_a_row
+    assert not renderer.system_in_place
+    messages = [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="Hi."),
+        ChatMessage(role="system", content="Working directory: /work"),
+    ]
+    prefix: TokenPrefix | None = None
+    for turn in range(3):
+        request = LLMRequest(policy="p", messages=messages, prefix=prefix)
+        prompt = renderer.prompt(request)
+        text = tokenizer.decode(prompt.token_ids)
+        assert "<system-reminder>\nWorking directory: /work\n</system-reminder>" in text
+        assert all(f"{n} tokens left" in text for n in range(1, turn + 1))
+        assert text.count("Go on.") == turn
+        if prefix is not None and prompt.prefix_break:
+            assert name != "hand-made"
+            assert prompt.token_ids == renderer.full(request)
+        elif prefix is not None:
+            assert prompt.token_ids[: len(prefix.token_ids)] == prefix.token_ids
+            assert_new_part_is_the_templates_own(renderer, request, prompt.token_ids, len(prefix.token_ids))
+        ids = [*tokenizer.encode(f"Reply {turn}.", add_special_tokens=False), end]
+        prefix = TokenPrefix(token_ids=[*prompt.token_ids, *ids], message_count=len(messages) + 1)
+        note = ChatMessage(role="system", content=f"{turn + 1} tokens left")
+        reply = ChatMessage(role="assistant", content=f"Reply {turn}.")
         messages = [*messages, reply, note, ChatMessage(role="user", content="Go on.")]

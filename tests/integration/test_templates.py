@@ -24,17 +24,16 @@ from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from schemas import (
     ChatMessage,
-    FunctionCall,
     LLMRequest,
     SamplingParams,
     TokenPrefix,
-    ToolCall,
     ToolSpec,
     TurnCompleted,
 )
 from tests.conftest import Servers
 from tests.support.real_templates import PAIRS, build_model, tokenizer_with_template
 from tests.support.serving import serving
+from tests.support.template_conversation import SCRIPT, TOOLS, assert_new_part_is_the_templates_own
 
 
 def deepseek(name: str) -> str:
@@ -43,42 +42,6 @@ def deepseek(name: str) -> str:
 
 
 END_MARKERS = ("<|im_end|>", "<|eot_id|>", deepseek("end of sentence"))
-TOOLS = [
-    ToolSpec.model_validate(
-        {
-            "function": {
-                "name": "calculator",
-                "description": "Evaluate an arithmetic expression",
-                "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
-            }
-        }
-    )
-]
-
-
-def call(expression: str, n: int) -> ChatMessage:
-    arguments = json.dumps({"expression": expression})
-    return ChatMessage(
-        role="assistant",
-        content="",
-        tool_calls=[ToolCall(id=f"call_{n}", function=FunctionCall(name="calculator", arguments=arguments))],
-    )
-
-
-# (the assistant reply of each turn, the messages that follow it)
-SCRIPT: list[tuple[ChatMessage, list[ChatMessage]]] = [
-    (call("2+3", 1), [ChatMessage(role="tool", tool_call_id="call_1", content="5")]),
-    (call("5*7", 2), [ChatMessage(role="tool", tool_call_id="call_2", content="35")]),
-    (
-        ChatMessage(
-            role="assistant", content="2+3 is 5, and 5*7 is 35.", reasoning_content="Add, then multiply."
-        ),
-        [ChatMessage(role="user", content="Now add 1.")],
-    ),
-    (call("35+1", 3), [ChatMessage(role="tool", tool_call_id="call_3", content="36")]),
-    (ChatMessage(role="assistant", content="36."), [ChatMessage(role="user", content="Thanks!")]),
-    (ChatMessage(role="assistant", content="You're welcome."), []),
-]
 
 
 def completion_text(template: str, reply: ChatMessage) -> str:
@@ -141,29 +104,6 @@ def test_a_six_turn_tool_conversation_continues_token_exactly(tokenizer_name: st
         # a stand-in tokenizer without the template's markers: BPE merges across the seam where a full render
         # would, so those turns are not the template's own tokens and are flagged; the others extend exactly
         assert breaks + extended == len(SCRIPT) - 1
-
-
-def assert_new_part_is_the_templates_own(
-    renderer: ChatRenderer, request: LLMRequest, prompt: list[int], held: int
-) -> None:
-    """The continued prompt's new part, token for token, is what the template renders for the new messages:
-    the tail of a full render of the longer conversation, starting right after the reply's closing marker
-    (the full render minus the render of the conversation up to and including the reply)."""
-    new = prompt[held:]
-    full = renderer.full(request)
-    assert new
-    if not renderer.closers - renderer.stop_ids:
-        # a stand-in tokenizer without the template's markers (Llama 3's on DeepSeek's): BPE may merge across
-        # the seam in a full render, so the new part is compared as text, then the seam as tokens
-        decode = renderer.tokenizer.decode
-        assert str(decode(full)).endswith(str(decode(new))), "the new part differs from the template's own"
-        return
-    assert full[-len(new) :] == new, "the new part differs from the template's own rendering"
-    before = full[: len(full) - len(new)]
-    seam = {*renderer.closers, *prompt[held - 2 : held]}  # the reply's closing marker, or its last tokens
-    assert before[-1] in seam, "the new part does not start where the full render finishes the reply"
-    if prompt[held - 1] in renderer.stop_ids:
-        assert new[0] not in renderer.closers, "two end markers at the seam"
 
 
 @pytest.mark.parametrize(("tokenizer_name", "template"), PAIRS)

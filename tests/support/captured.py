@@ -12,7 +12,7 @@ later bodies send back), and what the lineage report must show (``expect``).
 from __future__ import annotations
 
 import json
-import uuid
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +20,11 @@ from typing import Any
 import httpx
 
 from pipeline.gateway import create_gateway
-from pipeline.log import InMemoryStore
+from pipeline.inference.backends import Generation
+from pipeline.log import InMemoryStore, Store
 from pipeline.materialize import MaterializerConfig, TurnLineage, lineages_of_records
 from schemas import FunctionCall, LLMRequest, LLMResponse, ToolCall, TurnCompleted
+from tests.support.backends import prompt_ids, text_ids
 
 FIXTURES = Path(__file__).parent / "fixtures" / "captured"
 ADMIN = {"Authorization": "Bearer admin-key"}
@@ -39,15 +41,19 @@ def tool_call(spec: dict[str, Any]) -> ToolCall:
     return ToolCall(id=spec["id"], function=FunctionCall(name=spec["name"], arguments=text))
 
 
-def _ids(text: str) -> list[int]:
-    return [3 + byte % 990 for byte in text.encode()] or [3]
+def scripted_reply(reply: dict[str, Any]) -> tuple[str, list[ToolCall], list[int]]:
+    """A fixture's reply: its text, its tool calls (with the ids the engine minted) and made-up completion
+    ids ending on the end token."""
+    calls = [tool_call(spec) for spec in reply.get("tool_calls", [])]
+    text = reply.get("text", "")
+    return text, calls, [*text_ids(text + json.dumps([c.model_dump() for c in calls])), 2]
 
 
 @dataclass
 class ScriptedLLM:
-    """An in-process LLM client answering each request with the next reply of ``replies`` (text and tool
-    calls), with token ids as an engine would give them: the prefix's exact ids, then made-up ids for the
-    new messages (as ``tests.support.backends.PrefixEcho``)."""
+    """An in-process LLM client answering each request with the next reply of ``replies`` (text, reasoning
+    and tool calls), with token ids as an engine would give them: the prefix's exact ids, then made-up ids
+    for the new messages (``tests.support.backends.prompt_ids``)."""
 
     replies: list[dict[str, Any]]
     requests: list[LLMRequest] = field(default_factory=list)
@@ -55,23 +61,47 @@ class ScriptedLLM:
     async def __call__(self, request: LLMRequest) -> LLMResponse:
         self.requests.append(request)
         reply = self.replies.pop(0)
-        prefix = list(request.prefix.ids) if request.prefix else []
-        skipped = request.prefix.message_count if request.prefix else 0
-        new = [i for m in request.messages[skipped:] for i in (1, *_ids(m.content or m.role), 2)]
-        calls = [tool_call(spec) for spec in reply.get("tool_calls", [])]
-        text = reply.get("text", "")
-        completion = [*_ids(text + json.dumps([c.model_dump() for c in calls])), 2]
+        text, calls, completion = scripted_reply(reply)
         return LLMResponse(
             request_id=request.request_id,
             text=text,
             tool_calls=calls,
+            reasoning=reply.get("reasoning"),
             finish_reason="tool_calls" if calls else "stop",
-            prompt_token_ids=prefix + new,
+            prompt_token_ids=prompt_ids(request),
             completion_token_ids=completion,
             completion_logprobs=[-0.5] * len(completion),
             policy_version=1,
             consumer_id="scripted",
         )
+
+
+@dataclass
+class FixtureBackend:
+    """The same replies from behind a real inference consumer (over NATS): each request gets the next."""
+
+    replies: list[dict[str, Any]]
+    policy_version: int = 0
+
+    async def generate(self, request: LLMRequest) -> Generation:
+        reply = self.replies.pop(0)
+        text, calls, completion = scripted_reply(reply)
+        return Generation(
+            prompt_token_ids=prompt_ids(request),
+            completion_token_ids=completion,
+            completion_logprobs=[-0.5] * len(completion),
+            text=text,
+            finish_reason="stop",
+            policy_version=self.policy_version,
+            tool_calls=calls,
+            reasoning=reply.get("reasoning"),
+        )
+
+    async def load_version(self, version: int, checkpoint: str) -> None:
+        self.policy_version = version
+
+    async def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -81,17 +111,27 @@ class Replayed:
     statuses: list[int]
 
     def groups(self) -> list[list[int]]:
-        """The lineages as lists of turn indexes, first root first."""
-        found: dict[str, list[int]] = {}
-        for turn in sorted(self.lineages, key=lambda turn: turn.index):
-            found.setdefault(turn.lineage, []).append(turn.index)
-        return list(found.values())
+        return expected(self.lineages)["lineages"]
 
     def reasons(self) -> list[str | None]:
-        return [turn.root_reason for turn in sorted(self.lineages, key=lambda turn: turn.index)]
+        return expected(self.lineages)["reasons"]
 
     def trained(self) -> list[bool]:
-        return [turn.trained for turn in sorted(self.lineages, key=lambda turn: turn.index)]
+        return expected(self.lineages)["trained"]
+
+
+def expected(lineages: list[TurnLineage]) -> dict[str, Any]:
+    """The lineage report as a fixture's ``expect`` holds it: the lineages as lists of turn indexes (first
+    root first), and per turn why its root started (None: not a root) and whether it is trained."""
+    ordered = sorted(lineages, key=lambda turn: turn.index)
+    found: dict[str, list[int]] = {}
+    for turn in ordered:
+        found.setdefault(turn.lineage, []).append(turn.index)
+    return {
+        "lineages": list(found.values()),
+        "reasons": [turn.root_reason for turn in ordered],
+        "trained": [turn.trained for turn in ordered],
+    }
 
 
 async def replay(captured: dict[str, Any], config: MaterializerConfig | None = None) -> Replayed:
@@ -99,33 +139,44 @@ async def replay(captured: dict[str, Any], config: MaterializerConfig | None = N
     store = InMemoryStore()
     llm = ScriptedLLM([call["reply"] for call in captured["calls"]])
     app = create_gateway(store, llm, admin_key="admin-key", policy_default="main")
-    statuses = []
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
-        spec = captured.get("session", {})
-        created = await client.post("/admin/sessions", json=spec, headers=ADMIN)
+        created = await client.post("/admin/sessions", json=captured.get("session", {}), headers=ADMIN)
         assert created.status_code == 201, created.text
         session = created.json()
-        key = {"Authorization": f"Bearer {session['api_key']}", "x-api-key": session["api_key"]}
-        for call in captured["calls"]:
-            headers = {**key, **call.get("headers", {})}
-            body = _with_previous(call["body"], store, session["session_id"])
-            answered = await client.post(call["route"], json=await body, headers=headers)
-            statuses.append(answered.status_code)
-            assert answered.status_code == 200, (call["route"], answered.text)
-        ended = await client.post("/v1/session/end", json={}, headers=key)
-        assert ended.status_code == 200, ended.text
+        statuses = await send_calls(client, store, session, captured["calls"])
     records = await store.read_stream(f"episode-{session['session_id']}")
     turns = [r.event for r in records if isinstance(r.event, TurnCompleted)]
     return Replayed(turns, lineages_of_records(records, config or MaterializerConfig()), statuses)
 
 
-async def _with_previous(body: dict[str, Any], store: InMemoryStore, session_id: str) -> dict[str, Any]:
-    """``previous_response_id`` given as ``"turn:<index>"`` becomes that recorded turn's response id."""
-    previous = body.get("previous_response_id")
-    if not (isinstance(previous, str) and previous.startswith("turn:")):
+async def send_calls(
+    client: httpx.AsyncClient, store: Store, session: dict[str, Any], calls: list[dict[str, Any]]
+) -> list[int]:
+    """Post ``calls`` in order with the session's key (each must answer 200), then end the session."""
+    key = {"Authorization": f"Bearer {session['api_key']}", "x-api-key": session["api_key"]}
+    statuses = []
+    for call in calls:
+        headers = {**key, **call.get("headers", {})}
+        body = await with_turn_ids(call["body"], store, session["session_id"])
+        answered = await client.post(call["route"], json=body, headers=headers)
+        statuses.append(answered.status_code)
+        assert answered.status_code == 200, (call["route"], answered.text)
+    ended = await client.post("/v1/session/end", json={}, headers=key)
+    assert ended.status_code == 200, ended.text
+    return statuses
+
+
+TURN_ID = re.compile(r"@turn(\d+)@")
+"""Where a fixture's body holds a recorded turn's id (hex): ``previous_response_id``, Responses item ids."""
+
+
+async def with_turn_ids(body: dict[str, Any], store: Store, session_id: str) -> dict[str, Any]:
+    """``body`` with each ``@turn<N>@`` written as the id (hex) of the session's N-th turn."""
+    text = json.dumps(body, ensure_ascii=False)
+    if not TURN_ID.search(text):
         return body
     records = await store.read_stream(f"episode-{session_id}")
     turns = [r.event for r in records if isinstance(r.event, TurnCompleted)]
-    turn_id: uuid.UUID = turns[int(previous.removeprefix("turn:"))].turn_id
-    return {**body, "previous_response_id": f"resp_{turn_id.hex}"}
+    replaced: dict[str, Any] = json.loads(TURN_ID.sub(lambda m: turns[int(m.group(1))].turn_id.hex, text))
+    return replaced

@@ -1,5 +1,6 @@
 """Fuzzing one conversation, one lineage: a tool call the model made comes back re-serialized the ways clients
-do it (schema defaults filled in, keys reordered, other whitespace, ``1`` written ``1.0``) and the next turn
+do it (schema defaults filled in, nested ones too, keys reordered, other whitespace, ``1`` written ``1.0``,
+``1e0`` or with an exponent, ``/`` escaped) and the next turn
 must continue it; any change in substance (another value, a key removed, a default given another value) must
 be recorded as an edit of that turn, naming the key, and start a lineage of its own. Through the gateway's
 chat completions and messages routes, as clients send them."""
@@ -51,9 +52,16 @@ def exchanges(draw: st.DrawFn) -> dict[str, Any]:
             **{key: {"default": value} for key, value in defaults.items()},
         },
     }
+    if draw(st.booleans()):  # an array of objects whose items' schema has a default (Claude Code's MultiEdit)
+        recorded["edits"] = [{"old": text} for text in draw(st.lists(st.text(max_size=5), max_size=3))]
+        schema["properties"]["edits"] = NESTED
     sent = dict(recorded)
     for key in draw(st.lists(st.sampled_from(sorted(defaults)), unique=True)) if defaults else []:
         sent[key] = defaults[key]  # a default filled in: form only
+    if "edits" in sent:  # the items' default filled in on some of them: form only
+        sent["edits"] = [
+            {**edit, "replace_all": False} if draw(st.booleans()) else edit for edit in sent["edits"]
+        ]
     change = draw(st.sampled_from(["none", "none", "value", "removed", "default"]))
     changed_key = None
     if change == "value":
@@ -69,13 +77,35 @@ def exchanges(draw: st.DrawFn) -> dict[str, Any]:
     sent = {key: as_floats(sent[key], draw(st.booleans())) for key in order}
     separators = draw(st.sampled_from([(",", ":"), (", ", ": "), (" ,", " : ")]))
     indent = draw(st.sampled_from([None, 1, "\t"]))
-    return {
-        "recorded": recorded,
-        "schema": schema,
-        "sent": sent,
-        "sent_text": json.dumps(sent, separators=separators, indent=indent, ensure_ascii=draw(st.booleans())),
-        "changed": changed_key,
-    }
+    spelling = draw(st.sampled_from(["json", "json", "fraction", "exponent"]))
+    if spelling == "json":
+        text = json.dumps(sent, separators=separators, indent=indent, ensure_ascii=draw(st.booleans()))
+    else:
+        text = spelled(sent, spelling)
+    return {"recorded": recorded, "schema": schema, "sent": sent, "sent_text": text, "changed": changed_key}
+
+
+NESTED = {
+    "type": "array",
+    "items": {"type": "object", "properties": {"old": {}, "replace_all": {"default": False}}},
+}
+
+
+def spelled(value: Any, spelling: str) -> str:
+    """``value`` as JSON text whose numbers are spelled another way than Python writes them (``2.0`` or
+    ``2e0`` for ``2``, ``1.5000000000000000e+00`` for ``1.5``) and whose slashes are escaped (``\\/``), as
+    other JSON writers may: the same value."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, int):
+        return f"{value}.0" if spelling == "fraction" else f"{value}e0"
+    if isinstance(value, float):
+        return f"{value:.17e}"
+    if isinstance(value, str):
+        return json.dumps(value).replace("/", "\\/")
+    if isinstance(value, list):
+        return "[" + ",".join(spelled(item, spelling) for item in value) + "]"
+    return "{" + ",".join(f"{json.dumps(key)}:{spelled(item, spelling)}" for key, item in value.items()) + "}"
 
 
 def as_floats(value: Any, floats: bool) -> Any:
