@@ -128,7 +128,7 @@ class BubblewrapSandbox:
         (self.directory / "root" / HOME.lstrip("/")).mkdir()
         forwarder.install(self.socket_dir)
         if not self.spec.allow_internet:
-            socket_path = str(self.socket_dir / forwarder.SOCKET)
+            socket_path = self.socket_dir / forwarder.SOCKET
             self.server = await forwarder.serve_gateway_socket(socket_path, self.host, self.port)
 
     def _binds(self) -> list[str]:
@@ -269,10 +269,12 @@ class BubblewrapBackend:
                 "bubblewrap: `bwrap` is not on PATH: install it (Debian: apt-get install bubblewrap)"
             )
         hostdirs.check_sources(self.name, [spec.workspace, *spec.mounts])
-        directory = hostdirs.make_sandbox_dir(self.root, spec.owner)
+        with hostdirs.host_errors(self.name, f"making the sandbox's directory under {self.root}"):
+            directory = hostdirs.make_sandbox_dir(self.root, spec.owner)
         sandbox = BubblewrapSandbox(spec, directory, await _limits_prefix(spec), self.socat)
         try:
-            await sandbox.open()
+            with hostdirs.host_errors(self.name, f"preparing the sandbox in {directory}"):
+                await sandbox.open()
             if not self.proven:
                 await self._prove(sandbox)
         except BaseException:
