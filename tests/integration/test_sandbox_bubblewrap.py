@@ -4,6 +4,7 @@ plus what only bubblewrap has: the host's network shared on request, its host di
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 from pathlib import Path
 
@@ -62,12 +63,13 @@ async def test_the_sandbox_directory_is_gone_after_stop(
     backend: BubblewrapBackend, sandbox_root: Path, tmp_path: Path, sandbox_gateway: str
 ) -> None:
     sandbox = await backend.start(SandboxSpec(workspace=tmp_path, gateway=sandbox_gateway, owner="gone"))
-    made = os.listdir(sandbox_root)
+    assert backend.etc is not None
+    made = [name for name in os.listdir(sandbox_root) if name != backend.etc.name]
     assert len(made) == 1
     assert "owner.json" in os.listdir(sandbox_root / made[0])
     await sandbox.exec(["sh", "-c", "mkdir -p /tmp/deep/er && chmod 500 /tmp/deep"], env={}, limit_s=120)
     await sandbox.stop()
-    assert os.listdir(sandbox_root) == []
+    assert os.listdir(sandbox_root) == [backend.etc.name], "only the /etc every sandbox shares is left"
     assert os.listdir(tmp_path) == []  # the workspace is the harness's, not the sandbox's
 
 
@@ -94,3 +96,17 @@ async def test_the_python_forwarder_serves_the_gateway_where_socat_is_missing(
         "ONLY=this",
         "PATH=/usr/local/bin:/usr/bin:/bin",
     ]
+
+
+async def test_etc_holds_the_hosts_entries_programs_need_and_no_private_keys(
+    backend: BubblewrapBackend, tmp_path: Path, sandbox_gateway: str
+) -> None:
+    """One bind of copies (``sandbox_etc``), not one per entry: the users, the TLS roots, the library
+    cache are there; /etc/ssl/private and the rest of the host's /etc are not."""
+    script = (
+        "id -un; test -s /etc/ssl/certs/ca-certificates.crt && echo roots; test -e /etc/ld.so.cache && echo "
+        "cache; ls /etc/ssl/private /etc/shadow 2>&1 | grep -c 'No such file'"
+    )
+    async with started(backend, SandboxSpec(tmp_path, sandbox_gateway, "etc")) as sandbox:
+        result = await sandbox.exec(["sh", "-c", script], env={}, limit_s=120)
+    assert result.output.split() == [pwd.getpwuid(os.getuid()).pw_name, "roots", "cache", "2"], result.output
