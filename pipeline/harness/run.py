@@ -254,7 +254,7 @@ class Harness:
             for name, text in task.files.items():
                 (workspace / name).parent.mkdir(parents=True, exist_ok=True)
                 (workspace / name).write_text(text)
-            mounts = {REPOSITORY / "examples": EXAMPLES_INSIDE, **self.config.mounts}
+            mounts = {REPOSITORY / "examples": self._examples_inside(), **self.config.mounts}
             if self.config.agent.uses_clis:
                 mounts[self.config.clis] = CLIS_INSIDE
             spec = SandboxSpec(
@@ -269,6 +269,11 @@ class Harness:
             finally:
                 await sandbox.stop()
 
+    def _examples_inside(self) -> str:
+        """Where the repository's examples are inside a sandbox: /opt/turnstile/examples, unless a ``--mount``
+        of that directory puts them elsewhere (mounts are keyed by host path, so it replaces ours)."""
+        return self.config.mounts.get(REPOSITORY / "examples", EXAMPLES_INSIDE)
+
     async def _run_agent(self, task: HarnessTask, sandbox: Sandbox, api_key: str) -> ExecResult:
         root = sandbox_root(sandbox)
         home = f"{root}/home/agent"
@@ -279,7 +284,7 @@ class Harness:
             "instruction": task.instruction,
             "home": home,
             "clis": f"{root}{CLIS_INSIDE}",
-            "examples": f"{root}{EXAMPLES_INSIDE}",
+            "examples": f"{root}{self._examples_inside()}",
             **agent_host_values(),
         }
         rendered = self.config.agent.render(values)

@@ -58,3 +58,45 @@ async def test_claude_code_under_the_harness_passes_a_harbor_task_and_is_rewarde
     assert [e.value for e in events if isinstance(e, RewardAssigned)] == [1.0]
     assert isinstance(events[-1], EpisodeFinished)
     assert events[-1].termination == "done"
+
+
+PROOF_PROMPT = "Write 'turnstile was here' into proof.txt with a shell command."
+PROOF_TEST_SH = """#!/bin/bash
+if [ "$(cat proof.txt 2>/dev/null)" = "turnstile was here" ]; then r=1; else r=0; fi
+echo $r > "${TURNSTILE_SANDBOX_ROOT:-}/logs/verifier/reward.txt"
+"""
+BINARIES = {"codex": "codex", "opencode": "opencode", "openai-agents": None}
+"""The other agents the harness knows, each on the script its own CLI test uses (run a shell command that
+writes proof.txt, then answer); the Agents SDK example runs on this Python, no npm binary."""
+
+
+@pytest.mark.parametrize("agent", sorted(BINARIES))
+async def test_every_agent_under_the_harness_passes_a_harbor_task_and_is_rewarded_1(
+    agent: str,
+    sandbox: str,
+    servers: Servers,
+    database_url: str,
+    store: EventStore,
+    long_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    if (binary := BINARIES[agent]) is not None:
+        cli_binary(binary)
+    task = harbor_task_dir(tmp_path / f"{agent}-proof")
+    (task / "instruction.md").write_text(PROOF_PROMPT)
+    (task / "tests" / "test.sh").write_text(PROOF_TEST_SH)
+    async with agent_gateway(
+        servers.nats_url, database_url, long_model_dir, CLIS / f"{agent}.script.json"
+    ) as gateway:
+        config = harness_config(gateway, tmp_path / "state", agent=agent_spec(agent), clis=CLIS, retries=0)
+        harness = await run_harness(config, load_tasks([task]), backend(sandbox))
+
+    [attempt] = harness.stats.attempts
+    assert (attempt.outcome, attempt.reward) == ("passed", 1.0), attempt.cause
+    assert attempt.session_id is not None
+    events = await episode_events(store, attempt.session_id)
+    turns = [e for e in events if isinstance(e, TurnCompleted)]
+    assert len(turns) == attempt.turns >= 2  # the shell command, the answer (and opencode's title call)
+    assert [e.value for e in events if isinstance(e, RewardAssigned)] == [1.0]
+    assert isinstance(events[-1], EpisodeFinished)
+    assert events[-1].termination == "done"
