@@ -7,6 +7,12 @@ median over the baseline's. Target: bubblewrap at most 50 ms median. Docker runs
 answers, else it says so.
 
     python bench/harness.py --sandbox-start [--runs 30]   (or bench/sandbox_start.py --sandbox-start)
+    python bench/harness.py --sandbox-start --stages      where bubblewrap's first command spends its time
+
+``--stages`` runs plain ``bwrap`` command lines that add one part of the backend's first command at a time
+(namespaces, the network namespace, the binds with /etc entry by entry as before ``sandbox_etc``, the binds
+as they are, then the real first command with its forwarder), interleaved run by run; each figure is a
+median of its own, read against the bare one of the same run.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.harness.backends import hostroot
-from pipeline.harness.backends.bubblewrap import BubblewrapBackend
+from pipeline.harness.backends.bubblewrap import BubblewrapBackend, BubblewrapSandbox
 from pipeline.harness.backends.docker import DockerBackend, hostroot_image
+from pipeline.harness.backends.sandbox_etc import ENTRIES
 from pipeline.harness.sandbox import SandboxBackend, SandboxSpec
 
 from common import machine, note, percentile, summary
@@ -127,6 +134,60 @@ async def sandbox_start(runs: int) -> None:
     server.close()
 
 
+def stage_commands(sandbox: BubblewrapSandbox) -> dict[str, list[str]]:
+    """Plain bwrap command lines, each adding one part of what the sandbox's first command does."""
+    namespaces = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+    binds = sandbox._binds()
+    at = binds.index("/etc") - 2  # "--ro-bind", <the copies>, "/etc": as before, one bind per entry
+    per_entry = [arg for name in ENTRIES for arg in ("--ro-bind-try", f"/etc/{name}", f"/etc/{name}")]
+    return {
+        "bare bwrap true": ["bwrap", "--ro-bind", "/", "/", "true"],
+        "+ every namespace but the network": [*namespaces, "--share-net", "--ro-bind", "/", "/", "true"],
+        "+ the network namespace": [*namespaces, "--ro-bind", "/", "/", "true"],
+        "+ the binds, /etc entry by entry": [*namespaces, *binds[:at], *per_entry, *binds[at + 3 :], "true"],
+        "+ the binds, /etc one folder": [*namespaces, *binds, "true"],
+    }
+
+
+async def run_quietly(argv: list[str]) -> float:
+    started = time.perf_counter()
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
+    assert await process.wait() == 0, argv
+    return (time.perf_counter() - started) * 1000
+
+
+async def stages(runs: int) -> None:
+    """Where bubblewrap's first command spends its time (see the module's docstring)."""
+    note(machine())
+    server = await asyncio.start_server(lambda _r, w: w.close(), "127.0.0.1", 0)
+    gateway = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    with tempfile.TemporaryDirectory(prefix="bench-sandbox-") as scratch:
+        workspace = Path(scratch, "workspace")
+        os.mkdir(workspace)
+        backend = BubblewrapBackend(Path(scratch, "root"))
+        sandbox = await backend.start(SandboxSpec(workspace=workspace, gateway=gateway, owner="bench"))
+        commands = stage_commands(sandbox)
+        times: dict[str, list[float]] = {name: [] for name in [*commands, "+ the forwarder (socat)"]}
+        for _ in range(runs):
+            for name, argv in commands.items():
+                times[name].append(await run_quietly(argv))
+            started = time.perf_counter()
+            assert (await sandbox.exec(["true"], env={}, limit_s=60)).exit_code == 0
+            times["+ the forwarder (socat)"].append((time.perf_counter() - started) * 1000)
+        await sandbox.stop()
+    server.close()
+    for name, measured in times.items():
+        note(f"{name}: {describe(measured)}")
+    one_folder = statistics.median(times["+ the binds, /etc one folder"])
+    per_entry = statistics.median(times["+ the binds, /etc entry by entry"])
+    summary(
+        "harness", "bubblewrap command, /etc one folder", f"{one_folder:.1f} ms median",
+        f"/etc entry by entry {per_entry:.1f} ms", one_folder / per_entry, None,
+    )  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -134,11 +195,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--sandbox-start", action="store_true", help="sandbox start-to-first-command per backend"
     )
+    parser.add_argument("--stages", action="store_true", help="bubblewrap's first command, part by part")
     parser.add_argument("--runs", type=int, default=30)
     args = parser.parse_args(argv)
     if not args.sandbox_start:
         parser.error("say what to measure: --sandbox-start")
-    asyncio.run(sandbox_start(args.runs))
+    asyncio.run(stages(args.runs) if args.stages else sandbox_start(args.runs))
     return 0
 
 

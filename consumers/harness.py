@@ -14,6 +14,7 @@ from nats.aio.client import Client as NatsConnection
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig
+from nats.js.client import JetStreamContext
 from pydantic import ValidationError
 from rich.console import Console
 
@@ -72,6 +73,20 @@ async def harness_run(
     return result
 
 
+async def harness_tasks(
+    connection: NatsConnection, policy: str, *, ack_wait: float
+) -> JetStreamContext.PullSubscription:
+    """The durable pull consumer every ``serve harness`` of ``policy`` shares, on ``tasks.harness.<policy>``:
+    all the harness role may take (deploy/nats.conf)."""
+    await ensure_tasks_stream(connection)
+    return await jetstream(connection).pull_subscribe(
+        task_subject(policy, harness=True),
+        durable="harness-" + re.sub(r"[^A-Za-z0-9_-]", "_", policy),
+        stream=TASKS_STREAM,
+        config=ConsumerConfig(ack_wait=ack_wait, max_deliver=20, max_ack_pending=-1),
+    )
+
+
 class HarnessQueue:
     """``turnstile serve harness``: groups from ``tasks.harness.<policy>`` (``turnstile submit --harness``),
     ``concurrency`` episodes at a time on this machine, any number of machines. A task is acked once its
@@ -90,13 +105,7 @@ class HarnessQueue:
 
     async def run(self, stop: asyncio.Event) -> None:
         policy = self.harness.config.policy or ""
-        await ensure_tasks_stream(self.connection)
-        subscription = await jetstream(self.connection).pull_subscribe(
-            task_subject(policy, harness=True),
-            durable="harness-" + re.sub(r"[^A-Za-z0-9_-]", "_", policy),
-            stream=TASKS_STREAM,
-            config=ConsumerConfig(ack_wait=self.ack_wait, max_deliver=20, max_ack_pending=-1),
-        )
+        subscription = await harness_tasks(self.connection, policy, ack_wait=self.ack_wait)
         try:
             while not stop.is_set():
                 if len(self._working) >= self.harness.config.concurrency:  # one group per slot at most

@@ -4,18 +4,15 @@ plus what only bubblewrap has: the host's network shared on request, its host di
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from pipeline.harness.backends.bubblewrap import BubblewrapBackend
 from pipeline.harness.sandbox import SandboxSpec
-from tests.conftest import Servers
-from tests.support.agent_gateway import gateway_process
-from tests.support.sandboxes import PROBE, SandboxContract, host_listener, started
+from tests.support.sandboxes import PROBE, BackendAt, SandboxContract, SpecFor, host_listener, started
 
 pytestmark = pytest.mark.bubblewrap
 
@@ -30,15 +27,8 @@ def _bwrap_installed() -> None:
 
 
 @pytest.fixture
-async def gateway(servers: Servers, database_url: str) -> AsyncIterator[str]:
-    """A real ``turnstile serve gateway``; its ``host:port``."""
-    async with gateway_process(database_url, servers.nats_url, "sandbox", "admin-sandbox") as url:
-        yield url.removeprefix("http://")
-
-
-@pytest.fixture
-def sandbox_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("sandboxes")
+def backend_at() -> BackendAt:
+    return BubblewrapBackend
 
 
 @pytest.fixture
@@ -47,16 +37,8 @@ def backend(sandbox_root: Path) -> BubblewrapBackend:
 
 
 @pytest.fixture
-def spec_for() -> Any:
-    def spec(workspace: Path, gateway: str, owner: str, **more: Any) -> SandboxSpec:
-        return SandboxSpec(workspace=workspace, gateway=gateway, owner=owner, **more)
-
-    return spec
-
-
-@pytest.fixture
-def child_args(sandbox_root: Path) -> list[str]:
-    return ["bubblewrap", str(sandbox_root)]
+def spec_for() -> SpecFor:
+    return SandboxSpec
 
 
 class TestBubblewrap(SandboxContract):
@@ -64,12 +46,12 @@ class TestBubblewrap(SandboxContract):
 
 
 async def test_allow_internet_shares_the_host_network(
-    backend: BubblewrapBackend, tmp_path: Path, gateway: str
+    backend: BubblewrapBackend, tmp_path: Path, sandbox_gateway: str
 ) -> None:
     """The trade-off documented in docs/sandboxes.md: the host's own loopback services become reachable."""
-    spec = SandboxSpec(workspace=tmp_path, gateway=gateway, owner="internet", allow_internet=True)
+    spec = SandboxSpec(workspace=tmp_path, gateway=sandbox_gateway, owner="internet", allow_internet=True)
     async with host_listener() as port, started(backend, spec) as sandbox:
-        assert sandbox.gateway_url == f"http://{gateway}"
+        assert sandbox.gateway_url == f"http://{sandbox_gateway}"
         result = await sandbox.exec(
             ["python3", "-c", PROBE, sandbox.gateway_url, f"127.0.0.1:{port}"], env={}, limit_s=120
         )
@@ -78,24 +60,28 @@ async def test_allow_internet_shares_the_host_network(
 
 
 async def test_the_sandbox_directory_is_gone_after_stop(
-    backend: BubblewrapBackend, sandbox_root: Path, tmp_path: Path, gateway: str
+    backend: BubblewrapBackend, sandbox_root: Path, tmp_path: Path, sandbox_gateway: str
 ) -> None:
-    sandbox = await backend.start(SandboxSpec(workspace=tmp_path, gateway=gateway, owner="gone"))
-    made = os.listdir(sandbox_root)
+    sandbox = await backend.start(SandboxSpec(workspace=tmp_path, gateway=sandbox_gateway, owner="gone"))
+    assert backend.etc is not None
+    made = [name for name in os.listdir(sandbox_root) if name != backend.etc.name]
     assert len(made) == 1
     assert "owner.json" in os.listdir(sandbox_root / made[0])
     await sandbox.exec(["sh", "-c", "mkdir -p /tmp/deep/er && chmod 500 /tmp/deep"], env={}, limit_s=120)
     await sandbox.stop()
-    assert os.listdir(sandbox_root) == []
+    assert os.listdir(sandbox_root) == [backend.etc.name], "only the /etc every sandbox shares is left"
     assert os.listdir(tmp_path) == []  # the workspace is the harness's, not the sandbox's
 
 
 async def test_the_python_forwarder_serves_the_gateway_where_socat_is_missing(
-    sandbox_root: Path, tmp_path: Path, gateway: str
+    sandbox_root: Path, tmp_path: Path, sandbox_gateway: str
 ) -> None:
     """The contract above runs with socat inside where it is installed; this is the fallback's check."""
     backend = BubblewrapBackend(sandbox_root, socat=False)
-    async with host_listener() as port, started(backend, SandboxSpec(tmp_path, gateway, "python")) as sandbox:
+    async with (
+        host_listener() as port,
+        started(backend, SandboxSpec(tmp_path, sandbox_gateway, "python")) as sandbox,
+    ):
         result = await sandbox.exec(
             ["python3", "-c", PROBE, sandbox.gateway_url, f"127.0.0.1:{port}"],
             env={"ONLY": "this"},
@@ -110,3 +96,17 @@ async def test_the_python_forwarder_serves_the_gateway_where_socat_is_missing(
         "ONLY=this",
         "PATH=/usr/local/bin:/usr/bin:/bin",
     ]
+
+
+async def test_etc_holds_the_hosts_entries_programs_need_and_no_private_keys(
+    backend: BubblewrapBackend, tmp_path: Path, sandbox_gateway: str
+) -> None:
+    """One bind of copies (``sandbox_etc``), not one per entry: the users, the TLS roots, the library
+    cache are there; /etc/ssl/private and the rest of the host's /etc are not."""
+    script = (
+        "id -un; test -s /etc/ssl/certs/ca-certificates.crt && echo roots; test -e /etc/ld.so.cache && echo "
+        "cache; ls /etc/ssl/private /etc/shadow 2>&1 | grep -c 'No such file'"
+    )
+    async with started(backend, SandboxSpec(tmp_path, sandbox_gateway, "etc")) as sandbox:
+        result = await sandbox.exec(["sh", "-c", script], env={}, limit_s=120)
+    assert result.output.split() == [pwd.getpwuid(os.getuid()).pw_name, "roots", "cache", "2"], result.output

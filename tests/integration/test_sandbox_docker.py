@@ -5,18 +5,14 @@ environment/Dockerfile."""
 from __future__ import annotations
 
 import subprocess
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from pipeline.harness.backends.docker import HOSTROOT_IMAGE, DockerBackend, hostroot_image
 from pipeline.harness.backends.hostroot import real_folders as host_mounts
-from pipeline.harness.sandbox import SandboxSpec
-from tests.conftest import Servers
-from tests.support.agent_gateway import gateway_process
-from tests.support.sandboxes import SandboxContract, started
+from pipeline.harness.sandbox import SandboxBackend, SandboxSpec
+from tests.support.sandboxes import BackendAt, SandboxContract, SpecFor, started
 
 pytestmark = pytest.mark.docker
 
@@ -32,24 +28,18 @@ def _engine() -> None:
 
 
 @pytest.fixture
-async def gateway(servers: Servers, database_url: str) -> AsyncIterator[str]:
-    async with gateway_process(database_url, servers.nats_url, "sandbox", "admin-sandbox") as url:
-        yield url.removeprefix("http://")
-
-
-@pytest.fixture
-def sandbox_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("sandboxes")
-
-
-@pytest.fixture
-async def backend(sandbox_root: Path) -> DockerBackend:
+async def backend_at() -> BackendAt:
     await hostroot_image()
-    return DockerBackend(sandbox_root)
+    return DockerBackend
 
 
 @pytest.fixture
-def spec_for() -> Any:
+def backend(backend_at: BackendAt, sandbox_root: Path) -> SandboxBackend:
+    return backend_at(sandbox_root)
+
+
+@pytest.fixture
+def spec_for() -> SpecFor:
     def spec(workspace: Path, gateway: str, owner: str, mounts: dict[Path, str] | None = None) -> SandboxSpec:
         every = {**host_mounts(), **(mounts or {})}
         return SandboxSpec(
@@ -59,17 +49,12 @@ def spec_for() -> Any:
     return spec
 
 
-@pytest.fixture
-def child_args(sandbox_root: Path) -> list[str]:
-    return ["docker", str(sandbox_root)]
-
-
 class TestDocker(SandboxContract):
     pass
 
 
 async def test_the_image_is_built_from_the_tasks_dockerfile(
-    backend: DockerBackend, tmp_path: Path, gateway: str
+    backend: SandboxBackend, tmp_path: Path, sandbox_gateway: str
 ) -> None:
     environment, workspace = tmp_path / "environment", tmp_path / "workspace"
     environment.mkdir()
@@ -77,7 +62,11 @@ async def test_the_image_is_built_from_the_tasks_dockerfile(
     (environment / "hello.txt").write_text("built from the task's Dockerfile\n")
     (environment / "Dockerfile").write_text(f"FROM {HOSTROOT_IMAGE}\nCOPY hello.txt /opt/task/hello.txt\n")
     spec = SandboxSpec(
-        workspace=workspace, gateway=gateway, owner="build", environment=environment, mounts=host_mounts()
+        workspace=workspace,
+        gateway=sandbox_gateway,
+        owner="build",
+        environment=environment,
+        mounts=host_mounts(),
     )
     async with started(backend, spec) as sandbox:
         result = await sandbox.exec(["cat", "/opt/task/hello.txt"], env={}, limit_s=120)
@@ -85,11 +74,11 @@ async def test_the_image_is_built_from_the_tasks_dockerfile(
 
 
 async def test_memory_and_cpus_are_the_containers_limits(
-    backend: DockerBackend, tmp_path: Path, gateway: str
+    backend: SandboxBackend, tmp_path: Path, sandbox_gateway: str
 ) -> None:
     spec = SandboxSpec(
-        workspace=tmp_path, gateway=gateway, owner="limits", image=HOSTROOT_IMAGE, mounts=host_mounts(),
-        memory_mib=256, cpus=0.5,
+        workspace=tmp_path, gateway=sandbox_gateway, owner="limits", image=HOSTROOT_IMAGE,
+        mounts=host_mounts(), memory_mib=256, cpus=0.5,
     )  # fmt: skip
     async with started(backend, spec) as sandbox:
         memory = (

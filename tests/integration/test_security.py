@@ -21,6 +21,7 @@ import nats.js.errors
 import psycopg
 import pytest
 
+from consumers.harness import harness_tasks
 from consumers.inference import InferenceConfig
 from pipeline.batches.format import BatchSample, TrainingBatch, encode_batch
 from pipeline.batches.relay import BATCHES_STREAM, batch_subject, ensure_batches_stream
@@ -28,6 +29,7 @@ from pipeline.errors import StoreUnavailable
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.store import APPEND_LOCK
+from pipeline.runners import TaskSpec, submit_tasks
 from pipeline.runners.taskqueue import TASKS_STREAM, ensure_tasks_stream, task_subject
 from pipeline.settings import jetstream, jetstream_api_prefix, libpq_url
 from pipeline.sql import SqlError, run_readonly
@@ -122,6 +124,10 @@ async def test_a_reply_subject_naming_a_stream_cannot_make_inference_publish_the
         ("gateway", "tasks.>"),
         ("inference", "batches.>"),
         ("relay", "llm.*.requests.*"),
+        ("harness", "_INBOX_runner.>"),
+        ("harness", "tasks.>"),
+        ("harness", "llm.*.requests"),
+        ("runner", "_INBOX_harness.>"),
     ],
 )
 async def test_no_role_reads_what_it_does_not_own(connect: Connect, role: str, subject: str) -> None:
@@ -157,6 +163,16 @@ async def test_no_role_reads_what_it_does_not_own(connect: Connect, role: str, s
         ("inference", "llm.demo.requests"),
         ("inference", "_INBOX_trainer.x"),
         ("inference", "_INBOX_relay.x"),
+        ("harness", "tasks.demo"),  # the operator submits harness tasks; a harness only takes them
+        ("harness", "tasks.harness.demo"),
+        ("harness", "llm.demo.requests"),  # its agents call the gateway over HTTP
+        ("harness", "batches.demo"),
+        ("harness", "policy.demo.versions"),
+        ("harness", "$JS.API.STREAM.PURGE.TASKS"),
+        ("harness", "$JS.API.CONSUMER.DELETE.TASKS.harness-demo"),
+        ("harness", "$JS.API.CONSUMER.CREATE.BATCHES.x.batches.demo"),
+        ("harness", "$KV.GATEWAY_SESSIONS.x"),
+        ("runner", "$JS.API.CONSUMER.CREATE.TASKS.x.tasks.harness.demo"),
     ],
 )
 async def test_no_role_calls_apis_or_publishes_where_it_does_not_own(
@@ -190,6 +206,36 @@ async def test_a_runner_makes_task_consumers_only_on_its_own_subjects(connect: C
         "the server to refuse the consumer",
     )
     refused("runner making a TASKS consumer over every policy")
+
+
+async def test_a_harness_takes_and_acks_its_own_tasks_and_makes_no_consumer_on_a_runners(
+    connect: Connect,
+) -> None:
+    """``serve harness`` with the harness role's own credentials: its consumer on ``tasks.harness.<policy>``
+    (``harness_tasks``, the code the service runs) takes a submitted group and acks it; a consumer on the
+    runners' ``tasks.<policy>`` is refused."""
+    policy = new_policy()
+    admin, harness = await connect("admin"), await connect("harness")
+    spec = TaskSpec({"id": "t", "instruction": "Write greeting.txt.", "verifier": "true"}, "t")
+    await submit_tasks(admin.nc, policy, [spec], group_size=2, harness=True)
+    subscription = await harness_tasks(harness.nc, policy, ack_wait=30)
+    [message] = await subscription.fetch(1, timeout=30)
+    await message.in_progress()
+    await message.ack_sync(timeout=10)
+    assert await stored(admin, TASKS_STREAM, task_subject(policy, harness=True)) == 0, "acked: gone"
+    with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
+        await jetstream(harness.nc).add_consumer(
+            TASKS_STREAM, durable_name=f"sniff-{policy}", filter_subject=task_subject(policy), timeout=2
+        )
+    await wait_until(
+        lambda: any(
+            'permissions violation for publish to "js.harness.api.consumer' in e.lower()
+            for e in harness.errors
+        ),
+        30,
+        "the server to refuse the consumer",
+    )
+    refused("harness making a TASKS consumer on a runner's subject")
 
 
 async def test_a_runner_reads_the_trainers_backlog_to_pace_itself_and_nothing_more(connect: Connect) -> None:

@@ -20,7 +20,7 @@ from pipeline.dev.embedded import EmbeddedNats, free_port
 from pipeline.settings import nats_inbox_prefix
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-ROLES = ("runner", "gateway", "inference", "relay", "trainer", "admin")
+ROLES = ("runner", "gateway", "inference", "relay", "trainer", "harness", "admin")
 
 
 @dataclass

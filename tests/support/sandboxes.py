@@ -1,9 +1,10 @@
 """The sandbox contract: the assertions every backend of ``pipeline.harness.sandbox`` must pass.
 
-Subclass ``SandboxContract`` once per backend and give it the fixtures ``backend`` (a backend whose state
-lives where the test says) and ``spec_for`` (a ``SandboxSpec`` for that backend from a workspace, the
-gateway's ``host:port`` and an owner: its image, its mounts), and ``child_args`` (the arguments of
-``tests/support/sandbox_child.py`` that make the same backend in another process). The gateway is a real
+Subclass ``SandboxContract`` once per backend and give it the fixtures ``backend_at`` (the backend keeping
+its host state under a given folder), ``backend`` (that backend at ``sandbox_root``) and ``spec_for`` (a
+``SandboxSpec`` for that backend from a workspace, the gateway's ``host:port`` and an owner: its image, its
+mounts). ``sandbox_gateway`` and ``sandbox_root`` come from tests/integration/conftest.py; the sweep test
+makes the same backend in another process with ``tests/support/sandbox_child.py``. The gateway is a real
 ``turnstile serve gateway``; what must stay unreachable is a real listener on the host's loopback, the
 system PostgreSQL's port and an outside address.
 """
@@ -38,6 +39,7 @@ for target in sys.argv[2:]:
 """Run inside: GET the gateway's /health, then try each ``host:port`` given."""
 
 SpecFor = Callable[..., SandboxSpec]
+BackendAt = Callable[[Path], SandboxBackend]
 
 
 @contextlib.asynccontextmanager
@@ -72,10 +74,10 @@ async def started(backend: SandboxBackend, spec: SandboxSpec) -> AsyncIterator[S
 
 class SandboxContract:
     async def test_a_command_runs_in_the_workspace_with_exactly_its_environment(
-        self, backend: SandboxBackend, spec_for: SpecFor, tmp_path: Path, gateway: str
+        self, backend: SandboxBackend, spec_for: SpecFor, tmp_path: Path, sandbox_gateway: str
     ) -> None:
         (tmp_path / "given.txt").write_text("from the host")
-        async with started(backend, spec_for(tmp_path, gateway, "contract")) as sandbox:
+        async with started(backend, spec_for(tmp_path, sandbox_gateway, "contract")) as sandbox:
             result = await sandbox.exec(
                 ["sh", "-c", "cat given.txt; echo; pwd; env; echo made > made.txt; exit 3"],
                 env={"ONLY": "this"}, limit_s=120,
@@ -89,13 +91,13 @@ class SandboxContract:
             assert (tmp_path / "made.txt").read_text() == "made\n"
 
     async def test_the_gateway_answers_inside_and_nothing_else_does(
-        self, backend: SandboxBackend, spec_for: SpecFor, tmp_path: Path, gateway: str
+        self, backend: SandboxBackend, spec_for: SpecFor, tmp_path: Path, sandbox_gateway: str
     ) -> None:
         async with (
             host_listener() as port,
-            started(backend, spec_for(tmp_path, gateway, "contract")) as sandbox,
+            started(backend, spec_for(tmp_path, sandbox_gateway, "contract")) as sandbox,
         ):
-            targets = [f"127.0.0.1:{port}", "127.0.0.1:5432", "1.1.1.1:443", gateway]
+            targets = [f"127.0.0.1:{port}", "127.0.0.1:5432", "1.1.1.1:443", sandbox_gateway]
             result = await sandbox.exec(
                 ["python3", "-c", PROBE, sandbox.gateway_url, *targets], env={}, limit_s=120
             )
@@ -106,10 +108,10 @@ class SandboxContract:
                 assert f"unreachable {target}" in result.output, result.output
 
     async def test_the_time_limit_ends_every_process_the_command_started(
-        self, backend: SandboxBackend, spec_for: SpecFor, tmp_path: Path, gateway: str
+        self, backend: SandboxBackend, spec_for: SpecFor, tmp_path: Path, sandbox_gateway: str
     ) -> None:
         marker = f"{4000 + uuid.uuid4().int % 1000}.{uuid.uuid4().int % 1000}"  # a sleep nobody else runs
-        async with started(backend, spec_for(tmp_path, gateway, "contract")) as sandbox:
+        async with started(backend, spec_for(tmp_path, sandbox_gateway, "contract")) as sandbox:
             script = f"sleep {marker} & (setsid sleep {marker} &); echo started; sleep {marker}"
             result = await sandbox.exec(["sh", "-c", script], env={}, limit_s=3)
             assert result.timed_out
@@ -119,7 +121,7 @@ class SandboxContract:
             assert after.output.strip() == "still usable"
 
     async def test_files_copy_in_and_out(
-        self, backend: SandboxBackend, spec_for: SpecFor, tmp_path: Path, gateway: str
+        self, backend: SandboxBackend, spec_for: SpecFor, tmp_path: Path, sandbox_gateway: str
     ) -> None:
         workspace, host = tmp_path / "workspace", tmp_path / "host"
         workspace.mkdir()
@@ -127,7 +129,7 @@ class SandboxContract:
         (host / "tests" / "test.sh").write_text(
             "mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt\n"
         )
-        async with started(backend, spec_for(workspace, gateway, "contract")) as sandbox:
+        async with started(backend, spec_for(workspace, sandbox_gateway, "contract")) as sandbox:
             await sandbox.copy_in(host / "tests", "/tests")
             result = await sandbox.exec(["sh", "/tests/test.sh"], env={}, limit_s=120)
             assert result.exit_code == 0, result.output
@@ -137,17 +139,38 @@ class SandboxContract:
                 await sandbox.copy_out("/logs/verifier/reward.json", host / "reward.json")
 
     async def test_a_sandbox_that_cannot_start_is_a_sandbox_error_naming_why(
-        self, backend: SandboxBackend, spec_for: SpecFor, tmp_path: Path, gateway: str
+        self, backend: SandboxBackend, spec_for: SpecFor, tmp_path: Path, sandbox_gateway: str
     ) -> None:
         missing = tmp_path / "no-such-cli"
-        spec = spec_for(tmp_path, gateway, "contract", mounts={missing: "/opt/cli"})
+        spec = spec_for(tmp_path, sandbox_gateway, "contract", mounts={missing: "/opt/cli"})
         with pytest.raises(SandboxError, match=str(missing)):
             await backend.start(spec)
 
-    async def test_stop_removes_the_sandbox_and_may_be_called_twice(
-        self, backend: SandboxBackend, spec_for: SpecFor, tmp_path: Path, gateway: str
+    async def test_a_host_failure_at_start_is_a_sandbox_error_naming_the_folder(
+        self, backend_at: BackendAt, spec_for: SpecFor, tmp_path: Path, sandbox_gateway: str
     ) -> None:
-        sandbox = await backend.start(spec_for(tmp_path, gateway, "contract"))
+        """Not an ``OSError`` that would end the harness and every other episode with it."""
+        not_a_folder = tmp_path / "a-file"
+        not_a_folder.write_text("")
+        with pytest.raises(SandboxError, match=str(not_a_folder)):
+            await backend_at(not_a_folder).start(spec_for(tmp_path, sandbox_gateway, "contract"))
+
+    async def test_a_sandbox_under_a_deep_folder_reaches_the_gateway(
+        self, backend_at: BackendAt, spec_for: SpecFor, tmp_path: Path, sandbox_gateway: str
+    ) -> None:
+        """The gateway's Unix socket lies in the sandbox's host folder, and a socket's path holds at most
+        107 bytes: a ``TMPDIR`` as deep as pytest's ``tmp_path`` passed that under the harness's CLI."""
+        deep = tmp_path / ("deep-folder-" * 8)
+        assert len(str(deep / "sandbox-12345678/run/gateway.sock")) > 107
+        async with started(backend_at(deep), spec_for(tmp_path, sandbox_gateway, "contract")) as sandbox:
+            result = await sandbox.exec(["python3", "-c", PROBE, sandbox.gateway_url], env={}, limit_s=120)
+        assert result.exit_code == 0, result.output
+        assert "gateway 200" in result.output
+
+    async def test_stop_removes_the_sandbox_and_may_be_called_twice(
+        self, backend: SandboxBackend, spec_for: SpecFor, tmp_path: Path, sandbox_gateway: str
+    ) -> None:
+        sandbox = await backend.start(spec_for(tmp_path, sandbox_gateway, "contract"))
         await sandbox.stop()
         await sandbox.stop()
         with pytest.raises(SandboxError):
@@ -158,14 +181,16 @@ class SandboxContract:
         backend: SandboxBackend,
         spec_for: SpecFor,
         tmp_path: Path,
-        gateway: str,
-        child_args: list[str],
+        sandbox_gateway: str,
+        sandbox_root: Path,
     ) -> None:
         owner = f"sweep-{uuid.uuid4().hex[:8]}"
-        mine = await backend.start(spec_for(tmp_path, gateway, owner))  # same owner, live harness: kept
+        mine = await backend.start(
+            spec_for(tmp_path, sandbox_gateway, owner)
+        )  # same owner, live harness: kept
         child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.support.sandbox_child", *child_args, owner, str(tmp_path), gateway,
-            stdout=asyncio.subprocess.PIPE,
+            sys.executable, "-m", "tests.support.sandbox_child", backend.name, str(sandbox_root), owner,
+            str(tmp_path), sandbox_gateway, stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         try:
             assert child.stdout is not None

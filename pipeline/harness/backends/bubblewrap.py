@@ -2,8 +2,8 @@
 
 Each command runs in a fresh ``bwrap`` with the same binds, so the sandbox's state is its host directories:
 
-- ``/usr`` (and ``/bin``, ``/lib*``, ``/sbin`` as on the host), a few files of ``/etc``, the pre-built
-  agent CLIs (``spec.mounts``): read-only;
+- ``/usr`` (and ``/bin``, ``/lib*``, ``/sbin`` as on the host), ``/etc`` (copies of the few host entries
+  programs need, one folder: ``sandbox_etc``), the pre-built agent CLIs (``spec.mounts``): read-only;
 - ``/workspace``: the task's workspace, read-write; ``/tmp``, ``/home/sandbox`` (HOME), ``/logs`` and any
   other top-level folder ``copy_in`` makes: folders of the sandbox's own host directory, read-write;
 - every namespace unshared (pid, ipc, uts, cgroup, user, net), ``--die-with-parent``, ``--new-session``.
@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pipeline.harness.backends import forwarder, hostdirs, hostroot
 from pipeline.harness.backends.commands import kill_process, run_limited
+from pipeline.harness.backends.sandbox_etc import prepared_etc
 from pipeline.harness.sandbox import ExecResult, SandboxError, SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,6 @@ RUN = "/run/turnstile"
 """Inside: the gateway's Unix socket and the forwarder script (read-only)."""
 STATE_FOLDERS = ("tmp", "home", "logs")
 """Top-level folders every sandbox has, kept in its host directory under ``root/``."""
-ETC = (
-    "hosts", "passwd", "group", "nsswitch.conf", "localtime", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
-    "alternatives", "ssl", "ca-certificates", "ca-certificates.conf", "mime.types",
-)  # fmt: skip
-"""What of the host's /etc programs need (users, libraries, TLS roots); resolv.conf only with the internet."""
 RESERVED = {"etc", "proc", "dev", "run", "workspace"} | {p[1:] for p in hostroot.SYSTEM}
 
 
@@ -99,9 +95,10 @@ def _split_gateway(gateway: str) -> tuple[str, int]:
 class BubblewrapSandbox:
     """One started sandbox: its host directory, its gateway socket, the commands running in it."""
 
-    def __init__(self, spec: SandboxSpec, directory: Path, limits: list[str], socat: bool) -> None:
+    def __init__(self, spec: SandboxSpec, directory: Path, limits: list[str], socat: bool, etc: Path) -> None:
         self.spec = spec
         self.socat = socat
+        self.etc = etc
         self.directory = directory
         self.limits = limits
         self.host, self.port = _split_gateway(spec.gateway)
@@ -128,14 +125,13 @@ class BubblewrapSandbox:
         (self.directory / "root" / HOME.lstrip("/")).mkdir()
         forwarder.install(self.socket_dir)
         if not self.spec.allow_internet:
-            socket_path = str(self.socket_dir / forwarder.SOCKET)
+            socket_path = self.socket_dir / forwarder.SOCKET
             self.server = await forwarder.serve_gateway_socket(socket_path, self.host, self.port)
 
     def _binds(self) -> list[str]:
-        args = [*_system_binds(), "--proc", "/proc", "--dev", "/dev"]
-        etc = [*ETC, "resolv.conf"] if self.spec.allow_internet else ETC
-        for name in etc:
-            args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+        args = [*_system_binds(), "--proc", "/proc", "--dev", "/dev", "--ro-bind", str(self.etc), "/etc"]
+        if self.spec.allow_internet:
+            args += ["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
         args += ["--bind", str(self.spec.workspace), WORKDIR, "--ro-bind", str(self.socket_dir), RUN]
         for folder in sorted((self.directory / "root").iterdir()):
             args += ["--bind", str(folder), f"/{folder.name}"]  # /home too: HOME and any other user's
@@ -253,6 +249,8 @@ class BubblewrapBackend:
         self.root = root or hostdirs.default_root()
         self.socat = shutil.which("socat") is not None if socat is None else socat
         self.proven = False
+        self.etc: Path | None = None
+        """The folder bound as every sandbox's /etc (``sandbox_etc``), made at the first start."""
 
     async def _prove(self, sandbox: BubblewrapSandbox) -> None:
         """One command in the backend's first sandbox: where bwrap cannot work at all (no user namespaces,
@@ -269,10 +267,15 @@ class BubblewrapBackend:
                 "bubblewrap: `bwrap` is not on PATH: install it (Debian: apt-get install bubblewrap)"
             )
         hostdirs.check_sources(self.name, [spec.workspace, *spec.mounts])
-        directory = hostdirs.make_sandbox_dir(self.root, spec.owner)
-        sandbox = BubblewrapSandbox(spec, directory, await _limits_prefix(spec), self.socat)
+        if self.etc is None:
+            with hostdirs.host_errors(self.name, f"copying what sandboxes need of /etc under {self.root}"):
+                self.etc = await asyncio.to_thread(prepared_etc, self.root)
+        with hostdirs.host_errors(self.name, f"making the sandbox's directory under {self.root}"):
+            directory = hostdirs.make_sandbox_dir(self.root, spec.owner)
+        sandbox = BubblewrapSandbox(spec, directory, await _limits_prefix(spec), self.socat, self.etc)
         try:
-            await sandbox.open()
+            with hostdirs.host_errors(self.name, f"preparing the sandbox in {directory}"):
+                await sandbox.open()
             if not self.proven:
                 await self._prove(sandbox)
         except BaseException:

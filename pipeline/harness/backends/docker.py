@@ -118,11 +118,11 @@ def _content_digest(environment: Path) -> str:
 class DockerSandbox:
     """A started sandbox: its two containers, its host directory (the gateway's socket), its socket server."""
 
-    def __init__(self, spec: SandboxSpec, directory: Path, port: int, server: asyncio.Server | None) -> None:
+    def __init__(self, spec: SandboxSpec, directory: Path, port: int) -> None:
         self.spec = spec
         self.directory = directory
         self.port = port
-        self.server = server
+        self.server: asyncio.Server | None = None
         self.name = f"turnstile-{directory.name}"
         self.stopped = False
 
@@ -228,13 +228,15 @@ class DockerBackend:
         if not host or not port.isdigit():
             raise SandboxError(f"docker: gateway {spec.gateway!r} is not host:port (e.g. 127.0.0.1:8000)")
         image = await image_for(spec)
-        directory = hostdirs.make_sandbox_dir(self.root, spec.owner)
-        forwarder.install(directory / "run")
-        server = await forwarder.serve_gateway_socket(
-            str(directory / "run" / forwarder.SOCKET), host.strip("[]"), int(port)
-        )
-        sandbox = DockerSandbox(spec, directory, int(port), server)
+        with hostdirs.host_errors(self.name, f"making the sandbox's directory under {self.root}"):
+            directory = hostdirs.make_sandbox_dir(self.root, spec.owner)
+        sandbox = DockerSandbox(spec, directory, int(port))
         try:
+            with hostdirs.host_errors(self.name, f"listening for the gateway in {directory}"):
+                forwarder.install(directory / "run")
+                sandbox.server = await forwarder.serve_gateway_socket(
+                    directory / "run" / forwarder.SOCKET, host.strip("[]"), int(port)
+                )
             await sandbox.create(image)
         except BaseException:
             await sandbox.stop()

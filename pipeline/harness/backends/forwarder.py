@@ -15,7 +15,9 @@ and the sandbox has no address from which anything else could be reached.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import socket
 from pathlib import Path
 
 from pipeline.harness.backends import inside_forwarder
@@ -37,7 +39,7 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()
 
 
-async def serve_gateway_socket(socket_path: str, gateway_host: str, gateway_port: int) -> asyncio.Server:
+async def serve_gateway_socket(socket_path: Path, gateway_host: str, gateway_port: int) -> asyncio.Server:
     """The host side: a Unix socket at ``socket_path`` whose every connection is relayed to the gateway."""
 
     async def connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -52,7 +54,27 @@ async def serve_gateway_socket(socket_path: str, gateway_host: str, gateway_port
             writer.close()
             upstream_writer.close()
 
-    return await asyncio.start_unix_server(connect, path=socket_path)
+    return await asyncio.start_unix_server(connect, sock=_bound_unix_socket(socket_path))
+
+
+def _bound_unix_socket(path: Path) -> socket.socket:
+    """A listening Unix socket at ``path``, however long ``path`` is.
+
+    A Unix socket's address holds at most 107 bytes, and a sandbox directory under a long ``TMPDIR``
+    (pytest's ``tmp_path``, a CI runner's work folder) passes that. Binding through ``/proc/self/fd/N/`` of
+    the socket's directory makes the same file under a short name (the sandbox sees it as
+    ``/run/turnstile/gateway.sock`` anyway)."""
+    directory = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(f"/proc/self/fd/{directory}/{path.name}")
+        listener.listen(128)
+    except BaseException:
+        listener.close()
+        raise
+    finally:
+        os.close(directory)
+    return listener
 
 
 def install(directory: Path) -> None:

@@ -18,6 +18,7 @@ import shutil
 import signal
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,17 @@ def check_sources(backend: str, spec_paths: list[Path]) -> None:
     for source in spec_paths:
         if not source.exists():
             raise SandboxError(f"{backend}: mount source {source} does not exist on the host")
+
+
+@contextlib.contextmanager
+def host_errors(backend: str, doing: str) -> Iterator[None]:
+    """An ``OSError`` of the host while ``doing`` (a folder that cannot be made, a full disk, a socket that
+    cannot listen) as a ``SandboxError``: an infrastructure failure of one episode, retried, not a crash of
+    the harness with every other episode's sandbox."""
+    try:
+        yield
+    except OSError as error:
+        raise SandboxError(f"{backend}: {doing} failed: {error}") from error
 
 
 def make_sandbox_dir(root: Path, owner: str) -> Path:
