@@ -9,7 +9,7 @@ if [ "$1" = postgres ] && [ "$(id -u)" = 0 ]; then
     mkdir -p "$PGDATA"
     chown -R postgres:postgres "$PGDATA" /var/run/postgresql
     chmod 700 "$PGDATA"
-    exec setpriv --reuid=postgres --regid=postgres --init-groups "$BASH_SOURCE" "$@"
+    exec setpriv --reuid=postgres --regid=postgres --init-groups "$0" "$@"
 fi
 if [ "$1" = postgres ] && [ ! -s "$PGDATA/PG_VERSION" ]; then
     : "${POSTGRES_PASSWORD:?set POSTGRES_PASSWORD}"
@@ -24,6 +24,7 @@ if [ "$1" = postgres ] && [ ! -s "$PGDATA/PG_VERSION" ]; then
         psql -v ON_ERROR_STOP=1 --no-psqlrc --username "$POSTGRES_USER" --dbname postgres \
             -c "CREATE DATABASE \"$POSTGRES_DB\""
     fi
+    # shellcheck disable=SC1090  # the scripts compose mounts, as the official image runs them
     for file in /docker-entrypoint-initdb.d/*; do
         case "$file" in
             *.sh) echo "running $file"; if [ -x "$file" ]; then "$file"; else . "$file"; fi ;;

@@ -23,5 +23,5 @@ for file in "$root"/files/*.whl; do
     mkdir -p "$root/simple/$project"
     echo "<a href=\"../../files/$name\">$name</a><br>" >> "$root/simple/$project/index.html"
 done
-echo "serving $(ls "$root/files" | tr "\n" " ") TORCH_INDEX_URL=http://$address:$port/simple TORCH_TRUSTED_HOST=$address"
+echo "serving $(cd "$root/files" && echo *.whl) TORCH_INDEX_URL=http://$address:$port/simple TORCH_TRUSTED_HOST=$address"
 python3 -m http.server --bind "$address" --directory "$root" "$port"
