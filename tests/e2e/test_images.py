@@ -50,8 +50,35 @@ def test_the_cpu_dockerfile_never_reaches_a_gpu_stage() -> None:
     compose = check_compose.load_compose(env={})
     assert compose["services"]["migrate"]["build"].get("dockerfile") is None  # the default: Dockerfile
     assert compose["services"]["inference-gpu"]["build"]["dockerfile"] == "deploy/gpu.Dockerfile"
-    assert set(compose["services"]["migrate"]["build"]["args"]) == {*PIP_ARGS, *TORCH_ARGS}
+    assert set(compose["services"]["migrate"]["build"]["args"]) == {*PIP_ARGS, *TORCH_ARGS, "PYTHON_IMAGE"}
     assert set(compose["services"]["inference-gpu"]["build"]["args"]) == set(PIP_ARGS)
+
+
+# docker-compose.yml's public images and the variables that replace them (deploy/local-images/build.sh)
+PUBLIC_IMAGES = {
+    "nats": ("TURNSTILE_NATS_IMAGE", "nats:2.11-alpine"),
+    "postgres": ("TURNSTILE_POSTGRES_IMAGE", "postgres:16-alpine"),
+    "gateway-lb": ("TURNSTILE_HAPROXY_IMAGE", "haproxy:2.6"),
+    "prometheus": ("TURNSTILE_PROMETHEUS_IMAGE", "prom/prometheus:v3.5.0"),
+    "grafana": ("TURNSTILE_GRAFANA_IMAGE", "grafana/grafana:12.1.0"),
+}
+
+
+def test_public_images_are_named_by_variables() -> None:
+    """Where Docker Hub cannot be reached, local stand-ins replace every public image by a variable: the
+    servers' images and the Turnstile image's base (a build ARG); unset, the official tags."""
+    defaults = check_compose.load_compose(env={})["services"]
+    local = {variable: f"local/{service}:1" for service, (variable, _) in PUBLIC_IMAGES.items()}
+    local_env = {**local, "TURNSTILE_PYTHON_IMAGE": "local/python:1"}
+    replaced = check_compose.load_compose(env=local_env)["services"]
+    for service, (variable, official) in PUBLIC_IMAGES.items():
+        assert defaults[service]["image"] == official
+        assert replaced[service]["image"] == local[variable]
+    assert defaults["migrate"]["build"]["args"]["PYTHON_IMAGE"] == "python:3.11-slim"
+    assert replaced["migrate"]["build"]["args"]["PYTHON_IMAGE"] == "local/python:1"
+    assert ("ARG", "PYTHON_IMAGE=python:3.11-slim") in instructions(CPU)
+    public = {s for s, service in defaults.items() if "build" not in service and "pull_policy" not in service}
+    assert public == set(PUBLIC_IMAGES)  # no public image left out
 
 
 def test_one_build_one_tag_and_no_pull_of_it() -> None:
