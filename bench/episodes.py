@@ -80,6 +80,8 @@ TURNS = 3
 MAX_TOKENS = 6
 TARGET_KB = 50.0
 TARGET_RATIO = 0.6
+TARGET_RUNNER_US = 150.0
+"""The runner process's (this one's) CPU per recorded turn (issue 35)."""
 SCRIPT = str(Path(__file__).resolve())
 
 console = Console(width=None if sys.stdout.isatty() else 132)
@@ -395,6 +397,16 @@ def print_report(report: Report, args: argparse.Namespace) -> None:
         ratio,
         f">= {TARGET_RATIO:g}x bare",
         ratio >= TARGET_RATIO,
+    )
+    runner_us, bare_us = recorded.cpu_us.get("bench", 0.0), bare.cpu_us.get("bench", 0.0)
+    summary(
+        "episodes",
+        f"runner CPU us/turn at {args.concurrency:,}",
+        f"recorded {runner_us:,.0f} us/turn",
+        f"bare NATS {bare_us:,.0f} us/turn",
+        runner_us / bare_us if bare_us else float("nan"),
+        f"<= {TARGET_RUNNER_US:g} us/turn",
+        runner_us <= TARGET_RUNNER_US,
     )
 
 

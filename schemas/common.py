@@ -49,9 +49,9 @@ def _packer(code: str) -> tuple[Callable[[Any], Any], Callable[[list[Any]], str]
     def unpack(value: Any) -> Any:
         if not isinstance(value, str):
             return value  # a list of numbers is read as it is
-        try:
-            raw = base64.b64decode(value, validate=True)
-        except binascii.Error:
+        try:  # strict: what b64decode(validate=True) refuses, without its regular expression per array
+            raw = binascii.a2b_base64(value, strict_mode=True)
+        except ValueError:  # binascii.Error, or a str that is not ASCII
             raise ValueError("not base64 (a packed array is base64 of little-endian 4-byte values)") from None
         if len(raw) % 4:
             raise ValueError(f"a packed array is whole 4-byte values; this one is {len(raw)} bytes")

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -104,9 +105,9 @@ def create_gateway(
     for router in routers:
         app.include_router(router)
     # from the routers themselves: FastAPI keeps an included router as one entry of app.routes
-    app.direct_routes = [
-        route for router in routers for route in router.routes if isinstance(route, APIRoute)
-    ]
+    app.serve_directly(
+        [route for router in routers for route in router.routes if isinstance(route, APIRoute)]
+    )
     return app
 
 
@@ -123,18 +124,46 @@ class GatewayApp(FastAPI):
 
     direct_routes: Sequence[APIRoute] = ()
     """The routes ``__call__`` serves itself, in the router's order (set once they are all added)."""
+    static_routes: Mapping[tuple[str, str], APIRoute] = {}
+    """Of those, the ones whose path has no parameter, by (path, method): a chat call finds its route in
+    one look-up instead of matching each route's pattern in turn (~15 µs a call)."""
+
+    def serve_directly(self, routes: Sequence[APIRoute]) -> None:
+        """Serve ``routes`` from ``__call__`` (``direct_routes``), the static ones by look-up. A static path
+        is looked up only where no route before it could match that path too, so the order still decides."""
+        self.direct_routes = routes
+        static: dict[tuple[str, str], APIRoute] = {}
+        for index, route in enumerate(routes):
+            if route.param_convertors:
+                continue
+            if any(earlier.path_regex.match(route.path) for earlier in routes[:index]):
+                continue
+            for method in route.methods or ():
+                static.setdefault((route.path, method), route)
+        self.static_routes = static
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not scope.get("root_path"):
+            route = self.static_routes.get((scope["path"], scope["method"]))
+            if route is not None:
+                scope.update(app=self, endpoint=route.endpoint, route=route, path_params={})
+                await self._serve(route, {}, scope, receive, send)
+                return
             for route in self.direct_routes:
                 match, child_scope = route.matches(scope)
                 if match is Match.FULL:
                     scope.update(child_scope, app=self)
-                    endpoint: Callable[..., Awaitable[Response]] = route.endpoint
-                    response = await endpoint(Request(scope, receive), **child_scope["path_params"])
-                    await response(scope, receive, send)
+                    await self._serve(route, child_scope["path_params"], scope, receive, send)
                     return
         await super().__call__(scope, receive, send)
+
+    @staticmethod
+    async def _serve(
+        route: APIRoute, path_params: Mapping[str, Any], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        endpoint: Callable[..., Awaitable[Response]] = route.endpoint
+        response = await endpoint(Request(scope, receive), **path_params)
+        await response(scope, receive, send)
 
 
 def gateway_of(app: FastAPI) -> Gateway:

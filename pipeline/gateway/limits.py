@@ -86,7 +86,8 @@ class BoundedRequests:
         received = 0
         while True:
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout)
+                async with asyncio.timeout(self.read_timeout):  # no task per read, unlike wait_for
+                    message = await receive()
             except TimeoutError:
                 stalled = (
                     f"the request body stopped arriving for {self.read_timeout:g} s; send it whole, or "
@@ -123,7 +124,8 @@ class BoundedRequests:
         cap = DRAIN_FACTOR * self.max_body_bytes
         while True:
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout)
+                async with asyncio.timeout(self.read_timeout):
+                    message = await receive()
             except TimeoutError:
                 raise BodyAbandoned("the refused body stalled") from None
             if message["type"] != "http.request":
