@@ -7,6 +7,11 @@ Once a third of the episodes have finished, every service is killed (SIGKILL: no
 PostgreSQL are stopped and started again on the same data, and the services start again. Then the log must
 hold one finished episode per slot of every task (an episode its runner left open is closed ``aborted`` and
 retried), no event twice, every batch published once and trained once, and policy versions 1, 2, 3 ...
+
+The second test keeps the services running and restarts only the servers, under a steady stream of episodes:
+PostgreSQL with a fast shutdown, PostgreSQL killed, then NATS. Every service stays up (its pid unchanged),
+logs and counts each outage it saw (``turnstile_database_outages_total``, ``turnstile_nats_outages_total``),
+and the log ends as in the first test, with no episode aborted.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from pipeline.settings import libpq_url
 pytestmark = pytest.mark.slow
 TASKS, GROUP = 8, 4
 EPISODES = TASKS * GROUP
-LONG_TASKS = 16  # the stay-up test's: episodes enough to go on through three restarts
+WAVE_TASKS = 6  # the stay-up test's tasks submitted before each restart: 24 episodes, 3 rounds of 8
 SERVICES = ("inference", "runner", "materializer", "relay", "trainer", "gateway")
 ADMIN = "restart-admin-key"
 
@@ -73,6 +78,18 @@ def finished_episodes(url: str, termination: str | None = None) -> int:
         "WHERE s.type = 'EpisodeStarted' AND s.data->>'group_id' IS NOT NULL AND f.type = 'EpisodeFinished'",
     )
     return sum(1 for (ending,) in ended if termination in (None, ending))
+
+
+def open_episodes(url: str) -> int:
+    """The runner's episodes started and not finished (running now)."""
+    return int(
+        query(
+            url,
+            "SELECT count(*) FROM events s WHERE s.type = 'EpisodeStarted' "
+            "AND s.data->>'group_id' IS NOT NULL AND NOT EXISTS "
+            "(SELECT FROM events f WHERE f.stream = s.stream AND f.type = 'EpisodeFinished')",
+        )[0][0]
+    )
 
 
 class Deployment:
@@ -276,6 +293,20 @@ def metric(port: int, name: str) -> float:
     raise AssertionError(f"no {name} on port {port}:\n{text}")
 
 
+def submit_wave(env: dict[str, str], server_dir: Path, policy: str, wave: int) -> None:
+    """``turnstile submit`` of WAVE_TASKS more tasks (ids of their own), GROUP episodes each."""
+    tasks = server_dir / f"tasks-{wave}.jsonl"
+    ids = range(wave * WAVE_TASKS, (wave + 1) * WAVE_TASKS)
+    tasks.write_text("".join(json.dumps({"id": n}) + "\n" for n in ids))
+    submitting = ServiceProcesses(env, server_dir / "logs")
+    submitting.start(f"submit-{wave}", "submit", str(tasks), "--policy", policy, "--group-size", str(GROUP),
+                     "--connect-timeout", "60")  # fmt: skip
+    try:
+        assert submitting.processes[f"submit-{wave}"].wait(120) == 0
+    finally:
+        submitting.stop()
+
+
 def all_healthy(metrics_ports: dict[str, int]) -> bool:
     """Whether every service's /health says so (its servers reachable, as the service itself sees them)."""
     return all(
@@ -284,7 +315,6 @@ def all_healthy(metrics_ports: dict[str, int]) -> bool:
     )
 
 
-USES_POSTGRESQL = ("runner", "materializer", "relay", "trainer", "gateway")
 USES_NATS = ("inference", "runner", "relay", "trainer", "gateway")
 
 
@@ -299,11 +329,9 @@ def test_every_service_stays_up_through_postgresql_and_nats_restarts(
     migrate(postgres.url)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TURNSTILE_")}
     env.update(TURNSTILE_DATABASE_URL=make_logins(postgres.url).services, TURNSTILE_NATS_URL=nats_server.url,
-               HF_HUB_OFFLINE="1", TURNSTILE_ADMIN_KEY=ADMIN, TURNSTILE_TEST_AGENT_SLEEP="0.5")  # fmt: skip
+               HF_HUB_OFFLINE="1", TURNSTILE_ADMIN_KEY=ADMIN, TURNSTILE_TEST_AGENT_SLEEP="1.0")  # fmt: skip
     policy = f"p{uuid.uuid4().hex[:8]}"
     deployment = Deployment(env, server_dir / "logs", tiny_model_dir, server_dir / "checkpoints", policy)
-    tasks = server_dir / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"id": n}) + "\n" for n in range(LONG_TASKS)))
     url, ports = postgres.url, deployment.metrics_ports
 
     def restart_postgresql(down: Callable[[], None]) -> Callable[[], None]:
@@ -314,46 +342,49 @@ def test_every_service_stays_up_through_postgresql_and_nats_restarts(
         "PostgreSQL, kill -9": restart_postgresql(postgres.kill),
         "NATS": lambda: (nats_server.stop(), nats_server.start()),
     }
+    episodes = WAVE_TASKS * GROUP * len(restarts)
     try:
         deployment.start()
         pids = {name: process.pid for name, process in deployment.services.processes.items()}
-        submitted = ServiceProcesses(env, server_dir / "logs")
-        submitted.start("submit", "submit", str(tasks), "--policy", policy, "--group-size", str(GROUP),
-                        "--connect-timeout", "60")  # fmt: skip
-        assert submitted.processes["submit"].wait(120) == 0
         turns = [once_up("the gateway", deployment.gateway_turn, 120)]
-        for what, restart in restarts.items():
+        for wave, (what, restart) in enumerate(restarts.items()):
+            # a wave of episodes for each restart, so that a fast machine has not run out of work by then
             done = finished_episodes(url)
+            submit_wave(env, server_dir, policy, wave)
             wait_for(
-                f"episodes finishing before the {what} restart",
-                lambda n=done: finished_episodes(url) > n,
-                180,
+                f"episodes finished and others running before the {what} restart",
+                lambda n=done: finished_episodes(url) > n and open_episodes(url) > 0,
+                300,
             )
-            assert finished_episodes(url) < LONG_TASKS * GROUP, f"the run ended before the {what} restart"
             restart()
             deployment.services.check()
             turns.append(once_up(f"a gateway turn after the {what} restart", deployment.gateway_turn, 120))
             # each service has seen this outage end before the next one begins (else it sees them as one)
             wait_for(f"every service healthy after the {what} restart", lambda: all_healthy(ports), 120)
-        wait_for("every slot done", lambda: finished_episodes(url, "done") >= LONG_TASKS * GROUP, 300)
-        wait_for("every batch trained", lambda: all_trained(url, LONG_TASKS * GROUP), 300)
+        wait_for("every slot done", lambda: finished_episodes(url, "done") >= episodes, 300)
+        wait_for("every batch trained", lambda: all_trained(url, episodes), 300)
         deployment.services.check()
         assert {name: p.pid for name, p in deployment.services.processes.items()} == pids
         database_outages = {
-            name: metric(ports[name], "turnstile_database_outages_total") for name in USES_POSTGRESQL
+            name: metric(ports[name], "turnstile_database_outages_total") for name in SERVICES
         }
         nats_outages = {name: metric(ports[name], "turnstile_nats_outages_total") for name in USES_NATS}
     finally:
         deployment.services.stop()
+
     # two PostgreSQL outages and one of NATS, each seen once by every service that uses that server
-    assert database_outages == dict.fromkeys(USES_POSTGRESQL, 2.0)
+    assert database_outages == dict.fromkeys(SERVICES, 2.0)
     assert nats_outages == dict.fromkeys(USES_NATS, 1.0)
     for name in SERVICES:
         log = (server_dir / "logs" / f"{name}.log").read_text()
-        if name in USES_POSTGRESQL:
-            assert "PostgreSQL unreachable" in log, (name, log[-3000:])
-            assert log.count("PostgreSQL is back after") == 2, (name, log[-3000:])
+        assert "PostgreSQL unreachable" in log, (name, log[-3000:])
+        assert log.count("PostgreSQL is back after") == 2, (name, log[-3000:])
         if name in USES_NATS:
             assert "NATS unreachable" in log, (name, log[-3000:])
             assert log.count("NATS is back after") == 1, (name, log[-3000:])
-    assert_nothing_lost_or_doubled(url, nats_server.url, policy, turns, LONG_TASKS)
+    assert_nothing_lost_or_doubled(url, nats_server.url, policy, turns, WAVE_TASKS * len(restarts))
+    # no runner died, so no episode was left open to be closed `aborted` and run again
+    endings = query(
+        url, "SELECT data->>'termination', count(*) FROM events WHERE type = 'EpisodeFinished' GROUP BY 1"
+    )
+    assert dict(endings) == {"done": episodes + len(turns)}
