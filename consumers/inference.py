@@ -17,7 +17,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from faststream import FastStream
 from faststream.nats import NatsBroker, NatsMessage
@@ -309,33 +309,40 @@ def instrument(runtime: Runtime, service: InferenceService) -> None:
         lambda: restarted[0],
     )
     runtime.gauge("turnstile_inference_in_flight", "requests being generated now", lambda: service.in_flight)
-    held = service.held
-    runtime.gauge(
-        "turnstile_inference_held_bytes",
-        "bytes of the recent turns kept for continuing requests (estimated; at most --held-mib)",
-        lambda: held.bytes,
-    )
-    runtime.gauge("turnstile_inference_held_turns", "recent turns kept for continuing requests", held.__len__)
-    runtime.counter(
-        "turnstile_inference_held_evicted_total",
-        "kept turns dropped to stay within --held-mib (least recently used first)",
-        lambda: held.evicted,
-    )
-    kept = service.retry_replies
-    runtime.gauge(
-        "turnstile_inference_retry_reply_bytes",
-        "bytes of the replies kept for answering retries (at most --retry-replies-mib)",
-        lambda: kept.bytes,
-    )
-    runtime.gauge("turnstile_inference_retry_replies", "replies kept for answering retries", kept.__len__)
-    runtime.counter(
-        "turnstile_inference_retry_replies_evicted_total",
-        "replies dropped to stay within --retry-replies and --retry-replies-mib (oldest first)",
-        lambda: kept.evicted,
+    kept(runtime, "held", "turns", service.held, "recent turns kept for continuing requests", "--held-mib")
+    kept(
+        runtime,
+        "retry",
+        "replies",
+        service.retry_replies,
+        "replies kept for answering a request sent again",
+        "--retry-replies and --retry-replies-mib",
     )
     runtime.gauge(
         "turnstile_inference_policy_version",
         "the policy version whose weights answer requests, by policy",
         lambda: {(service.policy,): service.backend.policy_version},
         ["policy"],
+    )
+
+
+class Kept(Protocol):
+    """Memory a consumer keeps within bounds (``HeldPrefixes``, ``RetryReplies``)."""
+
+    bytes: int
+    evicted: int
+
+    def __len__(self) -> int: ...
+
+
+def kept(runtime: Runtime, name: str, unit: str, memory: Kept, what: str, bounds: str) -> None:
+    """``turnstile_inference_<name>_bytes`` and ``_<name>_<unit>`` (gauges: what ``memory`` holds) and
+    ``_<name>_evicted_total`` (dropped to stay within ``bounds``, the options that set them)."""
+    prefix = f"turnstile_inference_{name}"
+    runtime.gauge(f"{prefix}_bytes", f"bytes of the {what} (at most {bounds})", lambda: memory.bytes)
+    runtime.gauge(f"{prefix}_{unit}", f"the {what}", memory.__len__)
+    runtime.counter(
+        f"{prefix}_evicted_total",
+        f"{what}: dropped to stay within {bounds} (least recently used first)",
+        lambda: memory.evicted,
     )

@@ -175,14 +175,13 @@ class Runtime:
             "turnstile_service_healthy", "1 when every health check of the service passes", self._healthy
         )
         self.gauge("turnstile_service_info", "the service's name", lambda: {(self.name,): 1.0}, ["service"])
-        self._count(self.database, "database")
-        self._count(self.nats, "nats")
+        self._count(self.database, "database", "restarted, killed, unreachable, its disk full")
+        self._count(self.nats, "nats", "restarted, killed, unreachable")
 
-    def _count(self, outages: Outages, what: str) -> None:
+    def _count(self, outages: Outages, what: str, how: str) -> None:
         self.counter(
             f"turnstile_{what}_outages_total",
-            f"times {outages.server} went away under this service (restarted, killed, unreachable, its disk "
-            "full), which waited for it and went on",
+            f"times {outages.server} went away under this service ({how}), which waited for it and went on",
             lambda: outages.count,
         )
 
@@ -653,7 +652,9 @@ async def episode_services(
             async with RunnerLease(store, interval=connections.lease_timeout / 6) as lease:
                 every = connections.lease_timeout
                 recovery = (
-                    asyncio.create_task(recover_abandoned_episodes(store, every=every, lease_timeout=every))
+                    asyncio.create_task(
+                        recover_abandoned_episodes(store, every=every, lease_timeout=every, lease=lease)
+                    )
                     if recover
                     else None
                 )
