@@ -594,6 +594,10 @@ def watch_database(runtime: Runtime, url: str, *, every: float = DATABASE_WATCH_
                 try:
                     await probe.ping()
                     runtime.database.up("its work goes on")
+                except TimeoutError:
+                    runtime.database.down(
+                        "PostgreSQL unreachable (no answer)", "its work waits for it and retries"
+                    )
                 except Exception as error:
                     reason = database_outage(error) or f"PostgreSQL refused the probe ({error})"
                     runtime.database.down(reason, "its work waits for it and retries")

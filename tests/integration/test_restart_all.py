@@ -307,12 +307,13 @@ def submit_wave(env: dict[str, str], server_dir: Path, policy: str, wave: int) -
         submitting.stop()
 
 
-def all_healthy(metrics_ports: dict[str, int]) -> bool:
-    """Whether every service's /health says so (its servers reachable, as the service itself sees them)."""
-    return all(
-        httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
-        for port in metrics_ports.values()
-    )
+def unhealthy(metrics_ports: dict[str, int]) -> dict[str, str]:
+    """The services whose /health says they are not (a server unreachable, as the service itself sees it),
+    with what it says."""
+    answers = {
+        name: httpx.get(f"http://127.0.0.1:{port}/health", timeout=10) for name, port in metrics_ports.items()
+    }
+    return {name: answer.text for name, answer in answers.items() if answer.status_code != 200}
 
 
 USES_NATS = ("inference", "runner", "relay", "trainer", "gateway")
@@ -360,7 +361,10 @@ def test_every_service_stays_up_through_postgresql_and_nats_restarts(
             deployment.services.check()
             turns.append(once_up(f"a gateway turn after the {what} restart", deployment.gateway_turn, 120))
             # each service has seen this outage end before the next one begins (else it sees them as one)
-            wait_for(f"every service healthy after the {what} restart", lambda: all_healthy(ports), 120)
+            try:
+                wait_for(f"every service healthy after the {what} restart", lambda: not unhealthy(ports), 120)
+            except AssertionError as timed_out:
+                raise AssertionError(f"{timed_out}: {unhealthy(ports)}") from None
         wait_for("every slot done", lambda: finished_episodes(url, "done") >= episodes, 300)
         wait_for("every batch trained", lambda: all_trained(url, episodes), 300)
         deployment.services.check()
