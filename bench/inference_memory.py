@@ -4,7 +4,7 @@ A 117k-episode soak grew a consumer from 137 to 559 MB. This runs ``--episodes``
 through an ``InferenceService`` in this process (the consumer's own request handling: parse, generate,
 keep the turn, the reply) and prints, every ``--every`` episodes: the process's RSS, the memory Python has
 allocated (tracemalloc), what the held turns account for (``held.bytes``, at most ``--held-mib``), the held
-turns and evictions, and the replies kept for retries (``RECENT_REPLIES`` of them, by count).
+turns and evictions, and the replies kept for retries (``RetryReplies``: by count and by bytes).
 
 Each turn continues the last by its held key, as sessions do: a 600-character system prompt and a tools
 list on the first turn, a tool result and a user line on each later one. The backend (``--backend``):
@@ -38,7 +38,6 @@ from pipeline.inference import InferenceService
 from pipeline.inference.backends import Backend, Generation
 from pipeline.inference.backends.scripted import ScriptedBackend
 from pipeline.inference.chain import Chain
-from pipeline.inference.service import RECENT_REPLIES
 from schemas import ChatMessage, LLMRequest, LLMResponse, TokenPrefix, ToolSpec, parse_wire
 
 from common import note, summary
@@ -157,8 +156,8 @@ async def soak(label: str, backend: Backend, args: argparse.Namespace, held_mib:
         await episode(service, index, args.turns)
         if index % args.every == 0 or index == args.episodes:
             allocated = (memory_now() - start) / 2**20
-            replies = sum(len(body) for _, body in service._recent.values()) / 2**20
-            held, recent = service.held, len(service._recent)
+            replies = service.retry_replies.bytes / 2**20
+            held, recent = service.held, len(service.retry_replies)
             print(f"{index:>9} {rss_mib():>8.1f} {allocated:>9.1f} {held.bytes / 2**20:>9.1f} "
                   f"{len(held):>10} {held.evicted:>8} {recent:>13} {replies:>11.1f}", flush=True)  # fmt: skip
             if half is None and index >= args.episodes // 2:
@@ -198,7 +197,9 @@ async def main() -> None:
     measured = "allocated" if tracemalloc.is_tracing() else "RSS"
     holding = held.allocated_mib - baseline.allocated_mib
     accounted = service.held.bytes / 2**20
-    print(f"\nretry replies kept: {RECENT_REPLIES} by count (not part of the held budget)")
+    kept = service.retry_replies
+    print(f"\nretry replies kept: at most {kept.max_replies} and {kept.max_bytes / 2**20:g} MiB "
+          "(not part of the held budget)")  # fmt: skip
     for label, run in (("baseline", baseline), ("held", held)):
         print(f"{label}: {measured} grew {run.growth_second_half_mib:+.1f} MiB over the second half")
     ratio = accounted / holding if holding else 0.0

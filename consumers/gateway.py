@@ -114,7 +114,7 @@ async def serve_gateway(
         running(
             "gateway", stop=stop, metrics_port=config.metrics_port, metrics_host=config.metrics_host
         ) as runtime,
-        episode_services(connections) as services,
+        episode_services(connections, runtime=runtime) as services,
         policy_logs(config.policy_database_urls, services, connections) as policy_stores,
     ):
         if services.recovered:

@@ -172,7 +172,7 @@ async def serve_harness(
             f"({config.concurrency} episodes at most, sandbox {sandbox!r}); cleaned up "
             f"{recovered.sandboxes} sandboxes and {recovered.sessions} sessions of a stopped harness"
         )
-        connection = await connect_nats(nats_url, stop=runtime.stop)
+        connection = await connect_nats(nats_url, stop=runtime.stop, runtime=runtime)
         if connection is None:  # stopped before NATS answered
             return None
         queue = HarnessQueue(harness, connection, ack_wait=ack_wait)

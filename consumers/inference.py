@@ -17,7 +17,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from faststream import FastStream
 from faststream.nats import NatsBroker, NatsMessage
@@ -25,15 +25,26 @@ from nats.aio.client import Client as NatsConnection
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from consumers.runtime import LATENCY_BUCKETS, METRICS_HOST, Runtime, serve_metrics, tune_gc
+from consumers.runtime import (
+    LATENCY_BUCKETS,
+    METRICS_HOST,
+    Runtime,
+    nats_outages,
+    serve_metrics,
+    tune_gc,
+    watch_database,
+)
 from pipeline.errors import ConfigError
 from pipeline.inference import (
     DEFAULT_BUDGET_BYTES,
+    DEFAULT_RETRY_REPLIES,
+    DEFAULT_RETRY_REPLY_BYTES,
     IN_FLIGHT_DEFAULT,
     QUEUE_GROUP,
     Backend,
     InferenceService,
     InFlight,
+    RetryReplies,
     request_subject,
 )
 from pipeline.settings import nats_inbox_prefix
@@ -61,6 +72,10 @@ class InferenceConfig:
     always drains: its running requests finish on the old version while admission pauses)."""
     heartbeat_interval: float = 5.0
     held_bytes: int = DEFAULT_BUDGET_BYTES
+    retry_replies: int = DEFAULT_RETRY_REPLIES
+    """Replies kept for answering a request sent again, newest first, at most this many ..."""
+    retry_reply_bytes: int = DEFAULT_RETRY_REPLY_BYTES
+    """... and at most these bytes together (``pipeline.inference.RetryReplies``)."""
     metrics_port: int | None = None  # /metrics and /health over HTTP (0: a free port)
     metrics_host: str = METRICS_HOST
     script: Path | None = (
@@ -157,7 +172,11 @@ def create_app(
         if service is not None:
             await service.catch_up()
 
+    runtime = Runtime(f"inference {consumer_id}", asyncio.Event())
+    lost, back = nats_outages(runtime.nats, lambda: broker._connection)
+
     async def reconnected() -> None:
+        await back()
         # Versions published while disconnected were not heard. A task, not awaited: this runs on nats-py's
         # reconnect path, where an error would count as a failed reconnect.
         task = asyncio.create_task(catch_up())
@@ -171,13 +190,13 @@ def create_app(
         reconnect_time_wait=1,
         log_level=logging.DEBUG,
         inbox_prefix=nats_inbox_prefix(config.nats_url),
+        disconnected_cb=lost,
         reconnected_cb=reconnected,
     )
 
     async def publish(subject: str, body: bytes, headers: dict[str, str]) -> None:
         await broker.publish(body, subject, headers=headers)
 
-    runtime = Runtime(f"inference {consumer_id}", asyncio.Event())
     service = InferenceService(
         backend,
         policy=config.policy,
@@ -185,6 +204,7 @@ def create_app(
         publish=publish,
         heartbeat_interval=config.heartbeat_interval,
         held_bytes=config.held_bytes,
+        retry_replies=RetryReplies(config.retry_replies, config.retry_reply_bytes),
         versions=VersionLog(config.database_url) if config.database_url else None,
     )
     if config.database_url is None:
@@ -210,11 +230,15 @@ def create_app(
         service.max_payload = broker.connection.max_payload
         await requests.start(broker.connection)  # flushes: every subscription, versions too, is in place
         await catch_up()
+        if config.database_url is not None:
+            watch_database(runtime, config.database_url)  # the log its versions are checked against
         if config.metrics_port is not None:
             metrics.enter_context(serve_metrics(runtime, config.metrics_host, config.metrics_port))
 
     @app.on_shutdown
     async def stop_requests() -> None:
+        runtime.stop.set()
+        await runtime.cancel_beside()
         await requests.stop()
         await backend.close()
         metrics.close()
@@ -285,21 +309,40 @@ def instrument(runtime: Runtime, service: InferenceService) -> None:
         lambda: restarted[0],
     )
     runtime.gauge("turnstile_inference_in_flight", "requests being generated now", lambda: service.in_flight)
-    held = service.held
-    runtime.gauge(
-        "turnstile_inference_held_bytes",
-        "bytes of the recent turns kept for continuing requests (estimated; at most --held-mib)",
-        lambda: held.bytes,
-    )
-    runtime.gauge("turnstile_inference_held_turns", "recent turns kept for continuing requests", held.__len__)
-    runtime.counter(
-        "turnstile_inference_held_evicted_total",
-        "kept turns dropped to stay within --held-mib (least recently used first)",
-        lambda: held.evicted,
+    kept(runtime, "held", "turns", service.held, "recent turns kept for continuing requests", "--held-mib")
+    kept(
+        runtime,
+        "retry",
+        "replies",
+        service.retry_replies,
+        "replies kept for answering a request sent again",
+        "--retry-replies and --retry-replies-mib",
     )
     runtime.gauge(
         "turnstile_inference_policy_version",
         "the policy version whose weights answer requests, by policy",
         lambda: {(service.policy,): service.backend.policy_version},
         ["policy"],
+    )
+
+
+class Kept(Protocol):
+    """Memory a consumer keeps within bounds (``HeldPrefixes``, ``RetryReplies``)."""
+
+    bytes: int
+    evicted: int
+
+    def __len__(self) -> int: ...
+
+
+def kept(runtime: Runtime, name: str, unit: str, memory: Kept, what: str, bounds: str) -> None:
+    """``turnstile_inference_<name>_bytes`` and ``_<name>_<unit>`` (gauges: what ``memory`` holds) and
+    ``_<name>_evicted_total`` (dropped to stay within ``bounds``, the options that set them)."""
+    prefix = f"turnstile_inference_{name}"
+    runtime.gauge(f"{prefix}_bytes", f"bytes of the {what} (at most {bounds})", lambda: memory.bytes)
+    runtime.gauge(f"{prefix}_{unit}", f"the {what}", memory.__len__)
+    runtime.counter(
+        f"{prefix}_evicted_total",
+        f"{what}: dropped to stay within {bounds} (least recently used first)",
+        lambda: memory.evicted,
     )

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
-from consumers.runtime import METRICS_HOST, connect_nats, running
+from consumers.runtime import METRICS_HOST, connect_nats, running, watch_database
 from pipeline.batches import OutboxRelay
 from pipeline.log import create_engine
 
@@ -36,9 +36,10 @@ async def serve_relay(
     ) as runtime:
         engine = create_engine(config.database_url, pool_size=2)
         try:
-            connection = await connect_nats(config.nats_url, stop=runtime.stop)
+            connection = await connect_nats(config.nats_url, stop=runtime.stop, runtime=runtime)
             if connection is None:
                 return None
+            watch_database(runtime, config.database_url)
             runtime.check("nats", lambda: connection.is_connected)
             relay = OutboxRelay(
                 engine,

@@ -104,7 +104,7 @@ async def serve_runner(
     console = console or Console(stderr=True)
     async with (
         running("runner", stop=stop, metrics_port=metrics_port, metrics_host=metrics_host) as runtime,
-        episode_services(connections, recover=True) as services,
+        episode_services(connections, recover=True, runtime=runtime) as services,
     ):
         runner = Runner(
             agent,

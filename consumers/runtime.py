@@ -64,7 +64,7 @@ from prometheus_client.registry import Collector
 from pipeline.episodes import RunnerLease, close_abandoned_episodes, recover_abandoned_episodes
 from pipeline.errors import ConfigError
 from pipeline.inference import NatsLLMClient
-from pipeline.log import EventStore, is_connection_error
+from pipeline.log import DatabaseProbe, EventStore, is_connection_error
 from pipeline.settings import nats_inbox_prefix, nats_servers
 
 log = logging.getLogger(__name__)
@@ -132,9 +132,38 @@ class _ReadAtScrape(Collector):
             yield family
 
 
+class Outages:
+    """One server's outages as one service sees them (PostgreSQL's, NATS's): each logged once as it begins
+    and once as it ends, and counted, however many of the service's connections and tasks notice it."""
+
+    def __init__(self, service: str, server: str) -> None:
+        self.service, self.server = service, server
+        self.count = 0
+        self._since: float | None = None
+
+    @property
+    def ongoing(self) -> bool:
+        return self._since is not None
+
+    def down(self, reason: str, then: str) -> None:
+        """The server went away (``reason``: one line); ``then``: what the service does meanwhile."""
+        if self._since is None:
+            self._since = time.monotonic()
+            self.count += 1
+            log.warning("%s: %s; %s", self.service, reason, then)
+
+    def up(self, then: str) -> None:
+        """The server answers again (nothing if no outage was seen)."""
+        if self._since is not None:
+            away, self._since = time.monotonic() - self._since, None
+            log.warning("%s: %s is back after %.1f s; %s", self.service, self.server, away, then)
+
+
 @dataclass
 class Runtime:
-    """One running service: its name, the event that stops it, its health checks and its metrics."""
+    """One running service: its name, the event that stops it, its health checks and its metrics, and the
+    outages of its servers (``database``, ``nats``; ``turnstile_database_outages_total`` and
+    ``turnstile_nats_outages_total``)."""
 
     name: str
     stop: asyncio.Event
@@ -145,6 +174,8 @@ class Runtime:
     _polls: list[asyncio.Task[None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.database = Outages(self.name, "PostgreSQL")
+        self.nats = Outages(self.name, "NATS")
         self.registry.register(self._read)
         # CPU seconds, resident and virtual memory, open files and start time, read from /proc at each scrape
         # (Linux; elsewhere the collector serves nothing)
@@ -153,6 +184,15 @@ class Runtime:
             "turnstile_service_healthy", "1 when every health check of the service passes", self._healthy
         )
         self.gauge("turnstile_service_info", "the service's name", lambda: {(self.name,): 1.0}, ["service"])
+        self._count(self.database, "database", "restarted, killed, unreachable, its disk full")
+        self._count(self.nats, "nats", "restarted, killed, unreachable")
+
+    def _count(self, outages: Outages, what: str, how: str) -> None:
+        self.counter(
+            f"turnstile_{what}_outages_total",
+            f"times {outages.server} went away under this service ({how}), which waited for it and went on",
+            lambda: outages.count,
+        )
 
     def check(self, name: str, healthy: HealthCheck) -> None:
         """Register a health check (e.g. "nats": the connection is up)."""
@@ -202,7 +242,18 @@ class Runtime:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), every)
 
-        self._polls.append(asyncio.create_task(refresh()))
+        self.beside(refresh())
+
+    def beside(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` as a task while the service runs (cancelled at its end, as the polls are)."""
+        self._polls.append(asyncio.create_task(work))
+
+    async def cancel_beside(self) -> None:
+        """Cancel what runs beside the service (``beside``, ``poll``) and wait for it to end."""
+        for task in self._polls:
+            task.cancel()
+        await asyncio.gather(*self._polls, return_exceptions=True)
+        self._polls.clear()
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)
@@ -291,9 +342,7 @@ async def running(
         try:
             yield runtime
         finally:
-            for task in runtime._polls:
-                task.cancel()
-            await asyncio.gather(*runtime._polls, return_exceptions=True)
+            await runtime.cancel_beside()
 
 
 _Result = TypeVar("_Result")
@@ -336,24 +385,31 @@ def tune_gc() -> None:
 
 
 async def connect_nats(
-    url: str, *, stop: asyncio.Event | None = None, connect_for: float = CONNECT_FOR
+    url: str,
+    *,
+    stop: asyncio.Event | None = None,
+    connect_for: float = CONNECT_FOR,
+    runtime: Runtime | None = None,
 ) -> NatsConnection | None:
     """A NATS connection that reconnects forever once made. The first connect is retried with jittered
     backoff for ``connect_for`` seconds (0: one attempt; then ``ConfigError``, one line); None if ``stop``
-    is set first."""
+    is set first. With ``runtime``, each time the connection is lost is an outage of its ``nats``."""
 
-    connected = False
+    made: list[NatsConnection] = []
     last_error: list[Exception] = []
 
     async def log_error(error: Exception) -> None:
         # before the first connect, a failed attempt is told once by _retrying, not by nats-py per server
-        if connected:
+        if made:
             await _log_nats_error(error)
         else:
             last_error[:] = [error]
 
+    lost, back = nats_outages(
+        runtime.nats if runtime is not None else None, lambda: made[0] if made else None
+    )
+
     async def attempt() -> NatsConnection:
-        nonlocal connected
         # nats-py's own first connect never gives up when reconnects are unlimited (and has no jitter), so
         # each attempt allows one reconnect only; once connected, reconnecting is unlimited.
         try:
@@ -362,6 +418,8 @@ async def connect_nats(
                 max_reconnect_attempts=1,
                 reconnect_time_wait=0.1,
                 error_cb=log_error,
+                disconnected_cb=lost,
+                reconnected_cb=back,
                 inbox_prefix=nats_inbox_prefix(url),
             )
         except nats.errors.NoServersError as error:
@@ -370,10 +428,31 @@ async def connect_nats(
             raise
         connection.options["max_reconnect_attempts"] = -1
         connection.options["reconnect_time_wait"] = 0.5
-        connected = True
+        made.append(connection)
         return connection
 
     return await _first_connect(attempt, f"NATS at {url}", "TURNSTILE_NATS_URL", stop, connect_for)
+
+
+NatsCallback = Callable[[], Awaitable[None]]
+
+
+def nats_outages(
+    outages: Outages | None, connection: Callable[[], NatsConnection | None]
+) -> tuple[NatsCallback, NatsCallback]:
+    """nats-py's ``disconnected_cb`` and ``reconnected_cb`` for ``connection()``: a lost connection that
+    nats-py is reconnecting begins an outage of ``outages``, the reconnect ends it (a close is no outage)."""
+
+    async def lost() -> None:
+        current = connection()
+        if outages is not None and current is not None and current.is_reconnecting:
+            outages.down("NATS unreachable (the connection was lost)", "reconnecting; its work waits")
+
+    async def back() -> None:
+        if outages is not None:
+            outages.up("reconnected, its subscriptions in place again")
+
+    return lost, back
 
 
 async def _log_nats_error(error: Exception) -> None:
@@ -479,23 +558,15 @@ async def serve_through_outages(
     (a PostgreSQL restart, fast or kill -9, a lost connection, a full disk), so the service stays up and
     resumes from its checkpoint. ``serve(connected)`` calls ``connected()`` once it has reached the
     database: an outage is the time from a failure after that call to the next such call, logged once as it
-    begins and once as it ends and counted in ``turnstile_database_outages_total``; the attempts between
-    wait with jittered exponential backoff up to ``wait_max`` seconds (or until the service is stopped)."""
-    state = {"outages": 0, "attempts": 0}
-    began: list[float] = []
-    runtime.counter(
-        "turnstile_database_outages_total",
-        "times PostgreSQL went away (or its disk filled) under this service, which then started again",
-        lambda: state["outages"],
-    )
+    begins and once as it ends and counted (``runtime.database``); the attempts between wait with jittered
+    exponential backoff up to ``wait_max`` seconds (or until the service is stopped)."""
+    attempts = 0
+    runtime.check("database", lambda: not runtime.database.ongoing)
 
     def connected() -> None:
-        if began:
-            log.warning(
-                "%s: PostgreSQL is back after %.1f s; going on from the checkpoint",
-                runtime.name, time.monotonic() - began.pop(),
-            )  # fmt: skip
-        state["attempts"] = 0
+        nonlocal attempts
+        runtime.database.up("going on from the checkpoint")
+        attempts = 0
 
     while not runtime.stop.is_set():
         try:
@@ -505,16 +576,46 @@ async def serve_through_outages(
             reason = database_outage(error)
             if reason is None:
                 raise
-        if not began:
-            began.append(time.monotonic())
-            state["outages"] += 1
-            log.warning("%s: %s; starting again once it answers", runtime.name, reason)
-        else:
+        if runtime.database.ongoing:
             log.info("%s: still waiting for PostgreSQL: %s", runtime.name, reason)
-        delay = min(wait_max, 0.2 * 2 ** state["attempts"]) * random.uniform(0.5, 1.0)
-        state["attempts"] += 1
+        runtime.database.down(reason, "starting again once it answers")
+        delay = min(wait_max, 0.2 * 2**attempts) * random.uniform(0.5, 1.0)
+        attempts += 1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(runtime.stop.wait(), delay)
+
+
+DATABASE_WATCH_EVERY: Final = 1.0
+"""Seconds between the round trips on which a service notices a PostgreSQL outage (``watch_database``)."""
+
+
+def watch_database(runtime: Runtime, url: str, *, every: float = DATABASE_WATCH_EVERY) -> None:
+    """Notice PostgreSQL's outages for a service whose work retries through them on its own (appends,
+    leases, reads): a round trip every ``every`` seconds on a connection held open (``DatabaseProbe``), so
+    that even a restart faster than that is seen. Each outage is logged as it begins and as it ends and
+    counted (``runtime.database``); the "database" health check fails while it lasts."""
+    runtime.check("database", lambda: not runtime.database.ongoing)
+    probe = DatabaseProbe(url)
+
+    async def watch() -> None:
+        try:
+            while not runtime.stop.is_set():
+                try:
+                    await probe.ping()
+                    runtime.database.up("its work goes on")
+                except TimeoutError:
+                    runtime.database.down(
+                        "PostgreSQL unreachable (no answer)", "its work waits for it and retries"
+                    )
+                except Exception as error:
+                    reason = database_outage(error) or f"PostgreSQL refused the probe ({error})"
+                    runtime.database.down(reason, "its work waits for it and retries")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(runtime.stop.wait(), every)
+        finally:
+            await probe.close()
+
+    runtime.beside(watch())
 
 
 # ---- what a service that records episodes needs (the runner and the gateway) ---------------------------
@@ -544,14 +645,19 @@ class EpisodeServices:
 
 @contextlib.asynccontextmanager
 async def episode_services(
-    connections: Connections, *, recover: bool = False
+    connections: Connections, *, recover: bool = False, runtime: Runtime | None = None
 ) -> AsyncIterator[EpisodeServices]:
     """The store, a NATS connection, an LLM client and a runner lease. Episodes left open by dead runners
-    are closed first (``aborted``); with ``recover``, again every ``lease_timeout`` while the block runs."""
+    are closed first (``aborted``); with ``recover``, again every ``lease_timeout`` while the block runs.
+    With a service's ``runtime``, the outages of both servers are watched and counted there."""
     store = await connect_store(connections.database_url, connect_for=connections.connect_for)
     assert store is not None  # None only when stopped, and no stop event was given
+    if runtime is not None:
+        watch_database(runtime, connections.database_url)
     try:
-        connection = await connect_nats(connections.nats_url, connect_for=connections.connect_for)
+        connection = await connect_nats(
+            connections.nats_url, connect_for=connections.connect_for, runtime=runtime
+        )
         assert connection is not None
         llm = NatsLLMClient(connection, heartbeat_timeout=connections.heartbeat_timeout)
         try:
@@ -559,7 +665,9 @@ async def episode_services(
             async with RunnerLease(store, interval=connections.lease_timeout / 6) as lease:
                 every = connections.lease_timeout
                 recovery = (
-                    asyncio.create_task(recover_abandoned_episodes(store, every=every, lease_timeout=every))
+                    asyncio.create_task(
+                        recover_abandoned_episodes(store, every=every, lease_timeout=every, lease=lease)
+                    )
                     if recover
                     else None
                 )

@@ -21,7 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from consumers.runtime import METRICS_HOST, Runtime, connect_nats, connect_store, running
+from consumers.runtime import (
+    METRICS_HOST,
+    Runtime,
+    connect_nats,
+    connect_store,
+    running,
+    watch_database,
+)
 from pipeline.errors import ConfigError
 from pipeline.training import (
     TRACKERS,
@@ -108,8 +115,9 @@ async def serve_trainer(config: TrainerConfig, *, stop: asyncio.Event | None = N
         plan = config.plan(_all(step_log, tracker, observe))
         store = await connect_store(config.database_url)
         assert store is not None
+        watch_database(runtime, config.database_url)
         try:
-            connection = await connect_nats(config.nats_url)
+            connection = await connect_nats(config.nats_url, runtime=runtime)
             assert connection is not None
             runtime.check("nats", lambda: connection.is_connected)
             try:

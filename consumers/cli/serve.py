@@ -29,7 +29,12 @@ from consumers.cli.common import (
     with_materializer_options,
 )
 from pipeline.errors import ConfigError
-from pipeline.inference import DEFAULT_BUDGET_BYTES, IN_FLIGHT_DEFAULT
+from pipeline.inference import (
+    DEFAULT_BUDGET_BYTES,
+    DEFAULT_RETRY_REPLIES,
+    DEFAULT_RETRY_REPLY_BYTES,
+    IN_FLIGHT_DEFAULT,
+)
 from pipeline.settings import Settings
 
 if TYPE_CHECKING:
@@ -76,6 +81,15 @@ def inference(
         "continued holds), kept so a request continuing one need not send them again; least recently used "
         "first",
     ),
+    retry_replies: int = typer.Option(
+        DEFAULT_RETRY_REPLIES,
+        min=0,
+        help="replies kept for answering a request sent again (a client's retry gets the same reply, not a "
+        "second generation), newest first; 0: none",
+    ),
+    retry_replies_mib: float = typer.Option(
+        DEFAULT_RETRY_REPLY_BYTES / 2**20, min=0, help="MiB the replies kept for retries may take together"
+    ),
     script: Path = typer.Option(
         None,
         help="torch backend: answer with the replies of this script (JSON rules matched on the request; "
@@ -100,6 +114,8 @@ def inference(
         max_batch_tokens=max_batch_tokens,
         in_flight=swap_in_flight.value,
         held_bytes=int(held_mib * 2**20),
+        retry_replies=retry_replies,
+        retry_reply_bytes=int(retry_replies_mib * 2**20),
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         script=script,

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
 from types import TracebackType
 
@@ -36,11 +37,22 @@ class RunnerLease:
         self.runner_id = runner_id or new_runner_id()
         self.interval = interval
         self._task: asyncio.Task[None] | None = None
+        self._renewed_at = self._steady_since = time.monotonic()
 
     async def __aenter__(self) -> RunnerLease:
         await self.store.start_lease(self.runner_id, host=socket.gethostname(), pid=os.getpid())
+        self._renewed_at = self._steady_since = time.monotonic()
         self._task = asyncio.create_task(self._renew(), name=f"lease-{self.runner_id}")
         return self
+
+    @property
+    def steady_for(self) -> float:
+        """Seconds this lease has been renewed on time, every renewal succeeding (0: one just failed or is
+        late). After a PostgreSQL outage every runner's renewals failed alike, so every lease looks lapsed
+        until its runner renews it: a recovery pass waits until its own lease has been steady for a whole
+        lease timeout (``recover_abandoned_episodes``), or it would abort live runners' episodes."""
+        now = time.monotonic()
+        return 0.0 if now - self._renewed_at > 2 * self.interval else now - self._steady_since
 
     async def __aexit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
@@ -59,6 +71,12 @@ class RunnerLease:
                 await self.store.renew_lease(self.runner_id)
             except Exception as error:  # PostgreSQL away for a moment: the next renewal tries again
                 log.warning("runner lease %s: renewal failed (%s)", self.runner_id, error)
+                self._steady_since = float("inf")
+                continue
+            now = time.monotonic()
+            if self._steady_since == float("inf") or now - self._renewed_at > 2 * self.interval:
+                self._steady_since = now
+            self._renewed_at = now
 
 
 async def find_abandoned_episodes(
@@ -97,12 +115,22 @@ async def close_abandoned_episodes(
 
 
 async def recover_abandoned_episodes(
-    store: Store, *, every: float, lease_timeout: float = 30.0, orphan_after: float = 3600.0
+    store: Store,
+    *,
+    every: float,
+    lease_timeout: float = 30.0,
+    orphan_after: float = 3600.0,
+    lease: RunnerLease | None = None,
 ) -> None:
     """Close abandoned episodes every ``every`` seconds, until cancelled; a failed pass is logged and the
-    next one tries again (a holder of a lease runs this beside its work)."""
+    next one tries again (a holder of a lease runs this beside its work). With the holder's ``lease``, a
+    pass is skipped until that lease has been renewed on time for ``lease_timeout`` seconds: when its own
+    renewals failed (PostgreSQL went away), every other runner's did too, and their leases look lapsed."""
     while True:
         await asyncio.sleep(every)
+        if lease is not None and lease.steady_for < lease_timeout:
+            log.info("recovery pass skipped: this runner's own lease was not renewed on time lately")
+            continue
         try:
             await close_abandoned_episodes(store, lease_timeout=lease_timeout, orphan_after=orphan_after)
         except Exception as error:

@@ -22,12 +22,17 @@ from pipeline.inference.client import (
     request_subject,
 )
 from pipeline.inference.held import DEFAULT_BUDGET_BYTES
+from pipeline.inference.replies import DEFAULT_BYTES as DEFAULT_RETRY_REPLY_BYTES
+from pipeline.inference.replies import DEFAULT_REPLIES as DEFAULT_RETRY_REPLIES
+from pipeline.inference.replies import RetryReplies
 from pipeline.inference.script import Script
 from pipeline.inference.service import InferenceService
 
 __all__ = [
     "CONSUMER_HEADER",
     "DEFAULT_BUDGET_BYTES",
+    "DEFAULT_RETRY_REPLIES",
+    "DEFAULT_RETRY_REPLY_BYTES",
     "HEARTBEAT_HEADER",
     "IN_FLIGHT_DEFAULT",
     "QUEUE_GROUP",
@@ -47,6 +52,7 @@ __all__ = [
     "Prompt",
     "QueueLLMClient",
     "RequestRejected",
+    "RetryReplies",
     "Script",
     "raise_for_error",
     "request_subject",

@@ -16,7 +16,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -28,6 +28,7 @@ from pipeline.inference.chain import Chain, as_list
 from pipeline.inference.chat import REASONING_MARKERS, split_reasoning, split_tool_calls
 from pipeline.inference.client import CONSUMER_HEADER, HEARTBEAT_HEADER, RequestRejected
 from pipeline.inference.held import DEFAULT_BUDGET_BYTES, HeldPrefixes, HeldTurn
+from pipeline.inference.replies import RetryReplies
 from pipeline.versions import VersionLog
 from schemas import (
     IGNORE,
@@ -45,7 +46,6 @@ from schemas import (
 log = logging.getLogger(__name__)
 
 Publish = Callable[[str, bytes, dict[str, str]], Awaitable[None]]
-RECENT_REPLIES: Final = 4096
 VERSION_REFUSALS: Final = (
     "not_in_log",
     "checkpoint_mismatch",
@@ -75,6 +75,7 @@ class InferenceService:
         heartbeat_interval: float = 5.0,
         reasoning_markers: tuple[str, str] | None = REASONING_MARKERS,
         held_bytes: int = DEFAULT_BUDGET_BYTES,
+        retry_replies: RetryReplies | None = None,
         on_reply: Callable[[LLMResponse], None] | None = None,
         on_error: Callable[[str], None] | None = None,
         versions: VersionLog | None = None,
@@ -97,7 +98,8 @@ class InferenceService:
         self.requests_served = 0
         # by request id: (digest of the request's bytes, the future of its reply / the reply it got)
         self._in_flight: dict[uuid.UUID, tuple[bytes, asyncio.Future[bytes]]] = {}
-        self._recent: OrderedDict[uuid.UUID, tuple[bytes, bytes]] = OrderedDict()
+        self.retry_replies = RetryReplies() if retry_replies is None else retry_replies
+        """The newest replies, for answering a request sent again (by count and by bytes)."""
         self._reload = asyncio.Lock()
 
     @property
@@ -116,7 +118,7 @@ class InferenceService:
             message = f"this consumer serves policy {self.policy!r}, not {request.policy!r}"
             return self._error(request.request_id, "invalid_request", message, "policy")
         digest = hashlib.blake2b(data, digest_size=16).digest()
-        recent, running = self._recent.get(request.request_id), self._in_flight.get(request.request_id)
+        recent, running = self.retry_replies.get(request.request_id), self._in_flight.get(request.request_id)
         known = recent[0] if recent is not None else running[0] if running is not None else None
         if known is not None and known != digest:
             message = (
@@ -272,9 +274,7 @@ class InferenceService:
         self.requests_served += 1
         if self.on_reply is not None:
             self.on_reply(response)
-        self._recent[request.request_id] = (digest, body)
-        if len(self._recent) > RECENT_REPLIES:
-            self._recent.popitem(last=False)
+        self.retry_replies.keep(request.request_id, digest, body)
         return body
 
     def _response(

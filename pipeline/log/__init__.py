@@ -15,6 +15,7 @@ from pipeline.log.port import (
     RunnerLeases,
     Store,
 )
+from pipeline.log.probe import DatabaseProbe
 from pipeline.log.store import (
     EventStore,
     JsonTextBinaryDumper,
@@ -39,6 +40,7 @@ __all__ = [
     "READER_ROLE",
     "AbandonedEpisode",
     "AppendResult",
+    "DatabaseProbe",
     "EpisodeFilter",
     "EpisodeIndex",
     "EpisodeRow",

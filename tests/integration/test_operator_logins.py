@@ -7,24 +7,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 from psycopg import sql
 
 from consumers.inference import InferenceConfig
 from pipeline.log import EventStore, make_logins
+from pipeline.materialize import Materializer, MaterializerConfig
 from pipeline.settings import libpq_url
 from tests.conftest import Servers
 from tests.integration.test_cli import TURNSTILE, clean_env
 from tests.support.backends import RuleBackend, echo_rule
 from tests.support.factories import finished, opened, reward, turn
+from tests.support.processes import running
 from tests.support.serving import serving
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 TASKS = Path(__file__).resolve().parents[2] / "pipeline" / "examples" / "arithmetic.jsonl"
@@ -88,6 +93,16 @@ async def recorded_episode(store: EventStore) -> str:
     return stream.removeprefix("episode-")
 
 
+async def materialized(store: EventStore) -> None:
+    """The read models caught up with the log, as a running materializer keeps them."""
+    materializer = Materializer(store.libpq_url, MaterializerConfig())
+    await materializer.open()
+    try:
+        await materializer.catch_up()
+    finally:
+        await materializer.close()
+
+
 async def test_every_reading_and_rebuilding_command_works_with_the_login_the_docs_name(
     up_logins: Logins, store: EventStore, tmp_path: Path
 ) -> None:
@@ -117,6 +132,59 @@ async def test_every_reading_and_rebuilding_command_works_with_the_login_the_doc
     assert_works(await asyncio.to_thread(run, services, "rematerialize", "--name", "audit", "--replace"))
     assert_works(await asyncio.to_thread(run, up_logins.env("owner"), "migrate"))
     assert_works(await asyncio.to_thread(run, clean_env(), "export-schemas", str(tmp_path / "schemas")))
+
+
+async def test_the_episode_browser_works_with_the_reader_login_and_writes_nothing(
+    up_logins: Logins, store: EventStore, database_url: str, tmp_path: Path
+) -> None:
+    """``turnstile ui`` as the operator starts it after `turnstile up` (TURNSTILE_READER_URL, the reader
+    login): its pages show the recorded episode, every connection it opens is that login's, and browsing and
+    writing requests leave the log and the read models as they were."""
+    episode_id = await recorded_episode(store)
+    await materialized(store)
+    log = tmp_path / "ui.log"
+
+    def contents() -> list[tuple[object, ...]]:
+        with psycopg.connect(libpq_url(database_url)) as owner:
+            return owner.execute(
+                "SELECT (SELECT count(*) FROM events), (SELECT max(position) FROM events), "
+                "(SELECT count(*) FROM episodes)"
+            ).fetchall()
+
+    def logins_of_the_ui() -> set[str]:
+        with psycopg.connect(libpq_url(database_url)) as owner:
+            rows = owner.execute(
+                "SELECT usename FROM pg_stat_activity WHERE application_name = 'turnstile ui'"
+            ).fetchall()
+        return {name for (name,) in rows}
+
+    before = contents()
+    with log.open("w") as output:
+        async with running(
+            *TURNSTILE,
+            "ui",
+            "--port",
+            "0",
+            env=up_logins.env("reader"),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        ) as ui:
+            await wait_until(
+                lambda: "episode browser on " in log.read_text() or ui.returncode is not None, 120, "the ui"
+            )
+            found = re.search(r"episode browser on (http://\S+)/episodes", log.read_text())
+            assert found is not None, log.read_text()
+            async with httpx.AsyncClient(base_url=found[1], timeout=60) as client:
+                listed = await client.get("/episodes")
+                assert listed.status_code == 200, listed.text
+                assert episode_id in listed.text
+                page = await client.get(f"/episodes/{episode_id}")
+                assert page.status_code == 200, page.text
+                for method in ("POST", "PUT", "DELETE", "PATCH"):
+                    refused = await client.request(method, f"/episodes/{episode_id}", json={"reward": 5})
+                    assert refused.status_code == 405, (method, refused.text)
+            assert logins_of_the_ui() == {up_logins.reader_name}
+    assert contents() == before
 
 
 async def test_run_and_submit_work_with_the_services_login_and_nats(up_logins: Logins) -> None:
