@@ -613,7 +613,7 @@ async def rebuild(
     )  # fmt: skip
     schema = MaterializerConfig(name=name).schema
     if search_cost:
-        await measure_search_trigger(url, schema, step, seconds)
+        await measure_search_trigger(url, schema, step, seconds, server_pid)
     produced = await count_and_drop(url, schema, name, materializer.tally)
     note(
         f"rebuild, step {step:,}: {events:,} events in {seconds:.1f} s: {measurement.event_rate:,.0f} "
@@ -623,7 +623,9 @@ async def rebuild(
     return measurement, produced
 
 
-async def measure_search_trigger(url: str, schema: str, step: int, rebuild_seconds: float) -> None:
+async def measure_search_trigger(
+    url: str, schema: str, step: int, rebuild_seconds: float, server_pid: int | None
+) -> None:
     """The rebuild's turns (``schema``) into ``public.turn_rows``, whose trigger writes their words into
     ``turn_search``, beside the same into a copy of ``turn_rows`` without the trigger: ``step`` turns a
     statement (a step's turns are fewer: ``step`` counts events), alternating, each rolled back."""
@@ -635,6 +637,7 @@ async def measure_search_trigger(url: str, schema: str, step: int, rebuild_secon
         "plain": sql.SQL("INSERT INTO bench_turn_rows_plain ") + turns,
     }
     seconds = {"trigger": 0.0, "plain": 0.0}
+    pg_cpu = {"trigger": 0.0, "plain": 0.0}
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
         await connection.execute("CREATE TABLE bench_turn_rows_plain (LIKE public.turn_rows INCLUDING ALL)")
         positions = [row[0] for row in await (await connection.execute(
@@ -643,16 +646,20 @@ async def measure_search_trigger(url: str, schema: str, step: int, rebuild_secon
         for start in range(0, len(positions), step):
             after = positions[start - 1] if start else 0
             for kind, statement in into.items():
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), server_cpu(server_pid)
                 async with connection.transaction(force_rollback=True):
                     await connection.execute(statement, (after, step))
                 seconds[kind] += time.perf_counter() - started
+                cpu_after = server_cpu(server_pid)
+                pg_cpu[kind] += 0.0 if cpu is None or cpu_after is None else cpu_after - cpu
         await connection.execute("DROP TABLE bench_turn_rows_plain")
     added = seconds["trigger"] - seconds["plain"]
+    per_turn = {kind: f"{cpu / len(positions) * 1e6:,.0f}" for kind, cpu in pg_cpu.items()}
     note(
         f"search trigger: {len(positions):,} turns written in {seconds['trigger']:.2f} s with it, "
         f"{seconds['plain']:.2f} s without: {added:.2f} s more, {added / rebuild_seconds:.1%} of the "
-        f"rebuild's {rebuild_seconds:.1f} s"
+        f"rebuild's {rebuild_seconds:.1f} s; PostgreSQL CPU {per_turn['trigger']} us a turn with it, "
+        f"{per_turn['plain']} without (embedded server only)"
     )
     summary(
         "materialize", "turn writes with the search trigger", f"{seconds['trigger']:.2f} s",
@@ -704,7 +711,7 @@ async def count_and_drop(url: str, schema: str, name: str, tally: WriteTally) ->
 async def measure(
     url: str, schedule: Schedule, server_pid: int | None, args: argparse.Namespace
 ) -> list[StepResult]:
-    results = []
+    results: list[StepResult] = []
     for step in args.step_events:
         result = StepResult(step)
         for round_ in range(args.repeat):
