@@ -29,6 +29,12 @@ What it measures, in one run on one PostgreSQL server:
    (It runs as a subclass that only counts the rows of each step's writes, for the lines under the table:
    rows COPYed, and rows UPDATEd one statement each because they were inserted in an earlier step.)
 
+4. What the search trigger costs the live materializer (migration 0023), which a rebuild does not pay (a
+   rebuild's ``turn_rows`` in ``rm_<name>`` has no trigger): after the first rebuild, its turns are
+   written into ``public.turn_rows`` (the trigger reads each turn's event and writes its words into
+   ``turn_search``) and into a copy of ``turn_rows`` without the trigger, one step's turns a statement,
+   alternating, each rolled back; the extra time is also given as a share of the rebuild's time.
+
 Reading the table: "x SELECT" is turns/s ÷ the baseline's turns/s at the same step size: 1.00 would mean
 folding and writing cost nothing over reading the log; the target is at least 0.50. "peak RSS" is this
 process's resident high-water mark during the timed part, and in brackets how far it rose over the RSS
@@ -105,7 +111,7 @@ from schemas import (
 )
 from schemas.common import Timings
 
-from common import checkpoint, note, postgres_server, scratch_database  # bench/common.py
+from common import checkpoint, note, postgres_server, scratch_database, summary  # bench/common.py
 
 TARGET_RATIO = 0.50
 VOCAB_SIZE = 151_936
@@ -569,8 +575,10 @@ async def rebuild(
     name: str,
     profiler: cProfile.Profile | None = None,
     fold_worker: str = "auto",
+    search_cost: bool = False,
 ) -> tuple[Measurement, Produced]:
-    """``turnstile rematerialize --name NAME`` in this process; only ``catch_up()`` is timed."""
+    """``turnstile rematerialize --name NAME`` in this process; only ``catch_up()`` is timed. With
+    ``search_cost``, then what its turns would add to the live materializer's search trigger."""
     materializer = TallyingMaterializer(url, MaterializerConfig(name=name, step_events=step))
     materializer.fold_worker = FOLD_WORKER[fold_worker]
     await materializer.open(create=True)
@@ -603,13 +611,64 @@ async def rebuild(
         label, step, events, schedule.turns, seconds, py_cpu + worker_cpu, pg, peak_mb, growth_mb,
         worker_cpu if worker_kb is not None else None, None if worker_kb is None else worker_kb / 1024,
     )  # fmt: skip
-    produced = await count_and_drop(url, MaterializerConfig(name=name).schema, name, materializer.tally)
+    schema = MaterializerConfig(name=name).schema
+    if search_cost:
+        await measure_search_trigger(url, schema, step, seconds, server_pid)
+    produced = await count_and_drop(url, schema, name, materializer.tally)
     note(
         f"rebuild, step {step:,}: {events:,} events in {seconds:.1f} s: {measurement.event_rate:,.0f} "
         f"events/s, {measurement.turn_rate:,.0f} turns/s; {produced.samples:,} samples, "
         f"{produced.batches:,} batches"
     )
     return measurement, produced
+
+
+async def measure_search_trigger(
+    url: str, schema: str, step: int, rebuild_seconds: float, server_pid: int | None
+) -> None:
+    """The rebuild's turns (``schema``) into ``public.turn_rows``, whose trigger writes their words into
+    ``turn_search``, beside the same into a copy of ``turn_rows`` without the trigger: ``step`` turns a
+    statement (a step's turns are fewer: ``step`` counts events), alternating, each rolled back."""
+    turns = sql.SQL("SELECT * FROM {}.turn_rows WHERE position > %s ORDER BY position LIMIT %s").format(
+        sql.Identifier(schema)
+    )
+    into = {
+        "trigger": sql.SQL("INSERT INTO public.turn_rows ") + turns,
+        "plain": sql.SQL("INSERT INTO bench_turn_rows_plain ") + turns,
+    }
+    seconds = {"trigger": 0.0, "plain": 0.0}
+    pg_cpu = {"trigger": 0.0, "plain": 0.0}
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
+        await connection.execute("CREATE TABLE bench_turn_rows_plain (LIKE public.turn_rows INCLUDING ALL)")
+        positions = [row[0] for row in await (await connection.execute(
+            sql.SQL("SELECT position FROM {}.turn_rows ORDER BY position").format(sql.Identifier(schema))
+        )).fetchall()]  # fmt: skip
+        for start in range(0, len(positions), step):
+            after = positions[start - 1] if start else 0
+            for kind, statement in into.items():
+                started, cpu = time.perf_counter(), server_cpu(server_pid)
+                async with connection.transaction(force_rollback=True):
+                    await connection.execute(statement, (after, step))
+                seconds[kind] += time.perf_counter() - started
+                cpu_after = server_cpu(server_pid)
+                pg_cpu[kind] += 0.0 if cpu is None or cpu_after is None else cpu_after - cpu
+        await connection.execute("DROP TABLE bench_turn_rows_plain")
+    added = seconds["trigger"] - seconds["plain"]
+    per_turn = {kind: f"{cpu / len(positions) * 1e6:,.0f}" for kind, cpu in pg_cpu.items()}
+    note(
+        f"search trigger: {len(positions):,} turns written in {seconds['trigger']:.2f} s with it, "
+        f"{seconds['plain']:.2f} s without: {added:.2f} s more, {added / rebuild_seconds:.1%} of the "
+        f"rebuild's {rebuild_seconds:.1f} s; PostgreSQL CPU {per_turn['trigger']} us a turn with it, "
+        f"{per_turn['plain']} without (embedded server only)"
+    )
+    summary(
+        "materialize", "turn writes with the search trigger", f"{seconds['trigger']:.2f} s",
+        f"without it {seconds['plain']:.2f} s", seconds["trigger"] / seconds["plain"], None,
+    )  # fmt: skip
+    summary(
+        "materialize", "rebuild time plus the search trigger's", f"{rebuild_seconds + added:.1f} s",
+        f"the rebuild {rebuild_seconds:.1f} s", (rebuild_seconds + added) / rebuild_seconds, None,
+    )  # fmt: skip
 
 
 async def count_and_drop(url: str, schema: str, name: str, tally: WriteTally) -> Produced:
@@ -652,15 +711,17 @@ async def count_and_drop(url: str, schema: str, name: str, tally: WriteTally) ->
 async def measure(
     url: str, schedule: Schedule, server_pid: int | None, args: argparse.Namespace
 ) -> list[StepResult]:
-    results = []
+    results: list[StepResult] = []
     for step in args.step_events:
         result = StepResult(step)
         for round_ in range(args.repeat):
             result.measurements.append(await scan(url, step, schedule, server_pid))
             for mode in args.fold_worker:
+                first = not results and not result.produced
                 measurement, produced = await rebuild(
-                    url, step, schedule, server_pid, f"bench_{step}_{round_}_{mode}", fold_worker=mode
-                )
+                    url, step, schedule, server_pid, f"bench_{step}_{round_}_{mode}", fold_worker=mode,
+                    search_cost=first,
+                )  # fmt: skip
                 result.measurements.append(measurement)
                 result.produced.append(produced)
         result.measurements.append(await scan(url, step, schedule, server_pid))

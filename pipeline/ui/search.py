@@ -1,6 +1,9 @@
 """Free-text search over what turns say (``/search?q=...``): the messages a turn adds and its reply, through
-the GIN index ``events_turn_text`` over ``turnstile_turn_text(data)`` (migration 0022), newest first, a page
-at a time by log position (keyset: never an OFFSET over every match).
+the read model ``turn_search`` (migration 0023: each turn's ``turnstile_turn_text(data)``, GIN-indexed,
+written by the materializer as it folds the turn, so appends to the log never pay for it), newest first, a
+page at a time by log position (keyset: never an OFFSET over every match). A turn is found once the
+materializer has folded it: seconds behind the log, once its episode has finished (the fold writes an
+episode's turns then).
 
 The query is PostgreSQL's web search syntax (``websearch_to_tsquery``: words, "a phrase", ``or``,
 ``-word``) with the ``simple`` configuration: whole words, no stemming. A rare word is found through the
@@ -30,15 +33,14 @@ SEARCH_TIMEOUT_MS: Final = 5_000
 MAX_QUERY: Final = 500
 SNIPPET: Final = 90  # characters either side of the first match
 
-# The expression is the index's own (turnstile_turn_text(data) on TurnCompleted rows): any other and the
-# index is not used.
+# The words come from turn_search (its GIN index for a rare word, its key backwards for a common one); the
+# event, for the snippet and the time, by its position.
 SEARCH: Final = f"""
-    SELECT e.position, substr(e.stream, length('episode-') + 1) AS episode_id, e.data, e.recorded_at
-    FROM events e
-    WHERE e.type = 'TurnCompleted'
-      AND turnstile_turn_text(e.data) @@ websearch_to_tsquery('simple', :q)
-      AND e.position < :before
-    ORDER BY e.position DESC
+    SELECT s.position, s.episode_id, e.data, e.recorded_at
+    FROM turn_search s JOIN events e ON e.position = s.position
+    WHERE s.words @@ websearch_to_tsquery('simple', :q)
+      AND s.position < :before
+    ORDER BY s.position DESC
     LIMIT {SEARCH_PAGE + 1}
 """
 
@@ -71,7 +73,7 @@ def parse_search(params: Mapping[str, Sequence[str]]) -> tuple[str, int | None]:
 
 
 def turn_text(data: Mapping[str, Any]) -> str:
-    """What the index reads of a turn's event data, as one text (for the snippet)."""
+    """What turnstile_turn_text reads of a turn's event data, as one text (for the snippet)."""
     request, reply = data.get("request") or {}, data.get("reply") or {}
     parts = [str(m.get("content")) for m in request.get("messages") or [] if m.get("content")]
     parts += [str(reply[key]) for key in ("text", "reasoning") if reply.get(key)]

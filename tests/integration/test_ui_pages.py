@@ -6,15 +6,23 @@ hovering."""
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Any
 
 import psycopg
 import pytest
+from alembic import command
 
+from consumers.materializer import rematerialize
 from pipeline.log import EventStore
+from pipeline.log.db import alembic_config
+from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.writer import Materializer
 from pipeline.settings import libpq_url
 from pipeline.ui.search import SEARCH
-from tests.support.ui_episodes import Browsing
+from schemas import ChatMessage, EpisodeFinished, EpisodeStarted
+from tests.conftest import login_url
+from tests.support.ui_episodes import AGENT, Browsing, make_turn
 
 APPEND_LOCK = 32780231638217836  # pipeline/log/store.py: the guard lets only its holder append
 
@@ -63,26 +71,36 @@ async def test_a_bad_search_gets_a_400_naming_what_was_wrong(browsing: Browsing)
 
 
 def _fill_log(database_url: str, turns: int) -> None:
-    """``turns`` TurnCompleted events of a word each plus a common one, appended as the store appends
-    (holding its lock, at the positions after the head), then ANALYZE: a log the planner sees as big."""
+    """``turns`` TurnCompleted events of a word each, a common one and two of a long tail (as text has: the
+    planner's statistics of ``words`` then know a word outside its most common ones is rare), appended as
+    the store appends (holding its lock, at the positions after the head) and folded as the materializer
+    folds them (a ``turn_rows`` row each, whose trigger writes their words into ``turn_search``), then
+    ANALYZE: a log the planner sees as big."""
     with psycopg.connect(libpq_url(database_url)) as connection:
         connection.execute("SELECT pg_advisory_xact_lock(%s)", (APPEND_LOCK,))
         connection.execute(
             """
-            INSERT INTO events (position, stream, version, event_id, type, data, content_hash)
-            SELECT head + i, 'episode-filler-' || i, 1, gen_random_uuid(), 'TurnCompleted',
-                   jsonb_build_object(
-                       'request', jsonb_build_object('messages', jsonb_build_array(
-                           jsonb_build_object('role', 'user', 'content', 'common word' || i))),
-                       'reply', jsonb_build_object('text', 'reply number ' || i)),
-                   '\\x00'
-            FROM (SELECT coalesce(max(position), 0) AS head FROM events) h, generate_series(1, %s) i
+            WITH appended AS (
+                INSERT INTO events (position, stream, version, event_id, type, data, content_hash)
+                SELECT head + i, 'episode-filler-' || i, 1, gen_random_uuid(), 'TurnCompleted',
+                       jsonb_build_object(
+                           'request', jsonb_build_object('messages', jsonb_build_array(
+                               jsonb_build_object('role', 'user', 'content',
+                               'common word' || i || ' topic' || mod(i, 1000) || ' detail' || mod(i, 7919)))),
+                           'reply', jsonb_build_object('text', 'reply number ' || i)),
+                       '\\x00'
+                FROM (SELECT coalesce(max(position), 0) AS head FROM events) h, generate_series(1, %s) i
+                RETURNING position
+            )
+            INSERT INTO turn_rows (turn_id, episode, position, reward, discounted_return, turn_index,
+                                   prompt_tokens, completion_tokens, policy_version, prefix_break)
+            SELECT gen_random_uuid(), position, position, 0, 0, 0, 1, 1, 0, false FROM appended
             """,
             (turns,),
         )
         connection.commit()
     with psycopg.connect(libpq_url(database_url), autocommit=True) as connection:
-        connection.execute("ANALYZE events")
+        connection.execute("ANALYZE events, turn_search")
 
 
 def _plan(database_url: str, words: str) -> str:
@@ -97,11 +115,102 @@ async def test_a_search_reads_the_index_or_the_newest_turns_never_the_whole_log(
 ) -> None:
     _fill_log(database_url, 30_000)
     rare = _plan(database_url, "word12345")
-    assert "events_turn_text" in rare, rare
+    assert "turn_search_words" in rare, rare
     assert "Seq Scan" not in rare, rare
     common = _plan(database_url, "common")  # every turn says it: the newest 51, backwards by position
     assert "Seq Scan" not in common, common
     assert "Limit" in common, common
+
+
+async def _fold(database_url: str) -> None:
+    """The live materializer catches up, logged in as its own role."""
+    materializer = Materializer(database_url, MaterializerConfig(batch_samples=4))
+    await materializer.open()
+    try:
+        await materializer.catch_up()
+    finally:
+        await materializer.close()
+
+
+async def test_search_sees_a_turn_once_the_materializer_login_has_folded_its_finished_episode(
+    browsing: Browsing, store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    """Appends do not index words (migration 0023): the trigger on ``turn_rows`` does, in the fold's
+    transaction, for the materializer's own login, which may not write ``turn_search`` itself. The fold
+    writes an episode's turns when the episode finishes, so a running episode's turns are not found yet."""
+    materializer = libpq_url(login_url(database_url, logins["turnstile_materializer"]))
+    episode_id = f"late-{uuid.uuid4().hex[:20]}"
+    turn = make_turn([ChatMessage(role="user", content="Where is Zanzibar?")], text="Off Tanzania.", seed=61)
+    started = EpisodeStarted(episode_id=episode_id, task_id="geo-1", agent=AGENT, policy="main")
+    await store.append(f"episode-{episode_id}", [started, turn], expected_version=0)
+    await _fold(materializer)
+    assert 'id="no-hits"' in (await browsing.client.get("/search?q=zanzibar")).text  # still running
+    await store.append(f"episode-{episode_id}", [EpisodeFinished(termination="done")], expected_version=2)
+    await _fold(materializer)
+    found = (await browsing.client.get("/api/search?q=zanzibar")).json()["turns"]
+    assert [(hit["episode_id"], hit["turn_id"]) for hit in found] == [(episode_id, str(turn.turn_id))]
+    for role in ("turnstile_materializer", "turnstile_reader"):
+        login = libpq_url(login_url(database_url, logins[role]))
+        with psycopg.connect(login) as connection, pytest.raises(psycopg.errors.InsufficientPrivilege):
+            connection.execute("DELETE FROM turn_search")
+
+
+def _indexed_words(database_url: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        return connection.execute(
+            "SELECT position, episode_id, words::text FROM turn_search ORDER BY position"
+        ).fetchall()
+
+
+async def test_a_rebuild_and_its_replace_leave_search_as_it_was(
+    browsing: Browsing, database_url: str
+) -> None:
+    """A rebuild's ``turn_rows`` (schema ``rm_<name>``) has no trigger: ``rematerialize`` and ``--replace``
+    neither fail on it nor touch the words the live read models indexed."""
+    indexed = _indexed_words(database_url)
+    assert len(indexed) > 10
+    for replace in (False, True):
+        rebuilt = await rematerialize(database_url, MaterializerConfig(name="searched"), replace=replace)
+        await rebuilt.close()
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        rebuilt_turns = connection.execute("SELECT count(*) FROM rm_searched.turn_rows").fetchone()
+        assert rebuilt_turns is not None
+        assert rebuilt_turns[0] == len(indexed)
+        elsewhere = connection.execute(
+            "SELECT count(*) FROM pg_trigger g JOIN pg_class c ON c.oid = g.tgrelid "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = 'rm_searched' AND NOT g.tgisinternal"
+        ).fetchone()
+        assert elsewhere == (0,)
+    assert _indexed_words(database_url) == indexed
+    assert hits((await browsing.client.get("/search?q=calculator")).text) == [
+        str(browsing.recorded.branching_turns[0].turn_id)
+    ]
+
+
+def _index_names(database_url: str) -> set[str]:
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        rows = connection.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'public'").fetchall()
+    return {name for (name,) in rows}
+
+
+async def test_migrating_indexes_the_turns_folded_already_and_downgrading_restores_the_old_index(
+    browsing: Browsing, database_url: str
+) -> None:
+    indexed = _indexed_words(database_url)
+    config = alembic_config(database_url)
+    command.downgrade(config, "0022")
+    names = _index_names(database_url)
+    assert "events_turn_text" in names
+    assert "turn_search_words" not in names
+    command.upgrade(config, "head")
+    names = _index_names(database_url)
+    assert "events_turn_text" not in names
+    assert "turn_search_words" in names
+    assert _indexed_words(database_url) == indexed  # filled from turn_rows, as the trigger filled it
+    assert hits((await browsing.client.get("/search?q=51")).text) == [
+        str(turn.turn_id) for turn in reversed(browsing.recorded.branching_turns[1:3])
+    ]
 
 
 async def test_two_episodes_side_by_side_aligned_by_turn(browsing: Browsing) -> None:
