@@ -109,7 +109,7 @@ def mutmut_config(suite: Suite) -> str:
         "[tool.mutmut]\n"
         'source_paths = ["pipeline", "schemas", "consumers", "migrations"]\n'
         f"only_mutate = {strings([f'*{module}' for module in suite.modules])}\n"
-        'also_copy = ["tests"]\n'
+        'also_copy = ["tests", "deploy"]\n'  # deploy: tests read its configs (nats.conf, check_compose)
         f"pytest_add_cli_args_test_selection = {strings(suite.tests)}\n"
         f"pytest_add_cli_args = {strings(options)}\n"
     )
@@ -178,7 +178,7 @@ def main() -> None:
             env.update(TURNSTILE_DATABASE_URL=servers.postgres.url, TURNSTILE_NATS_URL=servers.nats.url)
         try:
             patterns = args.only or list(suite.functions)
-            subprocess.run(
+            run = subprocess.run(
                 [str(mutmut), "run", *patterns], cwd=work, env=env, stdout=subprocess.DEVNULL, check=False
             )
         finally:
@@ -187,6 +187,8 @@ def main() -> None:
     results = subprocess.run(
         [str(mutmut), "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True
     ).stdout
+    if run.returncode != 0:  # e.g. the suite's tests failed to collect in the copy: no score is a score
+        raise SystemExit(f"mutmut run exited {run.returncode} in {work}: run `mutmut run` there to see why")
     counts, survivors = scores(results)
     (work / "survivors.txt").write_text("".join(f"{name}\n" for name in survivors))
     for module, outcomes in sorted(counts.items()):
