@@ -171,18 +171,13 @@ def test_a_system_note_mid_conversation_becomes_a_user_note_and_later_ones_exten
         messages = [*messages, reply, note, ChatMessage(role="user", content="Go on.")]
 
 
-REFUSES_RUNS = """{%- for m in messages -%}
-{%- if m.role == 'system' and not loop.first -%}
-{{- raise_exception('System message must be at the beginning.') -}}
-{%- endif -%}
-{%- if m.role == 'user' and not loop.first and messages[loop.index0 - 1].role == 'user' -%}
-{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
-{%- endif -%}
-<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endfor -%}
-{%- if add_generation_prompt -%}<|im_start|>assistant
-{% endif -%}"""
+REFUSES_RUNS = REFUSES_SYSTEM.replace(
+    "<|im_start|>{{ m.role }}",
+    "{%- if m.role == 'user' and not loop.first and messages[loop.index0 - 1].role == 'user' -%}\n"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}\n"
+    "{%- endif -%}\n<|im_start|>{{ m.role }}",
+    1,
+)
 """Hand-made: ChatML that refuses a system message after the first and two user messages in a row."""
 MISTRAL_SMALL = next(p for p in PUBLISHED if p.name == "Mistral-Small-3.2-24B-Instruct-2506")
 
