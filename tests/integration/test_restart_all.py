@@ -38,7 +38,7 @@ from pipeline.log import make_logins
 from pipeline.log.db import migrate
 from pipeline.settings import libpq_url
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.restarts]  # its own CI step: about 3 minutes
 TASKS, GROUP = 8, 4
 EPISODES = TASKS * GROUP
 WAVE_TASKS = 6  # the stay-up test's tasks submitted before each restart: 24 episodes, 3 rounds of 8
