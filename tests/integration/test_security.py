@@ -555,6 +555,31 @@ async def test_inference_loads_only_the_versions_the_trainers_role_wrote_to_the_
     assert sum(service.versions_refused.values()) == 4
 
 
+async def test_inference_catches_up_at_start_to_its_policys_newest_logged_version(
+    role_nats: RoleNats, database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    """Versions logged while no consumer listened (before it started, or while NATS was away) are loaded from
+    the log: the newest of its own policy, never another policy's newer one."""
+    policy, other = new_policy(), new_policy()
+    trainer = await EventStore.connect(login_url(database_url, logins["turnstile_trainer"]))
+    try:
+        for name, version in ((policy, 1), (policy, 3), (other, 9)):
+            await trainer.append(
+                f"policy-{name}",
+                [PolicyVersionPublished(policy=name, version=version, checkpoint=f"/ckpt/{name}/v{version}")],
+            )
+    finally:
+        await trainer.close()
+    backend = RuleBackend(echo_rule)
+    config = InferenceConfig(
+        role_nats.url("inference"), policy, backend="scripted", consumer_id="c1",
+        database_url=login_url(database_url, logins["turnstile_inference"]),
+    )  # fmt: skip
+    async with serving(config, backend):
+        await wait_until(lambda: backend.policy_version == 3, 30, "the newest logged version loaded at start")
+    assert backend.loaded == [(3, f"/ckpt/{policy}/v3")]
+
+
 async def test_the_inference_login_reads_policy_versions_and_nothing_else(
     database_url: str, logins: dict[str, tuple[str, str]]
 ) -> None:
