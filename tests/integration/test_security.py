@@ -479,6 +479,17 @@ def version_message(policy: str, version: int, checkpoint: str) -> bytes:
     )
 
 
+def logged_in_inference(
+    role_nats: RoleNats, policy: str, database_url: str, logins: dict[str, tuple[str, str]]
+) -> InferenceConfig:
+    """A scripted inference consumer with its own NATS user and its own PostgreSQL login (the one that checks
+    policy versions against the log)."""
+    return InferenceConfig(
+        role_nats.url("inference"), policy, backend="scripted", consumer_id="c1",
+        database_url=login_url(database_url, logins["turnstile_inference"]),
+    )  # fmt: skip
+
+
 async def test_inference_loads_only_the_versions_the_trainers_role_wrote_to_the_log(
     connect: Connect,
     role_nats: RoleNats,
@@ -494,10 +505,7 @@ async def test_inference_loads_only_the_versions_the_trainers_role_wrote_to_the_
     # a message there (a stolen password, a server misconfigured) without a version in the log.
     trainer_nats = await connect("trainer")
     backend = RuleBackend(echo_rule)
-    config = InferenceConfig(
-        role_nats.url("inference"), policy, backend="scripted", consumer_id="c1",
-        database_url=login_url(database_url, logins["turnstile_inference"]),
-    )  # fmt: skip
+    config = logged_in_inference(role_nats, policy, database_url, logins)
 
     async def ring(version: int, checkpoint: str) -> None:
         await trainer_nats.nc.publish(versions_subject(policy), version_message(policy, version, checkpoint))
@@ -571,10 +579,7 @@ async def test_inference_catches_up_at_start_to_its_policys_newest_logged_versio
     finally:
         await trainer.close()
     backend = RuleBackend(echo_rule)
-    config = InferenceConfig(
-        role_nats.url("inference"), policy, backend="scripted", consumer_id="c1",
-        database_url=login_url(database_url, logins["turnstile_inference"]),
-    )  # fmt: skip
+    config = logged_in_inference(role_nats, policy, database_url, logins)
     async with serving(config, backend):
         await wait_until(lambda: backend.policy_version == 3, 30, "the newest logged version loaded at start")
     assert backend.loaded == [(3, f"/ckpt/{policy}/v3")]
@@ -712,10 +717,7 @@ async def test_a_runners_forged_version_pulled_onto_the_versions_subject_is_neve
     admin, runner = await connect("admin"), await connect("runner")
     await ensure_tasks_stream(admin.nc)
     backend = RuleBackend(echo_rule)
-    config = InferenceConfig(
-        role_nats.url("inference"), policy, backend="scripted", consumer_id="c1",
-        database_url=login_url(database_url, logins["turnstile_inference"]),
-    )  # fmt: skip
+    config = logged_in_inference(role_nats, policy, database_url, logins)
     async with serving(config, backend) as service:
         forged = version_message(policy, 2147483647, "/tmp/x")
         await pull_to(runner, policy, versions_subject(policy), forged)  # JetStream answered it: nowhere
