@@ -29,7 +29,7 @@ import logging
 import struct
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence, Set
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Final
 
 import psycopg
@@ -51,6 +51,7 @@ from pipeline.log.appends import PendingAppend, RecordedId, plan_appends, prepar
 from pipeline.log.db import create_engine
 from pipeline.log.json_text import JsonText as JsonText  # re-exported: COPY callers pair it with the dumper
 from pipeline.log.port import AbandonedEpisode, AppendResult, EpisodeFilter, EpisodeRow, RecordedEvent
+from pipeline.log.prepared import PreparedStatement
 from pipeline.log.tables import events as events_table
 from pipeline.settings import libpq_url
 from schemas import Event
@@ -78,9 +79,14 @@ transaction: ``bench/ingest.py --copy-path`` finds where the two cross."""
 APPEND_TYPES: Final = ("text", "int4", "uuid", "text", "text", "bytea", "text", "bytea")
 """The element types of ``append_events``'s array parameters: ``COPY_COLUMNS`` but the position (the rows'
 order gives it), jsonb sent as text."""
-APPEND_EVENTS: Final = f"SELECT append_events({', '.join(f'%b::{name}[]' for name in APPEND_TYPES)})"
+APPEND_STATEMENT: Final = (
+    "turnstile_append_events",
+    [f"{name}[]" for name in APPEND_TYPES],
+    f"SELECT append_events({', '.join(f'${n}' for n in range(1, len(APPEND_TYPES) + 1))})",
+)
 """One append transaction in one statement (migration 0016): the append lock, the streams' versions checked,
-then the rows at head + 1, head + 2, ... in the order given; returns the head before them."""
+then the rows at head + 1, head + 2, ... in the order given; returns the head before them. Each writer
+prepares it on its connection (``PreparedStatement``) and sends its parameters as ``binary_arrays``."""
 
 
 @dataclass(slots=True)
@@ -304,9 +310,8 @@ class _Writer:
         self.store = store
         self._queue = store._queue
         self._connection: psycopg.AsyncConnection[Any] | None = None
-        self._cursor: psycopg.AsyncCursor[Any] | None = None
-        """The cursor of ``write_in_one_round_trip``'s statement on that connection, made once: a cursor
-        made per statement (``connection.execute``) was a tenth of psycopg's work a lone append."""
+        self._append_events = PreparedStatement(*APPEND_STATEMENT)
+        """``write_in_one_round_trip``'s statement, prepared on this writer's connection."""
 
     async def run(self) -> None:
         stopping = False
@@ -395,7 +400,7 @@ class _Writer:
             try:
                 if in_one_round_trip(batch, self.store.one_round_trip_max_events):
                     self.store.stats.one_round_trip += 1
-                    outcomes = await write_in_one_round_trip(self._statements(connection), batch, wait)
+                    outcomes = await write_in_one_round_trip(connection, self._append_events, batch, wait)
                 else:
                     async with connection.transaction():
                         outcomes = await write_appends(connection, batch, wait, optimistic=True)
@@ -419,18 +424,11 @@ class _Writer:
         set for the session, since that statement sends nothing else to set it."""
         if self._connection is None or self._connection.closed or self._connection.broken:
             connection = await psycopg.AsyncConnection.connect(self.store.libpq_url, autocommit=True)
-            connection.adapters.register_dumper(BinaryArray, BinaryArrayDumper)
             await connection.execute(
                 "SELECT set_config('lock_timeout', %s, false)", (f"{int(self.store.lock_timeout * 1000)}ms",)
             )
             self._connection = connection
         return self._connection
-
-    def _statements(self, connection: psycopg.AsyncConnection[Any]) -> psycopg.AsyncCursor[Any]:
-        """This writer's cursor on ``connection`` (a new one with a new connection)."""
-        if self._cursor is None or self._cursor.connection is not connection:
-            self._cursor = connection.cursor()
-        return self._cursor
 
 
 class AppendTransaction:
@@ -562,47 +560,37 @@ def in_one_round_trip(appends: Sequence[PendingAppend], max_events: int) -> bool
 
 
 async def write_in_one_round_trip(
-    cursor: psycopg.AsyncCursor[Any], appends: Sequence[PendingAppend], lock_timeout: float
+    connection: psycopg.AsyncConnection[Any],
+    statement: PreparedStatement,
+    appends: Sequence[PendingAppend],
+    lock_timeout: float,
 ) -> list[AppendResult | TurnstileError]:
     """``write_appends(optimistic=True)`` for appends that all name their expected version, as one statement
     on the writer's autocommit connection (``cursor``'s): ``append_events`` (migration 0016) takes the
     append lock, checks the streams' versions, inserts the rows after the head and commits, one message each
-    way (the connection's ``lock_timeout`` is set already, see ``_Writer.connect``). At one episode every
-    turn is a transaction of its own, and each round trip that puts the process to sleep costs more CPU than
-    the statements (bench/ingest.py ``--copy-path``).
+    way (the connection's ``lock_timeout`` is set already, see ``_Writer.connect``), through libpq itself
+    (``statement``: ``PreparedStatement``). At one episode every turn is a transaction of its own, and each
+    round trip that puts the process to sleep costs more CPU than the statements (bench/ingest.py
+    ``--copy-path``).
 
     Where the database refuses the rows (an ``IntegrityError``: a stream not at its expected version, an
     event id recorded already), nothing was written and the error is raised, as in ``write_appends``: the
     caller writes the batch again with look-ups.
     """
     plan = plan_appends(appends, {}, _expected_versions(appends), 0)
-    head = 0
-    if plan.rows:  # else every append was refused in planning: nothing to write
-        with _lock_wait(lock_timeout):
-            await cursor.execute(APPEND_EVENTS, binary_arrays(plan.rows))
-            row = await cursor.fetchone()
-        head = int(row[0]) if row else 0
+    if not plan.rows:  # every append was refused in planning: nothing to write
+        return plan.outcomes
+    with _lock_wait(lock_timeout):
+        value = await statement.run(connection, binary_arrays(plan.rows))
+    head = int(value) if value is not None else 0
     return [
-        replace(outcome, positions=tuple(head + position for position in outcome.positions))
+        AppendResult(
+            outcome.stream, tuple(head + position for position in outcome.positions), outcome.version
+        )
         if isinstance(outcome, AppendResult)
         else outcome
         for outcome in plan.outcomes
     ]
-
-
-class BinaryArray(bytes):
-    """A one-dimensional array already in PostgreSQL's binary form (``array_send``), sent as it is."""
-
-
-class BinaryArrayDumper(Dumper):
-    """Sends a ``BinaryArray`` with no type of its own (oid 0): the statement's cast (``%b::text[]``) says
-    which array it is, and the server reads it with that type's ``array_recv``."""
-
-    format = pq.Format.BINARY
-    oid = 0
-
-    def dump(self, obj: bytes) -> bytes:
-        return obj
 
 
 _HEADER = struct.Struct("!iiIii")  # dimensions, has nulls, element type, length, lower bound
@@ -611,9 +599,9 @@ _NULL, _UUID_LENGTH = _LENGTH.pack(-1), _LENGTH.pack(16)
 _APPEND_OIDS = tuple(postgres.types[name].oid for name in APPEND_TYPES)
 
 
-def binary_arrays(rows: Sequence[Sequence[Any]]) -> list[BinaryArray]:
+def binary_arrays(rows: Sequence[Sequence[Any]]) -> list[bytes]:
     """The columns of ``rows`` (in ``COPY_COLUMNS`` order, positions 1, 2, ...) but the position, as binary
-    arrays for ``APPEND_EVENTS``: each element its length and its type's binary form (``array_recv``); only
+    arrays for ``APPEND_STATEMENT``: each element its length and its type's binary form (``array_recv``); only
     ``tokens`` may be null.
 
     Written here rather than by psycopg's list dumper, which inspects every list to choose an element type:
@@ -630,7 +618,7 @@ def binary_arrays(rows: Sequence[Sequence[Any]]) -> list[BinaryArray]:
         metadata.append(_text(meta))
         hashes.append(_LENGTH.pack(len(content_hash)) + content_hash)
     return [
-        BinaryArray(_HEADER.pack(1, _NULL in parts, oid, len(rows), 1) + b"".join(parts))
+        _HEADER.pack(1, _NULL in parts, oid, len(rows), 1) + b"".join(parts)
         for oid, parts in zip(_APPEND_OIDS, columns, strict=True)
     ]
 

@@ -13,7 +13,7 @@ from sqlalchemy.engine import make_url
 from pipeline.dev.embedded import free_port
 from pipeline.errors import InvalidEvent, StoreUnavailable, WrongExpectedVersion
 from pipeline.log import AppendResult, EventStore
-from pipeline.log.store import APPEND_LOCK
+from pipeline.log.store import APPEND_LOCK, APPEND_STATEMENT
 from pipeline.settings import libpq_url
 from schemas import Event
 from tests.support.factories import finished, new_stream, opened, reward, started_in, turn
@@ -151,10 +151,15 @@ async def test_an_explicit_transaction_appends_atomically(store: EventStore) -> 
     assert await store.stream_version(stream) == 2
 
 
+BIND_APPEND = b"\x00" + APPEND_STATEMENT[0].encode() + b"\x00"
+"""In a Bind message: the unnamed portal's empty name, then the statement's name."""
+
+
 class CommitCutter:
-    """A TCP proxy in front of PostgreSQL that, once, lets a commit through (a COMMIT, or a lone append's one
-    statement, ``append_events``, whose transaction commits as it returns) and then cuts the connection before
-    the client hears PostgreSQL's answer: the append is committed but its outcome unknown."""
+    """A TCP proxy in front of PostgreSQL that, once, lets a commit through (a COMMIT, or the Bind message of
+    a lone append's one prepared statement, ``APPEND_STATEMENT``, whose transaction commits as it returns)
+    and then cuts the connection before the client hears PostgreSQL's answer: the append is committed but
+    its outcome unknown. (The statement's PREPARE names it too, after a space: not cut.)"""
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
@@ -182,7 +187,7 @@ class CommitCutter:
 
         async def upstream() -> None:
             while data := await client_in.read(65536):
-                if self.armed and (b"COMMIT" in data or b"append_events" in data):
+                if self.armed and (b"COMMIT" in data or BIND_APPEND in data):
                     self.armed = False
                     commit_sent.set()
                 server_out.write(data)

@@ -7,6 +7,7 @@ still get gapless positions in commit order."""
 from __future__ import annotations
 
 import asyncio
+import struct
 from typing import Any
 
 import psycopg
@@ -15,9 +16,12 @@ import pytest
 from pipeline.errors import InvalidEvent, StoreUnavailable, WrongExpectedVersion
 from pipeline.log import AppendResult, EventStore
 from pipeline.log.appends import prepare_append
+from pipeline.log.prepared import PreparedStatement
 from pipeline.log.store import APPEND_LOCK, ONE_ROUND_TRIP_MAX_EVENTS, write_appends
+from pipeline.settings import libpq_url
 from schemas import Event, FunctionSpec, ToolSpec, TurnRequest
 from tests.support.factories import finished, new_stream, opened, reward, started_in, turn
+from tests.support.waiting import wait_until
 
 STORED = (
     "SELECT stream, version, event_id, type, data::text, tokens, metadata::text, content_hash FROM events"
@@ -160,3 +164,57 @@ async def test_two_stores_appending_at_once_get_gapless_positions_in_commit_orde
         assert positions == [r.position for r in by_stream[stream]]
     stamps = [r.recorded_at for r in recorded]
     assert stamps == sorted(stamps)  # positions follow commit order across both stores
+
+
+# --- the statement itself, through libpq (``pipeline.log.prepared``) ---------------------------------
+
+
+async def test_a_prepared_statement_returns_its_value_and_refusals_as_psycopgs_errors(
+    database_url: str,
+) -> None:
+    statement = PreparedStatement("turnstile_test_half", ["int4"], "SELECT 10 / $1")
+    async with await psycopg.AsyncConnection.connect(libpq_url(database_url), autocommit=True) as connection:
+        assert await statement.run(connection, [struct.pack("!i", 5)]) == b"2"
+        with pytest.raises(psycopg.errors.DivisionByZero, match="division by zero"):
+            await statement.run(connection, [struct.pack("!i", 0)])
+        assert await statement.run(connection, [struct.pack("!i", 2)]) == b"5"  # usable after a refusal
+        other = PreparedStatement("turnstile_test_none", ["int4"], "SELECT NULL::int WHERE $1 > 0")
+        assert await other.run(connection, [struct.pack("!i", 1)]) is None
+
+
+async def test_a_prepared_statement_sends_parameters_larger_than_the_socket_takes_at_once(
+    database_url: str,
+) -> None:
+    statement = PreparedStatement("turnstile_test_length", ["bytea"], "SELECT length($1)")
+    big = bytes(range(256)) * (32 * 1024)  # 8 MiB: flushed in many writes
+    async with await psycopg.AsyncConnection.connect(libpq_url(database_url), autocommit=True) as connection:
+        assert await statement.run(connection, [big]) == str(len(big)).encode()
+
+
+async def test_a_prepared_statement_cancelled_in_flight_leaves_its_connection_broken(
+    database_url: str,
+) -> None:
+    """Its answer would come to whoever used the connection next: the connection is not used again."""
+    statement = PreparedStatement("turnstile_test_sleep", ["float8"], "SELECT pg_sleep($1)")
+    async with await psycopg.AsyncConnection.connect(libpq_url(database_url), autocommit=True) as connection:
+        running = asyncio.create_task(statement.run(connection, [struct.pack("!d", 30.0)]))
+        await wait_until(lambda: connection.pgconn.is_busy() == 1, 10, "the statement is running")
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        assert connection.broken
+
+
+async def test_the_writer_connects_again_after_its_connection_was_lost_mid_statement(
+    store: EventStore,
+) -> None:
+    stream = new_stream()
+    await store.append(stream, [started_in(stream)], 0)
+    async with await psycopg.AsyncConnection.connect(store.libpq_url, autocommit=True) as admin:
+        cursor = await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND query LIKE '%append_events(%' AND pid <> pg_backend_pid()"
+        )
+        assert await cursor.fetchall() == [(True,)]  # the writer's connection, and no other
+    assert await store.append(stream, [turn()], 1) == AppendResult(stream, (2,), 2)
+    assert [r.version for r in await store.read_stream(stream)] == [1, 2]
