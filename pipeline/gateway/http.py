@@ -7,6 +7,7 @@ import fnmatch
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 
@@ -141,14 +142,29 @@ async def json_body(request: Request, *, empty: object = None) -> object:
     raw = await request.body()
     if not raw.strip() and empty is not None:
         return empty
+    return parse_json(raw)
+
+
+def parse_json(raw: bytes) -> object:
+    """A JSON body parsed, or a ``GatewayError`` (400) naming why it cannot be taken: not JSON, too deep,
+    or a string the log cannot store."""
     try:
         body = json.loads(raw)
     except ValueError as error:
         raise GatewayError(400, f"the request body is not valid JSON: {error}") from None
     except RecursionError:
         raise GatewayError(400, "the request body nests JSON too deeply; flatten it") from None
-    _check_storable(body, "body")
+    if json.detect_encoding(raw) != "utf-8" or _MAYBE_UNSTORABLE.search(raw) is not None:
+        _check_storable(body, "body")
     return body
+
+
+_MAYBE_UNSTORABLE: Final = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])|\xed[\xa0-\xbf]")
+"""What a UTF-8 JSON body must hold for a string of it to hold a NUL or a lone surrogate: the escapes
+``\\u0000`` and ``\\ud800``-``\\udfff``, or a surrogate encoded in UTF-8 bytes (which ``json.loads`` lets
+through). A raw NUL byte in a string is refused by the parser itself. A body without any (nearly every
+body: a surrogate pair is escaped only by ASCII-only encoders) is storable without a walk over its
+strings; one with one is walked (``_check_storable``), a valid pair included."""
 
 
 def _check_storable(value: object, where: str) -> None:

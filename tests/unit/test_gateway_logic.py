@@ -5,13 +5,18 @@ SDKs are in test_gateway.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.dialects.anthropic import signature
 from pipeline.gateway import create_gateway, gateway_of
+from pipeline.gateway.http import _storable, parse_json
+from pipeline.gateway.http_error import GatewayError
 from pipeline.inference.client import QueueLLMClient
 from pipeline.log import InMemoryStore
 from schemas import ToolChoice, TurnCompleted
@@ -134,6 +139,17 @@ async def test_a_session_nothing_downstream_could_serve_or_store_is_refused_up_f
     ("body", "said"),
     [
         ('{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', "lone surrogate"),
+        ('{"model": "m", "messages": [{"role": "user", "content": "a\\uDFFF"}]}', "lone surrogate"),
+        (  # a surrogate in UTF-8 bytes, which json.loads takes
+            '{"model": "m", "messages": [{"role": "user", "content": "\ud800"}]}'.encode(
+                "utf-8", "surrogatepass"
+            ),
+            "lone surrogate",
+        ),
+        (  # UTF-16, which json.loads detects
+            '{"model": "m", "messages": [{"role": "user", "content": "x\\u0000"}]}'.encode("utf-16"),
+            "NUL character",
+        ),
         (
             '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
             '"function": {"name": "f\\u0000", "parameters": {}}}]}',
@@ -148,7 +164,7 @@ async def test_a_session_nothing_downstream_could_serve_or_store_is_refused_up_f
     ],
 )
 async def test_what_the_log_cannot_hold_is_refused_before_inference_runs(
-    gateway: tuple[httpx.AsyncClient, InMemoryStore], body: str, said: str
+    gateway: tuple[httpx.AsyncClient, InMemoryStore], body: str | bytes, said: str
 ) -> None:
     client, store = gateway
     session = (await client.post("/admin/sessions", json={}, headers=ADMIN)).json()
@@ -356,3 +372,31 @@ async def test_a_call_in_flight_when_its_session_is_closed_gets_409_and_so_does_
             assert "closed while this call was in flight" in reply.json()["error"]["message"]
         assert not entry.calls
         assert not entry.answers  # the cancelled call is forgotten: a retry now runs again
+
+
+_TEXT = st.text(
+    st.sampled_from(["a", "é", "\x00", "\ud800", "\udfff", "\U0001f600", "\\", "u", '"']), max_size=6
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    value=st.recursive(
+        _TEXT,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),
+        max_leaves=8,
+    ),
+    ascii_only=st.booleans(),
+    encoding=st.sampled_from(["utf-8", "utf-16", "utf-32"]),
+)
+def test_a_body_is_refused_exactly_when_a_string_of_it_cannot_be_stored(
+    value: object, ascii_only: bool, encoding: str
+) -> None:
+    """The quick look at the raw bytes (``parse_json``) agrees with the walk over every string."""
+    raw = json.dumps({"v": value}, ensure_ascii=ascii_only).encode(encoding, "surrogatepass")
+    if _storable(json.loads(raw)):
+        assert parse_json(raw) == json.loads(raw)
+    else:
+        with pytest.raises(GatewayError, match=r"NUL character|lone surrogate") as refused:
+            parse_json(raw)
+        assert refused.value.status == 400
