@@ -19,6 +19,7 @@ from schemas.common import (
     ToolChoice,
     ToolSpec,
 )
+from schemas.ids import new_uuid
 
 Termination = Literal["done", "max_turns", "truncated", "error", "cancelled", "timeout", "aborted"]
 
@@ -26,7 +27,7 @@ Termination = Literal["done", "max_turns", "truncated", "error", "cancelled", "t
 class EpisodeStarted(Contract):
     type: Literal["EpisodeStarted"] = "EpisodeStarted"
     schema_version: Literal[1] = 1
-    event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    event_id: uuid.UUID = Field(default_factory=new_uuid)
     episode_id: str = Field(min_length=1)
     task: dict[str, Any] = Field(default_factory=dict)
     task_id: str
@@ -84,8 +85,8 @@ class TurnCompleted(Contract):
 
     type: Literal["TurnCompleted"] = "TurnCompleted"
     schema_version: Literal[2] = 2
-    event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
-    turn_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    event_id: uuid.UUID = Field(default_factory=new_uuid)
+    turn_id: uuid.UUID = Field(default_factory=new_uuid)
     parent_turn_id: uuid.UUID | None = None
     prefix_messages: int = Field(
         default=0,
@@ -182,14 +183,14 @@ class TurnDelivered(Contract):
 
     type: Literal["TurnDelivered"] = "TurnDelivered"
     schema_version: Literal[1] = 1
-    event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    event_id: uuid.UUID = Field(default_factory=new_uuid)
     turn_ids: list[uuid.UUID] = Field(min_length=1)
 
 
 class RewardAssigned(Contract):
     type: Literal["RewardAssigned"] = "RewardAssigned"
     schema_version: Literal[1] = 1
-    event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    event_id: uuid.UUID = Field(default_factory=new_uuid)
     turn_id: uuid.UUID | None = Field(default=None, description="the rewarded turn; none rewards the episode")
     value: float = Field(allow_inf_nan=False)
     source: str = "agent"
@@ -198,7 +199,7 @@ class RewardAssigned(Contract):
 class EpisodeFinished(Contract):
     type: Literal["EpisodeFinished"] = "EpisodeFinished"
     schema_version: Literal[1] = 1
-    event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    event_id: uuid.UUID = Field(default_factory=new_uuid)
     termination: Termination
     metrics: dict[str, float] = Field(default_factory=dict)
     error: str | None = Field(default=None, description="the traceback when termination is 'error'")

@@ -8,12 +8,13 @@ from typing import Literal
 from pydantic import Field
 
 from schemas.base import Contract
+from schemas.ids import new_uuid
 
 
 class PolicyVersionPublished(Contract):
     type: Literal["PolicyVersionPublished"] = "PolicyVersionPublished"
     schema_version: Literal[1] = 1
-    event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    event_id: uuid.UUID = Field(default_factory=new_uuid)
     policy: str = Field(min_length=1)
     version: int = Field(ge=0, lt=2**31)
     checkpoint: str = Field(min_length=1, description="where the weights are: a directory or URL")

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from schemas.base import Contract
+from schemas.ids import new_uuid
 
 
 class TaskSubmitted(Contract):
@@ -16,7 +17,7 @@ class TaskSubmitted(Contract):
 
     type: Literal["TaskSubmitted"] = "TaskSubmitted"
     schema_version: Literal[1] = 1
-    submission_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    submission_id: uuid.UUID = Field(default_factory=new_uuid)
     policy: str = Field(min_length=1)
     task: dict[str, Any]
     task_id: str

@@ -20,6 +20,7 @@ from schemas.common import (
     WireLogprobs,
     WireTokenIds,
 )
+from schemas.ids import new_uuid
 
 
 class TokenPrefix(Contract):
@@ -82,7 +83,7 @@ class LLMRequest(Contract):
 
     type: Literal["LLMRequest"] = "LLMRequest"
     schema_version: Literal[2] = 2
-    request_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    request_id: uuid.UUID = Field(default_factory=new_uuid)
     policy: str = Field(min_length=1)
     episode_id: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)

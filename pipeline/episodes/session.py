@@ -49,6 +49,7 @@ from schemas import (
     TurnReply,
     TurnRequest,
 )
+from schemas.ids import new_uuid
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -95,7 +96,7 @@ class EpisodeSession:
     ) -> None:
         self.store = store
         self.client = llm
-        self.episode_id = episode_id or uuid.uuid4().hex
+        self.episode_id = episode_id or new_uuid().hex
         self.stream = episode_stream(self.episode_id)
         self.max_turns = max_turns
         self.runner_id = runner_id
@@ -386,7 +387,7 @@ class EpisodeSession:
             except PrefixUnknown:
                 pass  # evicted, another consumer, a restart: send everything
         whole = TokenPrefix(token_ids=parent.token_ids(), message_count=count)
-        return await self.client(request.model_copy(update={"prefix": whole, "request_id": uuid.uuid4()}))
+        return await self.client(request.model_copy(update={"prefix": whole, "request_id": new_uuid()}))
 
     async def reward(
         self, value: float, turn_id: uuid.UUID | str | None = None, source: str = "agent"
@@ -497,7 +498,7 @@ class EpisodeSession:
             return LLMRequest.trusted(
                 type="LLMRequest",
                 schema_version=2,
-                request_id=uuid.uuid4(),
+                request_id=new_uuid(),
                 policy=self.policy,
                 episode_id=self.episode_id,
                 messages=list(messages),
@@ -702,8 +703,8 @@ def turn_event(
     return TurnCompleted.trusted(
         type="TurnCompleted",
         schema_version=2,
-        event_id=uuid.uuid4(),
-        turn_id=uuid.uuid4(),
+        event_id=new_uuid(),
+        turn_id=new_uuid(),
         parent_turn_id=parent.turn_id if parent else None,
         prefix_messages=shared,
         prefix_tokens=response.prompt_prefix_tokens,

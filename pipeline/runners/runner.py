@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from pipeline.errors import ConfigError, WrongExpectedVersion
 from pipeline.inference import LLMClient
 from pipeline.log import Store
 from schemas import EpisodeFinished, Event, SamplingParams
+from schemas.ids import new_uuid
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class Runner:
         resume: bool = False,
     ) -> list[EpisodeOutcome]:
         """Every slot of the group, to its last attempt. ``resume``: take over from an earlier runner."""
-        group = group_id or uuid.uuid4().hex
+        group = group_id or new_uuid().hex
         size = group_size or self.config.group_size
         if size == 1:
             return [await self._run_slot(spec, group, 0, resume, size)]  # no gather: a task less an episode
