@@ -31,6 +31,7 @@ from schemas.episode import (
     TurnReply,
     TurnRequest,
 )
+from schemas.ids import new_uuid
 from schemas.policy import PolicyEvent, PolicyVersionPublished
 from schemas.task import TaskSubmitted
 from schemas.wire import LLMError, LLMReply, LLMRequest, LLMResponse, TokenLogprob, TokenPrefix, WireMessage
@@ -143,6 +144,7 @@ __all__ = [
     "WireMessage",
     "event_adapter",
     "json_schemas",
+    "new_uuid",
     "parse_event",
     "parse_wire",
     "wire_adapter",

@@ -48,8 +48,8 @@ from schemas import (
     TurnEdit,
     TurnReply,
     TurnRequest,
+    new_uuid,
 )
-from schemas.ids import new_uuid
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI

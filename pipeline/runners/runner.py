@@ -31,8 +31,7 @@ from pipeline.episodes import (
 from pipeline.errors import ConfigError, WrongExpectedVersion
 from pipeline.inference import LLMClient
 from pipeline.log import Store
-from schemas import EpisodeFinished, Event, SamplingParams
-from schemas.ids import new_uuid
+from schemas import EpisodeFinished, Event, SamplingParams, new_uuid
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,7 @@ import os
 import pickle
 import uuid
 
-from schemas import TurnCompleted
-from schemas.ids import new_uuid
+from schemas import TurnCompleted, new_uuid
 
 
 def test_a_new_uuid_is_a_version_4_uuid_like_any_other() -> None:
