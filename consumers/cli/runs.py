@@ -104,6 +104,9 @@ def submit(
     """Put every task of a file on the JetStream work queue TASKS for `turnstile serve runner` (or, with
     --harness, on HARNESS_TASKS for `turnstile serve harness`)."""
     import asyncio
+    import contextlib
+
+    from nats.errors import TimeoutError as NatsTimeoutError
 
     from consumers.runtime import connect_nats
     from pipeline.runners import (
@@ -127,17 +130,29 @@ def submit(
         else:
             specs.append(item)
 
+    subject = task_subject(policy, harness=harness)
+
     async def send() -> tuple[int, dict[str, int]]:
         # bounded, one line per failed attempt, then one clear error (never nats-py's traceback storm)
         connection = await connect_nats(Settings().require_nats_url(), connect_for=connect_timeout)
         assert connection is not None  # None only when a stop event is given
         try:
-            sent = await submit_tasks(connection, policy, specs, group_size=group_size, harness=harness)
-            return len(sent), await old_harness_tasks(connection) if harness else {}
+            try:
+                sent = await submit_tasks(connection, policy, specs, group_size=group_size, harness=harness)
+            except NatsTimeoutError:  # a refused publish gets no answer: the server only logs the refusal
+                raise ConfigError(
+                    f"JetStream did not answer storing tasks on {subject}: the NATS user in "
+                    "TURNSTILE_NATS_URL may not be allowed to (deploy/nats.conf: runners' tasks take the "
+                    "runner or admin user, harness tasks admin only)"
+                ) from None
+            stranded: dict[str, int] = {}
+            if harness:
+                with contextlib.suppress(NatsTimeoutError):  # a user that may not read TASKS: nothing to say
+                    stranded = await old_harness_tasks(connection)
+            return len(sent), stranded
         finally:
             await connection.drain()
 
-    subject = task_subject(policy, harness=harness)
     sent, stranded = asyncio.run(send())
     console.print(f"submitted {sent} tasks to {subject} (group size {group_size})")
     for old_subject, count in stranded.items():

@@ -11,8 +11,10 @@ streams, the object store, KV buckets, ``$SYS``, switching roles in PostgreSQL).
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -47,6 +49,7 @@ from pipeline.versions import versions_subject
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
 from tests.conftest import login_url
 from tests.e2e.test_deploy import new_policy
+from tests.integration.test_cli import TURNSTILE, clean_env
 from tests.support.backends import RuleBackend, echo_rule
 from tests.support.factories import finished, new_stream, opened, reward, started_in
 from tests.support.roles import Connected, RoleNats
@@ -299,6 +302,32 @@ async def test_a_runner_and_a_harness_cannot_reach_each_others_task_stream(
         await message.ack_sync(timeout=10)
     assert await stored(admin, stream, subject) == 0
     assert owning.errors == []
+
+
+async def test_a_runner_submitting_harness_tasks_is_refused_in_one_clear_error(
+    connect: Connect, role_nats: RoleNats, tmp_path: Path
+) -> None:
+    """A runner puts its own kind of task on TASKS, never a harness's (the operator submits those): `turnstile
+    submit --harness` with the runner's credentials ends in one line naming the subject and who may, and
+    nothing is stored on HARNESS_TASKS."""
+    policy = new_policy()
+    admin = await connect("admin")
+    await ensure_tasks_stream(admin.nc, harness=True)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "t", "instruction": "x", "verifier": "true"}\n')
+    as_runner = clean_env(TURNSTILE_NATS_URL=role_nats.url("runner"))
+    result = await asyncio.to_thread(
+        subprocess.run,
+        [*TURNSTILE, "submit", str(tasks), "--policy", policy, "--harness"],
+        capture_output=True, text=True, timeout=120, env=as_runner,
+    )  # fmt: skip
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2, output
+    assert f"error: JetStream did not answer storing tasks on harness.tasks.{policy}" in output
+    assert "harness tasks admin only" in output
+    assert "Traceback" not in output
+    assert await stored(admin, HARNESS_TASKS_STREAM, task_subject(policy, harness=True)) == 0
+    refused("runner submitting harness tasks")
 
 
 async def test_a_runner_reads_the_trainers_backlog_to_pace_itself_and_nothing_more(connect: Connect) -> None:
