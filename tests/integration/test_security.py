@@ -226,9 +226,9 @@ async def test_a_runner_makes_task_consumers_only_on_its_own_subjects(connect: C
 async def test_a_harness_takes_and_acks_its_own_tasks_and_makes_no_consumer_on_a_runners(
     connect: Connect,
 ) -> None:
-    """``serve harness`` with the harness role's own credentials: its consumer on ``tasks.harness.<policy>``
-    (``harness_tasks``, the code the service runs) takes a submitted group and acks it; a consumer on the
-    runners' ``tasks.<policy>`` is refused."""
+    """``serve harness`` with the harness role's own credentials: its consumer on ``harness.tasks.<policy>``
+    in HARNESS_TASKS (``harness_tasks``, the code the service runs) takes a submitted group and acks it; a
+    consumer on the runners' ``tasks.<policy>`` is refused."""
     policy = new_policy()
     admin, harness = await connect("admin"), await connect("harness")
     spec = TaskSpec({"id": "t", "instruction": "Write greeting.txt.", "verifier": "true"}, "t")
