@@ -1,13 +1,12 @@
 """``turnstile harness run`` and ``turnstile serve harness``: the harness (pipeline/harness) over tasks from
-files or from the TASKS work queue, with live progress; Ctrl-C and SIGTERM end open sessions ``cancelled``
-and stop every sandbox."""
+files or from the HARNESS_TASKS work queue, with live progress; Ctrl-C and SIGTERM end open sessions
+``cancelled`` and stop every sandbox."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import re
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsConnection
@@ -31,7 +30,7 @@ from pipeline.harness import (
     queued_task,
     run_harness,
 )
-from pipeline.runners import TASKS_STREAM, ensure_tasks_stream, live_progress, task_subject
+from pipeline.runners import ensure_tasks_stream, harness_durable, live_progress, task_stream, task_subject
 from pipeline.settings import jetstream
 from schemas import IGNORE, TOLERANT, TaskSubmitted
 
@@ -76,19 +75,19 @@ async def harness_run(
 async def harness_tasks(
     connection: NatsConnection, policy: str, *, ack_wait: float
 ) -> JetStreamContext.PullSubscription:
-    """The durable pull consumer every ``serve harness`` of ``policy`` shares, on ``tasks.harness.<policy>``:
-    all the harness role may take (deploy/nats.conf)."""
-    await ensure_tasks_stream(connection)
+    """The durable pull consumer every ``serve harness`` of ``policy`` shares, on ``harness.tasks.<policy>``
+    in ``HARNESS_TASKS``: all the harness role may take (deploy/nats.conf)."""
+    await ensure_tasks_stream(connection, harness=True)
     return await jetstream(connection).pull_subscribe(
         task_subject(policy, harness=True),
-        durable="harness-" + re.sub(r"[^A-Za-z0-9_-]", "_", policy),
-        stream=TASKS_STREAM,
+        durable=harness_durable(policy),
+        stream=task_stream(harness=True),
         config=ConsumerConfig(ack_wait=ack_wait, max_deliver=20, max_ack_pending=-1),
     )
 
 
 class HarnessQueue:
-    """``turnstile serve harness``: groups from ``tasks.harness.<policy>`` (``turnstile submit --harness``),
+    """``turnstile serve harness``: groups from ``harness.tasks.<policy>`` (``turnstile submit --harness``),
     ``concurrency`` episodes at a time on this machine, any number of machines. A task is acked once its
     group's episodes all ended; while it runs the server is told so (``in_progress``) every third of
     ``ack_wait``; a harness that dies stops doing that, and the task goes to another harness after

@@ -1,4 +1,5 @@
-"""Messages on the JetStream work queue ``TASKS`` (subjects ``tasks.<policy>``)."""
+"""Messages on the JetStream work queues ``TASKS`` (subjects ``tasks.<policy>``) and ``HARNESS_TASKS``
+(``harness.tasks.<policy>``)."""
 
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def run(
 def serve(
     agent: str = typer.Option(..., help=AGENTS_HELP),
     policy: str = typer.Option(
-        ..., help="take tasks from tasks.harness.<policy> (`turnstile submit --harness`)"
+        ..., help="take tasks from harness.tasks.<policy> (`turnstile submit --harness`)"
     ),
     agent_command: str = typer.Option(None, help="--agent command: the program to run"),
     concurrency: int = typer.Option(4, help="episodes (sandboxes) at a time on this machine"),
@@ -100,7 +100,7 @@ def serve(
         60.0, help="seconds without progress before a task goes to another harness"
     ),
 ) -> None:
-    """Take harness tasks from the TASKS work queue and run them, on as many machines as you like."""
+    """Take harness tasks from the HARNESS_TASKS work queue and run them, on as many machines as you like."""
     from consumers.harness import serve_harness
     from consumers.runtime import run as run_service
     from consumers.runtime import setup_logging

@@ -96,17 +96,28 @@ def submit(
     harness: bool = typer.Option(
         False,
         "--harness",
-        help="for `turnstile serve harness` (tasks.harness.<policy>): each line the harness's JSONL form, or "
+        help="for `turnstile serve harness` (harness.tasks.<policy>): each line the harness's JSONL form, or "
         '{"id": ..., "path": "<a Harbor task directory on the harness machines>"}',
     ),
     connect_timeout: ConnectTimeout = 0.0,
 ) -> None:
     """Put every task of a file on the JetStream work queue TASKS for `turnstile serve runner` (or, with
-    --harness, `turnstile serve harness`)."""
+    --harness, on HARNESS_TASKS for `turnstile serve harness`)."""
     import asyncio
+    import contextlib
+
+    from nats.errors import TimeoutError as NatsTimeoutError
 
     from consumers.runtime import connect_nats
-    from pipeline.runners import TaskLineError, TaskSpec, read_tasks, submit_tasks, task_subject
+    from pipeline.runners import (
+        TaskLineError,
+        TaskSpec,
+        harness_durable,
+        old_harness_tasks,
+        read_tasks,
+        submit_tasks,
+        task_subject,
+    )
 
     if group_size < 1:
         raise ConfigError(f"--group-size must be at least 1, got {group_size}")
@@ -119,17 +130,40 @@ def submit(
         else:
             specs.append(item)
 
-    async def send() -> int:
+    subject = task_subject(policy, harness=harness)
+
+    async def send() -> tuple[int, dict[str, int]]:
         # bounded, one line per failed attempt, then one clear error (never nats-py's traceback storm)
         connection = await connect_nats(Settings().require_nats_url(), connect_for=connect_timeout)
         assert connection is not None  # None only when a stop event is given
         try:
-            return len(await submit_tasks(connection, policy, specs, group_size=group_size, harness=harness))
+            try:
+                sent = await submit_tasks(connection, policy, specs, group_size=group_size, harness=harness)
+            except NatsTimeoutError:  # a refused publish gets no answer: the server only logs the refusal
+                raise ConfigError(
+                    f"JetStream did not answer storing tasks on {subject}: the NATS user in "
+                    "TURNSTILE_NATS_URL may not be allowed to (deploy/nats.conf: runners' tasks take the "
+                    "runner or admin user, harness tasks admin only)"
+                ) from None
+            stranded: dict[str, int] = {}
+            if harness:
+                with contextlib.suppress(NatsTimeoutError):  # a user that may not read TASKS: nothing to say
+                    stranded = await old_harness_tasks(connection)
+            return len(sent), stranded
         finally:
             await connection.drain()
 
-    subject = task_subject(policy, harness=harness)
-    console.print(f"submitted {asyncio.run(send())} tasks to {subject} (group size {group_size})")
+    sent, stranded = asyncio.run(send())
+    console.print(f"submitted {sent} tasks to {subject} (group size {group_size})")
+    for old_subject, count in stranded.items():
+        durable = harness_durable(old_subject.removeprefix("tasks.harness."))
+        console.print(
+            f"[yellow]{count} harness tasks still wait on {old_subject} in TASKS, where harness tasks "
+            "were queued before HARNESS_TASKS: no harness takes them. Submit their file again with "
+            f"--harness, then drop them and their old consumer: `nats stream purge TASKS --subject "
+            f"{old_subject}` and `nats consumer rm TASKS {durable}`[/yellow]",
+            soft_wrap=True,
+        )
 
 
 def demo(

@@ -23,8 +23,8 @@ def up(
         1,
         min=1,
         max=9,
-        help="NATS servers joined in a cluster (3: TASKS and BATCHES replicated x3, a node may go down); "
-        "TURNSTILE_NATS_URL then names every node",
+        help="NATS servers joined in a cluster (3: the task queues and BATCHES replicated x3, a node may go "
+        "down); TURNSTILE_NATS_URL then names every node",
     ),
     reset: bool = typer.Option(
         False,

@@ -545,8 +545,8 @@ class EmbeddedNatsCluster:
                 node.stop()
 
     async def replicate_streams(self, replicas: int = 3, within: float = 60.0) -> None:
-        """Create TASKS and BATCHES with ``replicas`` copies (at most one per node), waiting out the
-        cluster's first JetStream leader election; streams that exist are kept as they are."""
+        """Create TASKS, HARNESS_TASKS and BATCHES with ``replicas`` copies (at most one per node), waiting
+        out the cluster's first JetStream leader election; streams that exist are kept as they are."""
         import nats as nats_client  # the client package, beside this module's nats-server processes
 
         from pipeline.batches import ensure_batches_stream
@@ -559,6 +559,7 @@ class EmbeddedNatsCluster:
             while True:
                 try:
                     await ensure_tasks_stream(connection, replicas=copies)
+                    await ensure_tasks_stream(connection, replicas=copies, harness=True)
                     await ensure_batches_stream(connection, replicas=copies)
                     return
                 except (nats_client.errors.TimeoutError, nats_client.js.errors.APIError) as error:

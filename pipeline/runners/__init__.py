@@ -20,14 +20,19 @@ from pipeline.runners.runner import (
     run_tasks,
 )
 from pipeline.runners.taskqueue import (
+    HARNESS_TASKS_STREAM,
     TASKS_STREAM,
     TaskWorker,
     ensure_tasks_stream,
+    harness_durable,
+    old_harness_tasks,
     submit_tasks,
+    task_stream,
     task_subject,
 )
 
 __all__ = [
+    "HARNESS_TASKS_STREAM",
     "TASKS_STREAM",
     "ProxyAgent",
     "ProxyAgentAdapter",
@@ -40,16 +45,19 @@ __all__ = [
     "ensure_tasks_stream",
     "failed_for_infrastructure",
     "failure_report",
+    "harness_durable",
     "import_object",
     "live_progress",
     "load_agent",
     "load_reward_function",
     "local_gateway",
+    "old_harness_tasks",
     "proxy_agent_adapter",
     "read_tasks",
     "run_tasks",
     "stats_line",
     "stats_table",
     "submit_tasks",
+    "task_stream",
     "task_subject",
 ]

@@ -1,4 +1,5 @@
-"""The ``TASKS`` work queue: ``turnstile submit`` puts tasks on it, runners on any machine take them.
+"""The ``TASKS`` work queue: ``turnstile submit`` puts tasks on it, runners on any machine take them
+(harness tasks, ``turnstile submit --harness``, have a work queue of their own: ``HARNESS_TASKS``).
 
 A JetStream stream with work-queue retention (a message is gone once acked) and one durable pull consumer
 per policy shared by every runner. A runner acks a task only after all of its group's episodes are
@@ -33,26 +34,44 @@ from schemas import IGNORE, TOLERANT, TaskSubmitted
 log = logging.getLogger(__name__)
 
 TASKS_STREAM: Final = "TASKS"
+HARNESS_TASKS_STREAM: Final = "HARNESS_TASKS"
+OLD_HARNESS_SUBJECTS: Final = "tasks.harness.>"
+"""Where harness tasks were queued before ``HARNESS_TASKS``: on ``TASKS``, where no harness takes them now."""
 ACK_ATTEMPTS: Final = 5
 
 
 def task_subject(policy: str, *, harness: bool = False) -> str:
-    """``tasks.<policy>`` for runners; ``tasks.harness.<policy>`` for harnesses (a work queue lets no two
-    consumers' subjects overlap, and a harness task is another kind: a task directory or a verifier)."""
-    return f"tasks.harness.{policy}" if harness else f"tasks.{policy}"
+    """``tasks.<policy>`` for runners; ``harness.tasks.<policy>`` for harnesses (a harness task is another
+    kind: a task directory or a verifier)."""
+    return f"harness.tasks.{policy}" if harness else f"tasks.{policy}"
+
+
+def task_stream(*, harness: bool = False) -> str:
+    """The work queue of a kind of task. One stream per kind, because a pull (``CONSUMER.MSG.NEXT``) and an
+    ack (``$JS.ACK``) name the stream and the consumer, and a NATS permission's wildcard matches whole
+    tokens only: it cannot tell ``runners-<policy>`` from ``harness-<policy>``, but it can tell streams
+    apart, so each role may pull and ack on its own stream only (deploy/nats.conf)."""
+    return HARNESS_TASKS_STREAM if harness else TASKS_STREAM
 
 
 def runner_durable(policy: str) -> str:
     return "runners-" + re.sub(r"[^A-Za-z0-9_-]", "_", policy)
 
 
-async def ensure_tasks_stream(connection: NatsConnection, *, replicas: int = 1) -> None:
-    """Create the ``TASKS`` work queue if it does not exist (``replicas`` copies on a JetStream cluster:
-    3 survives the loss of a node); an existing one is kept as it is."""
+def harness_durable(policy: str) -> str:
+    return "harness-" + re.sub(r"[^A-Za-z0-9_-]", "_", policy)
+
+
+async def ensure_tasks_stream(
+    connection: NatsConnection, *, replicas: int = 1, harness: bool = False
+) -> None:
+    """Create the work queue of runners' tasks (or harnesses') if it does not exist (``replicas`` copies on
+    a JetStream cluster: 3 survives the loss of a node); an existing one is kept as it is."""
     js = jetstream(connection)
+    name = task_stream(harness=harness)
     config = StreamConfig(
-        name=TASKS_STREAM,
-        subjects=["tasks.>"],
+        name=name,
+        subjects=[task_subject(">", harness=harness)],
         retention=RetentionPolicy.WORK_QUEUE,
         duplicate_window=600.0,
         num_replicas=replicas,
@@ -61,12 +80,23 @@ async def ensure_tasks_stream(connection: NatsConnection, *, replicas: int = 1) 
         await js.add_stream(config)
     except BadRequestError:
         # Exists with another configuration (e.g. made by an operator): keep it if it is a work queue.
-        info = await js.stream_info(TASKS_STREAM)
+        info = await js.stream_info(name)
         if info.config.retention != RetentionPolicy.WORK_QUEUE:
             raise ConfigError(
-                f"JetStream stream {TASKS_STREAM} exists but is not a work queue; delete it "
-                f"(`nats stream rm {TASKS_STREAM}`) and let Turnstile create it"
+                f"JetStream stream {name} exists but is not a work queue; delete it "
+                f"(`nats stream rm {name}`) and let Turnstile create it"
             ) from None
+
+
+async def old_harness_tasks(connection: NatsConnection) -> dict[str, int]:
+    """Harness tasks still waiting where they were queued before ``HARNESS_TASKS`` (``tasks.harness.<policy>``
+    on ``TASKS``), by subject: no harness takes them any more, so the operator is told (``turnstile submit
+    --harness``). Empty if there is no ``TASKS``."""
+    try:
+        info = await jetstream(connection).stream_info(TASKS_STREAM, subjects_filter=OLD_HARNESS_SUBJECTS)
+    except NotFoundError:
+        return {}
+    return dict(info.state.subjects or {})
 
 
 async def submit_tasks(
@@ -79,7 +109,7 @@ async def submit_tasks(
 ) -> list[TaskSubmitted]:
     """Publish each task (for runners, or for harnesses) and wait for JetStream to store it; the messages
     sent."""
-    await ensure_tasks_stream(connection)
+    await ensure_tasks_stream(connection, harness=harness)
     js = jetstream(connection)
     sent = []
     for spec in tasks:

@@ -1,6 +1,7 @@
-"""The pipeline on a 3-node NATS cluster (JetStream TASKS and BATCHES replicated x3), its services attached
-to different nodes; one node is killed mid-run and started again. The run completes: every task has one
-episode done with its three turns recorded once, every batch is published and trained exactly once."""
+"""The pipeline on a 3-node NATS cluster (JetStream TASKS, HARNESS_TASKS and BATCHES replicated x3), its
+services attached to different nodes; one node is killed mid-run and started again. The run completes: every
+task has one episode done with its three turns recorded once, every batch is published and trained exactly
+once."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ async def test_a_run_survives_a_node_of_a_three_node_nats_cluster_going_down_and
 ) -> None:
     n1, n2, n3 = (node.url for node in cluster.nodes)
     connection = await nats.connect(nats_servers(cluster.url))
-    for stream in ("TASKS", "BATCHES"):
+    for stream in ("TASKS", "HARNESS_TASKS", "BATCHES"):
         info = await connection.jetstream().stream_info(stream)
         assert info.config.num_replicas == 3
     await connection.close()

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import nats
@@ -17,6 +18,7 @@ import pytest
 
 from pipeline.dev.embedded import free_port
 from pipeline.inference.client import NatsLLMClient
+from pipeline.runners import HARNESS_TASKS_STREAM, TASKS_STREAM, ensure_tasks_stream
 from schemas import ChatMessage, LLMRequest, LLMResponse
 from tests.conftest import Servers, login_url
 from tests.support.processes import stopping
@@ -312,3 +314,38 @@ def test_submit_to_an_unreachable_nats_ends_in_one_clear_error(tmp_path: Path) -
     assert "cannot reach NATS at nats://127.0.0.1:" in output
     assert "TURNSTILE_NATS_URL" in output
     assert "Traceback" not in output
+
+
+async def test_submit_harness_names_the_harness_tasks_left_where_they_were_queued_before(
+    servers: Servers, tmp_path: Path
+) -> None:
+    """Before HARNESS_TASKS, harness tasks were queued on ``tasks.harness.<policy>`` in TASKS, where no
+    harness takes them now: `turnstile submit --harness` (the operator) says how many wait there and what to
+    do."""
+    policy = f"upgraded{uuid.uuid4().hex[:8]}"
+    old = f"tasks.harness.{policy}"
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "t", "instruction": "x", "verifier": "true"}\n')
+    connection = await nats.connect(servers.nats_url)
+    js = connection.jetstream()
+    try:
+        await ensure_tasks_stream(connection)
+        for _ in range(2):
+            await js.publish(old, b"{}")  # as an older `turnstile submit --harness` left them
+        result = await asyncio.to_thread(
+            subprocess.run,
+            [*TURNSTILE, "submit", str(tasks), "--policy", policy, "--harness"],
+            capture_output=True, text=True, timeout=120, env=clean_env(TURNSTILE_NATS_URL=servers.nats_url),
+        )  # fmt: skip
+        output = " ".join((result.stdout + result.stderr).split())
+        assert result.returncode == 0, output
+        assert f"submitted 1 tasks to harness.tasks.{policy}" in output
+        assert f"2 harness tasks still wait on {old} in TASKS" in output
+        assert f"nats stream purge TASKS --subject {old}" in output
+        assert f"nats consumer rm TASKS harness-{policy}" in output
+        new = await js.stream_info(HARNESS_TASKS_STREAM, subjects_filter=f"harness.tasks.{policy}")
+        assert new.state.subjects == {f"harness.tasks.{policy}": 1}
+    finally:
+        await js.purge_stream(TASKS_STREAM, subject=old)
+        await js.purge_stream(HARNESS_TASKS_STREAM, subject=f"harness.tasks.{policy}")
+        await connection.close()

@@ -20,7 +20,7 @@ from rich.console import Console
 from consumers.harness import serve_harness
 from pipeline.harness import HarnessStats, HarnessTask, backend, load_tasks, run_harness
 from pipeline.log import EventStore
-from pipeline.runners import TASKS_STREAM, TaskSpec, submit_tasks, task_subject
+from pipeline.runners import TaskSpec, submit_tasks, task_stream, task_subject
 from pipeline.settings import jetstream
 from schemas import EpisodeFinished, EpisodeStarted, RewardAssigned
 from tests.conftest import Servers
@@ -244,7 +244,7 @@ async def test_serve_harness_runs_a_group_from_the_task_queue_and_acks_it(
             assert queue is not None
             assert (queue.tasks_done, queue.tasks_refused) == (1, 0)
             subject = task_subject(gateway.policy, harness=True)
-            left = await jetstream(connection).stream_info(TASKS_STREAM, subjects_filter=subject)
+            left = await jetstream(connection).stream_info(task_stream(harness=True), subjects_filter=subject)
             assert not left.state.subjects, "acked: gone from the work queue"
         finally:
             await connection.drain()

@@ -11,8 +11,10 @@ streams, the object store, KV buckets, ``$SYS``, switching roles in PostgreSQL).
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -30,7 +32,15 @@ from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.store import APPEND_LOCK
 from pipeline.runners import TaskSpec, submit_tasks
-from pipeline.runners.taskqueue import TASKS_STREAM, ensure_tasks_stream, task_subject
+from pipeline.runners.taskqueue import (
+    HARNESS_TASKS_STREAM,
+    TASKS_STREAM,
+    ensure_tasks_stream,
+    harness_durable,
+    runner_durable,
+    task_stream,
+    task_subject,
+)
 from pipeline.settings import jetstream, jetstream_api_prefix, libpq_url
 from pipeline.sql import SqlError, run_readonly
 from pipeline.training import BatchSubscription, TrainerBacklog
@@ -39,6 +49,7 @@ from pipeline.versions import versions_subject
 from schemas import ChatMessage, LLMRequest, PolicyVersionPublished
 from tests.conftest import login_url
 from tests.e2e.test_deploy import new_policy
+from tests.integration.test_cli import TURNSTILE, clean_env
 from tests.support.backends import RuleBackend, echo_rule
 from tests.support.factories import finished, new_stream, opened, reward, started_in
 from tests.support.roles import Connected, RoleNats
@@ -128,6 +139,7 @@ async def test_a_reply_subject_naming_a_stream_cannot_make_inference_publish_the
         ("harness", "tasks.>"),
         ("harness", "llm.*.requests"),
         ("runner", "_INBOX_harness.>"),
+        ("runner", "harness.tasks.>"),
     ],
 )
 async def test_no_role_reads_what_it_does_not_own(connect: Connect, role: str, subject: str) -> None:
@@ -164,12 +176,15 @@ async def test_no_role_reads_what_it_does_not_own(connect: Connect, role: str, s
         ("inference", "_INBOX_trainer.x"),
         ("inference", "_INBOX_relay.x"),
         ("harness", "tasks.demo"),  # the operator submits harness tasks; a harness only takes them
-        ("harness", "tasks.harness.demo"),
+        ("harness", "harness.tasks.demo"),
+        ("runner", "harness.tasks.demo"),  # nor does a runner: `turnstile submit --harness` is the operator's
         ("harness", "llm.demo.requests"),  # its agents call the gateway over HTTP
         ("harness", "batches.demo"),
         ("harness", "policy.demo.versions"),
         ("harness", "$JS.API.STREAM.PURGE.TASKS"),
-        ("harness", "$JS.API.CONSUMER.DELETE.TASKS.harness-demo"),
+        ("harness", "$JS.API.STREAM.PURGE.HARNESS_TASKS"),
+        ("harness", "$JS.API.CONSUMER.DELETE.HARNESS_TASKS.harness-demo"),
+        ("runner", "$JS.API.STREAM.DELETE.HARNESS_TASKS"),
         ("harness", "$JS.API.CONSUMER.CREATE.BATCHES.x.batches.demo"),
         ("harness", "$KV.GATEWAY_SESSIONS.x"),
         ("runner", "$JS.API.CONSUMER.CREATE.TASKS.x.tasks.harness.demo"),
@@ -211,9 +226,9 @@ async def test_a_runner_makes_task_consumers_only_on_its_own_subjects(connect: C
 async def test_a_harness_takes_and_acks_its_own_tasks_and_makes_no_consumer_on_a_runners(
     connect: Connect,
 ) -> None:
-    """``serve harness`` with the harness role's own credentials: its consumer on ``tasks.harness.<policy>``
-    (``harness_tasks``, the code the service runs) takes a submitted group and acks it; a consumer on the
-    runners' ``tasks.<policy>`` is refused."""
+    """``serve harness`` with the harness role's own credentials: its consumer on ``harness.tasks.<policy>``
+    in HARNESS_TASKS (``harness_tasks``, the code the service runs) takes a submitted group and acks it; a
+    consumer on the runners' ``tasks.<policy>`` is refused."""
     policy = new_policy()
     admin, harness = await connect("admin"), await connect("harness")
     spec = TaskSpec({"id": "t", "instruction": "Write greeting.txt.", "verifier": "true"}, "t")
@@ -222,7 +237,7 @@ async def test_a_harness_takes_and_acks_its_own_tasks_and_makes_no_consumer_on_a
     [message] = await subscription.fetch(1, timeout=30)
     await message.in_progress()
     await message.ack_sync(timeout=10)
-    assert await stored(admin, TASKS_STREAM, task_subject(policy, harness=True)) == 0, "acked: gone"
+    assert await stored(admin, HARNESS_TASKS_STREAM, task_subject(policy, harness=True)) == 0, "acked: gone"
     with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
         await jetstream(harness.nc).add_consumer(
             TASKS_STREAM, durable_name=f"sniff-{policy}", filter_subject=task_subject(policy), timeout=2
@@ -236,6 +251,83 @@ async def test_a_harness_takes_and_acks_its_own_tasks_and_makes_no_consumer_on_a
         "the server to refuse the consumer",
     )
     refused("harness making a TASKS consumer on a runner's subject")
+
+
+async def own_task_consumer(
+    owner: Connected, policy: str, *, harness: bool
+) -> nats.js.JetStreamContext.PullSubscription:
+    """The durable pull consumer ``owner``'s service takes its tasks with, made with its own credentials."""
+    if harness:
+        return await harness_tasks(owner.nc, policy, ack_wait=60)
+    return await jetstream(owner.nc).pull_subscribe(
+        task_subject(policy), durable=runner_durable(policy), stream=TASKS_STREAM
+    )
+
+
+@pytest.mark.parametrize(("thief", "owner"), [("runner", "harness"), ("harness", "runner")])
+async def test_a_runner_and_a_harness_cannot_reach_each_others_task_stream(
+    connect: Connect, thief: str, owner: str
+) -> None:
+    """Each kind of task has a stream of its own (TASKS, HARNESS_TASKS): a pull and an ack name the stream and
+    the consumer, and a NATS wildcard cannot tell ``runners-<policy>`` from ``harness-<policy>``, so on one
+    stream either role could pull or ack away the other's tasks by the consumer's name. With the thief's own
+    credentials, every JetStream call on the owner's stream is refused (the subjects nats-py's calls send:
+    create, info, a consumer, its info, a pull) and so is the ack of a task the owner holds; both tasks stay
+    queued, and the owner still takes and acks them."""
+    policy = new_policy()
+    admin, stealing, owning = await connect("admin"), await connect(thief), await connect(owner)
+    harness = owner == "harness"
+    stream, subject = task_stream(harness=harness), task_subject(policy, harness=harness)
+    durable = harness_durable(policy) if harness else runner_durable(policy)
+    specs = [TaskSpec({"id": n, "instruction": "x", "verifier": "true"}, str(n)) for n in range(2)]
+    await submit_tasks(admin.nc, policy, specs, harness=harness)
+    tasks = await own_task_consumer(owning, policy, harness=harness)
+    [held] = await tasks.fetch(1, timeout=30)
+    assert held.reply.startswith(f"$JS.ACK.{stream}.{durable}.")
+    probes = {
+        "create": (api(thief, f"$JS.API.STREAM.CREATE.{stream}"), b"{}"),
+        "info": (api(thief, f"$JS.API.STREAM.INFO.{stream}"), b""),
+        "a consumer": (api(thief, f"$JS.API.CONSUMER.CREATE.{stream}.{thief}-x.{subject}"), b"{}"),
+        "its consumer's info": (api(thief, f"$JS.API.CONSUMER.INFO.{stream}.{durable}"), b""),
+        "a pull": (api(thief, f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"), b'{"batch": 1}'),
+        "an ack": (held.reply, b"+ACK"),
+    }
+    for what, (probe, payload) in probes.items():
+        await stealing.nc.publish(probe, payload, reply=stealing.nc.new_inbox())
+        assert await stealing.refused("publish", probe), what
+        refused(f"{thief} on the {owner}'s {stream}: {what} ({probe})")
+    assert await stored(admin, stream, subject) == 2, "nothing pulled or acked away"
+    [waiting] = await tasks.fetch(1, timeout=30)  # the one the thief's pull would have taken
+    for message in (held, waiting):
+        await message.ack_sync(timeout=10)
+    assert await stored(admin, stream, subject) == 0
+    assert owning.errors == []
+
+
+async def test_a_runner_submitting_harness_tasks_is_refused_in_one_clear_error(
+    connect: Connect, role_nats: RoleNats, tmp_path: Path
+) -> None:
+    """A runner puts its own kind of task on TASKS, never a harness's (the operator submits those): `turnstile
+    submit --harness` with the runner's credentials ends in one line naming the subject and who may, and
+    nothing is stored on HARNESS_TASKS."""
+    policy = new_policy()
+    admin = await connect("admin")
+    await ensure_tasks_stream(admin.nc, harness=True)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "t", "instruction": "x", "verifier": "true"}\n')
+    as_runner = clean_env(TURNSTILE_NATS_URL=role_nats.url("runner"))
+    result = await asyncio.to_thread(
+        subprocess.run,
+        [*TURNSTILE, "submit", str(tasks), "--policy", policy, "--harness"],
+        capture_output=True, text=True, timeout=120, env=as_runner,
+    )  # fmt: skip
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2, output
+    assert f"error: JetStream did not answer storing tasks on harness.tasks.{policy}" in output
+    assert "harness tasks admin only" in output
+    assert "Traceback" not in output
+    assert await stored(admin, HARNESS_TASKS_STREAM, task_subject(policy, harness=True)) == 0
+    refused("runner submitting harness tasks")
 
 
 async def test_a_runner_reads_the_trainers_backlog_to_pace_itself_and_nothing_more(connect: Connect) -> None:
