@@ -69,11 +69,6 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.admin_key:
             raise ConfigError("the gateway needs an admin key (it protects session creation)")
-        if self.shared_sessions and self.policy_database_urls:
-            raise ConfigError(
-                "--shared-sessions takes sessions up from one log: unset TURNSTILE_DATABASE_URLS, or run "
-                "gateway replicas for each policy's log apart (docs/scale.md)"
-            )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port must be 0 to 65535, got {self.port}")
         if self.capacity is not None and self.capacity < 1:

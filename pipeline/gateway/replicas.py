@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Final
 
 from nats.errors import Error as NatsError
@@ -41,7 +41,7 @@ from pipeline.gateway.http_error import GatewayError
 from pipeline.gateway.sessions import SessionEntry, SessionRegistry
 from pipeline.gateway.shared import SharedRecord, SharedSessions
 from pipeline.inference import LLMClient
-from pipeline.log import Store
+from pipeline.log import RecordedEvent, Store
 from schemas import EpisodeFinished
 
 log = logging.getLogger(__name__)
@@ -64,10 +64,13 @@ class Replicas:
         registry: SessionRegistry,
         *,
         timeouts: tuple[float | None, ...] = (),
+        policy_stores: Mapping[str, Store] | None = None,
     ) -> None:
-        """``timeouts``: the gateway's idle and gone-after times (a call is noted often enough for both)."""
+        """``timeouts``: the gateway's idle and gone-after times (a call is noted often enough for both);
+        ``policy_stores``: the policies recorded in a log of their own (the others are in ``store``)."""
         self.shared = shared
         self.store = store
+        self.policy_stores = dict(policy_stores or {})
         self.llm = llm
         self.registry = registry
         self.touch_every = min([TOUCH_EVERY_MAX, *(t / 4 for t in timeouts if t)])
@@ -77,7 +80,11 @@ class Replicas:
         """A session this replica started: in the bucket, for the others."""
         session = entry.session
         record = SharedRecord(
-            session.episode_id, entry.digest.hex(), session.max_turns, entry.untrained_models
+            session.episode_id,
+            entry.digest.hex(),
+            session.max_turns,
+            entry.untrained_models,
+            policy=session.policy,
         )
         entry.shared = record
         session.shared = True
@@ -123,18 +130,31 @@ class Replicas:
             found = await self.shared.open_session(session_id)
         if found is not None:
             return await self.adopt(found.digest)
-        recorded = await self.store.read_stream(episode_stream(session_id))
+        recorded = await self._recorded_anywhere(session_id)
         last = recorded[-1].event if recorded else None
         if isinstance(last, EpisodeFinished):
             raise GatewayError(409, ended_message(session_id, last.termination))
         return None
 
+    def _store_of(self, policy: str | None) -> Store:
+        """The log a session of ``policy`` is recorded in."""
+        return self.policy_stores.get(policy, self.store) if policy is not None else self.store
+
+    async def _recorded_anywhere(self, session_id: str) -> list[RecordedEvent]:
+        """The session's stream from whichever log holds it (the policy is not known without its record)."""
+        for store in {id(store): store for store in (self.store, *self.policy_stores.values())}.values():
+            recorded = await store.read_stream(episode_stream(session_id))
+            if recorded:
+                return recorded
+        return []
+
     async def _rebuilt(self, record: SharedRecord) -> SessionEntry:
+        store = self._store_of(record.policy)
         try:
-            recorded = await self.store.read_stream(episode_stream(record.session_id))
+            recorded = await store.read_stream(episode_stream(record.session_id))
         except StoreUnavailable as error:
             raise GatewayError(503, str(error)) from None
-        session = EpisodeSession.from_log(self.store, self.llm, recorded, max_turns=record.max_turns)
+        session = EpisodeSession.from_log(store, self.llm, recorded, max_turns=record.max_turns)
         held = self.registry.get(record.session_id)  # taken up meanwhile by a concurrent call
         if held is not None:
             return held

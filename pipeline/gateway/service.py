@@ -160,10 +160,10 @@ class Gateway:
         if shared is not None:
             if store is None or llm is None:
                 raise TurnstileError("a gateway that shares its sessions needs a store and an LLM client")
-            if self.policy_stores:  # a replica takes a session up from the one log it reads
-                raise TurnstileError("a gateway that shares its sessions records every policy in one log")
             timeouts = (idle_timeout, gone_after)
-            self.replicas = Replicas(shared, store, llm, self.registry, timeouts=timeouts)
+            self.replicas = Replicas(
+                shared, store, llm, self.registry, timeouts=timeouts, policy_stores=self.policy_stores
+            )
 
     # -- auth --
 

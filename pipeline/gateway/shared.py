@@ -48,6 +48,9 @@ class SharedRecord:
     untrained_models: tuple[str, ...] = ()
     ended: str | None = None
     """How it ended (a termination), once it has."""
+    policy: str | None = None
+    """Its policy, whose log records it (``TURNSTILE_DATABASE_URLS``); None: the default log (a record
+    written before policies had logs of their own)."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -61,6 +64,7 @@ class SharedRecord:
             max_turns=fields.get("max_turns"),
             untrained_models=tuple(fields.get("untrained_models") or ()),
             ended=fields.get("ended"),
+            policy=fields.get("policy"),
         )
 
 

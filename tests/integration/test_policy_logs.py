@@ -6,6 +6,7 @@ batches of that log's policy only. Real servers: the session's PostgreSQL, a sec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import nats
 import openai
 import psycopg
 import pytest
@@ -23,6 +25,9 @@ from consumers.gateway import GatewayConfig, serve_gateway
 from consumers.inference import InferenceConfig
 from consumers.materializer import serve_materializer
 from pipeline.dev.embedded import EmbeddedPostgres, scratch_dir
+from pipeline.gateway import SharedSessions, create_gateway, serving_http
+from pipeline.inference import NatsLLMClient
+from pipeline.log import EventStore
 from pipeline.log.db import migrate
 from pipeline.materialize import MaterializerConfig
 from pipeline.settings import Settings, libpq_url
@@ -179,3 +184,70 @@ async def test_a_runner_records_only_in_its_policys_log(
     ]
     assert rows(database_url, "SELECT count(*) FROM events") == [(0,)]
     assert rows(database_url, "SELECT count(*) FROM runners") == [(0,)]  # not even its lease
+
+
+async def test_replicas_sharing_sessions_serve_each_policys_sessions_from_its_own_log(
+    servers: Servers, database_url: str, second_log: str, policies: tuple[str, str]
+) -> None:
+    """``--shared-sessions`` with ``TURNSTILE_DATABASE_URLS``: a session started on one replica and called
+    on the other is taken up from its policy's log (the shared record names the policy), its turns recorded
+    there; once ended, the other replica finds it ended in that log by its id alone."""
+    shared, apart = policies
+    bucket = f"GATEWAY_SESSIONS_{uuid.uuid4().hex[:8]}"
+    connection = await nats.connect(servers.nats_url)
+    default, own = await EventStore.connect(database_url), await EventStore.connect(second_log)
+    llm = await NatsLLMClient.connect(servers.nats_url)
+    admin_headers = {"Authorization": f"Bearer {ADMIN}"}
+    try:
+        apps = [
+            create_gateway(
+                default,
+                llm,
+                admin_key=ADMIN,
+                shared=await SharedSessions.open(connection.jetstream(), bucket),
+                policy_stores={apart: own},
+            )
+            for _ in range(3)
+        ]
+        async with (
+            serving_http(apps[0]) as first,
+            serving_http(apps[1]) as second,
+            serving_http(apps[2]) as third,
+            httpx.AsyncClient(base_url=first, headers=admin_headers) as admin_first,
+            httpx.AsyncClient(base_url=second, headers=admin_headers) as admin_second,
+            httpx.AsyncClient(base_url=third, headers=admin_headers) as admin_third,
+        ):
+            ids = {}
+            for policy in policies:
+                created = await admin_first.post("/admin/sessions", json={"policy": policy})
+                assert created.status_code == 201, created.text
+                session = created.json()
+                ids[policy] = session["session_id"]
+                messages = [{"role": "user", "content": "hello"}]
+                for url in (first, second, second):  # the first call here, the others on the other replica
+                    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=session["api_key"]) as client:
+                        reply = await client.chat.completions.create(model="m", messages=messages)
+                    messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+                    messages += [{"role": "user", "content": "and then?"}]
+                ended = await admin_second.post(f"/admin/sessions/{session['session_id']}/end", json={})
+                assert ended.status_code == 200, ended.text
+            for policy in policies:  # a replica that never held it: found ended in the policy's log
+                looked_up = await admin_third.get(f"/admin/sessions/{ids[policy]}")
+                assert looked_up.status_code == 409, looked_up.text
+                assert "ended" in looked_up.json()["error"]["message"]
+        for policy, log in {shared: database_url, apart: second_log}.items():
+            assert rows(log, "SELECT DISTINCT stream FROM events") == [(f"episode-{ids[policy]}",)]
+            turns = rows(
+                log, "SELECT data->>'parent_turn_id' IS NULL FROM events WHERE type = 'TurnCompleted'"
+            )
+            assert turns == [(True,), (False,), (False,)]  # one lineage across the replicas
+            assert rows(log, "SELECT data->>'termination' FROM events WHERE type = 'EpisodeFinished'") == [
+                ("done",)
+            ]
+    finally:
+        await llm.close()
+        await default.close()
+        await own.close()
+        with contextlib.suppress(Exception):
+            await connection.jetstream().delete_key_value(bucket)
+        await connection.close()

@@ -54,8 +54,8 @@ def test_an_empty_mapping_routes_nothing() -> None:
     assert parse_policy_urls("  \n ") == {}
 
 
-def test_gateway_replicas_that_share_sessions_refuse_logs_per_policy() -> None:
-    with pytest.raises(ConfigError, match="--shared-sessions takes sessions up from one log"):
-        GatewayConfig(
-            DEFAULT, "nats://n:4222", admin_key="k", shared_sessions=True, policy_database_urls={"math": MATH}
-        )
+def test_gateway_replicas_that_share_sessions_take_logs_per_policy() -> None:
+    config = GatewayConfig(
+        DEFAULT, "nats://n:4222", admin_key="k", shared_sessions=True, policy_database_urls={"math": MATH}
+    )
+    assert (config.shared_sessions, dict(config.policy_database_urls)) == (True, {"math": MATH})
