@@ -144,8 +144,12 @@ class TaskWorker:
         self.fetch_timeout = fetch_timeout
         self.tasks_done = 0
         self.tasks_refused = 0
+        self.redeliveries_joined = 0
+        """Tasks delivered again while this worker still ran them, and left to that run (see ``_work``)."""
         self._episodes_in_flight = 0
         self._working: set[asyncio.Task[None]] = set()
+        self._latest: dict[str, Msg] = {}
+        """The tasks this worker runs, by submission id: each one's latest delivery (the one acked)."""
 
     @property
     def policy(self) -> str:
@@ -213,26 +217,37 @@ class TaskWorker:
             log.error("refused a task on %s: %s; it is dropped", message.subject, problem)
             await message.term()
             return
+        key = str(submitted.submission_id)
+        if key in self._latest:
+            # Delivered again while this worker still runs it: its notes of progress did not reach the
+            # server for ack_wait (an outage of NATS or of this connection). The run goes on; it keeps this
+            # delivery alive and acks it, the latest, when the group is done. Running it again here would
+            # close the open attempts aborted and repeat their work.
+            self._latest[key] = message
+            self.redeliveries_joined += 1
+            log.info("task %s delivered again while running here: the run goes on", key)
+            return
+        self._latest[key] = message
         size = submitted.group_size
         self._episodes_in_flight += size
-        keepalive = asyncio.create_task(self._keep_alive(message))
+        keepalive = asyncio.create_task(self._keep_alive(key))
         try:
             spec = TaskSpec(task=submitted.task, task_id=submitted.task_id)
-            await self.runner.run_group(
-                spec, str(submitted.submission_id), size, resume=message.metadata.num_delivered > 1
-            )
+            await self.runner.run_group(spec, key, size, resume=message.metadata.num_delivered > 1)
             keepalive.cancel()
-            await self._ack(message)
+            await self._ack(self._latest[key])
             self.tasks_done += 1
         finally:
             keepalive.cancel()
             self._episodes_in_flight -= size
+            del self._latest[key]
 
-    async def _keep_alive(self, message: Msg) -> None:
+    async def _keep_alive(self, key: str) -> None:
+        """Tell the server, every third of ack_wait, that the task's latest delivery is still being run."""
         while True:
             await asyncio.sleep(self.ack_wait / 3)
             with contextlib.suppress(Exception):  # a lost one only risks an early redelivery
-                await message.in_progress()
+                await self._latest[key].in_progress()
 
     async def _ack(self, message: Msg) -> None:
         # ack_sync: the server confirms, so a task is not reported done while its ack is lost. If the

@@ -31,7 +31,7 @@ from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.tables import runners
 from pipeline.runners.runner import Runner, RunnerConfig, RunStats, TaskSpec, run_tasks
-from pipeline.runners.taskqueue import TASKS_STREAM, runner_durable
+from pipeline.runners.taskqueue import TASKS_STREAM, TaskWorker, runner_durable, submit_tasks
 from pipeline.settings import libpq_url
 from schemas import LLMRequest, SamplingParams, TurnCompleted
 from tests.conftest import Servers
@@ -361,3 +361,60 @@ def test_rewards_are_summed_by_sign_so_that_each_metric_only_grows() -> None:
     assert totals == [(2, 0, 1), (2, 1, 2), (2, 4, 3), (2, 4, 3), (2.5, 4, 4)]  # never down
     assert stats.reward_sum == 2.5 - 4
     assert stats.mean_reward == (2.5 - 4) / 4
+
+
+class GatedAgent:
+    """One turn, then waits for ``release``: a task still running when its delivery runs out."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.started = 0
+
+    async def run(self, task: dict[str, Any], llm: Any) -> float:
+        self.started += 1
+        await llm.chat([{"role": "user", "content": "hello"}])
+        await self.release.wait()
+        return 1.0
+
+
+class SilentWorker(TaskWorker):
+    """A worker whose notes of progress never reach the server, as in an outage longer than ack_wait."""
+
+    async def _keep_alive(self, key: str) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_a_task_delivered_again_to_the_runner_still_running_it_is_not_run_twice(
+    servers: Servers, store: EventStore, llm: NatsLLMClient, database_url: str
+) -> None:
+    policy = new_policy()
+    agent = GatedAgent()
+    config = RunnerConfig(policy=policy, agent_name="GatedAgent", group_size=2)
+    connection = await nats.connect(servers.nats_url)
+    stop = asyncio.Event()
+    try:
+        async with serving(
+            InferenceConfig(servers.nats_url, policy, backend="scripted"), RuleBackend(echo_rule)
+        ):
+            worker = SilentWorker(
+                Runner(agent, store=store, llm=llm, config=config), connection, ack_wait=1.0
+            )
+            await submit_tasks(connection, policy, [TaskSpec(task={"id": 1}, task_id="t1")], group_size=2)
+            working = asyncio.create_task(worker.run(stop))
+            await wait_until(lambda: worker.redeliveries_joined >= 2, 60, "the task delivered again, twice")
+            agent.release.set()
+            await wait_until(lambda: worker.tasks_done == 1, 60, "the task done and acked")
+
+            async def queue_drained() -> bool:
+                info = await connection.jetstream().consumer_info(TASKS_STREAM, runner_durable(policy))
+                return info.num_pending == 0 and info.num_ack_pending == 0
+
+            await wait_until(queue_drained, 30, "the latest delivery acked")
+            stop.set()
+            await asyncio.wait_for(working, 30)
+    finally:
+        stop.set()
+        await connection.drain()
+    assert agent.started == 2  # each slot once: no attempt closed aborted and run again
+    finished = query(database_url, "SELECT data->>'termination' FROM events WHERE type = 'EpisodeFinished'")
+    assert finished == [("done",), ("done",)]
