@@ -489,6 +489,7 @@ class Materializer:
             writes.episodes.update(theirs.episodes)
             writes.finished += theirs.finished
             writes.turns += theirs.turns
+            writes.searched += theirs.searched
         writes.skipped = [row for page in pages for row in page.writes.skipped] + writes.skipped
         return writes
 
