@@ -5,6 +5,7 @@ hovering."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from typing import Any
@@ -176,6 +177,43 @@ async def test_search_finds_a_running_episodes_turns_once_the_materializer_login
         login = libpq_url(login_url(database_url, logins[role]))
         with psycopg.connect(login) as connection, pytest.raises(psycopg.errors.InsufficientPrivilege):
             connection.execute("DELETE FROM turn_search")
+
+
+async def test_a_turn_with_more_words_than_a_tsvector_holds_is_found_by_its_start_and_stops_nothing(
+    browsing: Browsing, store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    """A tool result of 40,000 different hashes is more different words than a tsvector holds (1 MB):
+    ``turnstile_turn_text`` fails on it. The materializer's step goes on, and the turn is found by the words
+    of its first 250,000 characters, whether the tail indexes it or the trigger on ``turn_rows`` does."""
+    materializer = libpq_url(login_url(database_url, logins["turnstile_materializer"]))
+    hashes = " ".join(hashlib.md5(str(i).encode()).hexdigest() for i in range(40_000))
+    said = f"Zanzibar inventory: {hashes} endofdump"
+    turn = make_turn([ChatMessage(role="user", content=said)], text="Noted.", seed=71)
+    episode_id = f"dump-{uuid.uuid4().hex[:20]}"
+    started = EpisodeStarted(episode_id=episode_id, task_id="dump-1", agent=AGENT, policy="main")
+    await store.append(f"episode-{episode_id}", [started, turn], expected_version=0)
+    with (
+        psycopg.connect(libpq_url(database_url)) as connection,
+        pytest.raises(psycopg.errors.ProgramLimitExceeded, match="too long for tsvector"),
+    ):
+        connection.execute(
+            "SELECT turnstile_turn_text(data) FROM events WHERE type = 'TurnCompleted' AND stream = %s",
+            (f"episode-{episode_id}",),
+        )
+
+    async def found(words: str) -> list[str]:
+        turns = (await browsing.client.get(f"/api/search?q={words}")).json()["turns"]
+        return [hit["turn_id"] for hit in turns]
+
+    await _fold(materializer)  # the tail: turnstile_index_turns
+    assert await found("zanzibar inventory") == [str(turn.turn_id)]
+    assert await found(hashlib.md5(b"100").hexdigest()) == [str(turn.turn_id)]
+    assert await found("endofdump") == []  # past the first 250,000 characters
+    with psycopg.connect(libpq_url(database_url)) as connection:  # as if a materializer before 0024 ran
+        connection.execute("DELETE FROM turn_search WHERE episode_id = %s", (episode_id,))
+    await store.append(f"episode-{episode_id}", [EpisodeFinished(termination="done")], expected_version=2)
+    await _fold(materializer)  # the trigger on turn_rows
+    assert await found("zanzibar inventory") == [str(turn.turn_id)]
 
 
 def _indexed_words(database_url: str) -> list[tuple[Any, ...]]:

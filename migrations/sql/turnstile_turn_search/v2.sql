@@ -8,11 +8,20 @@ LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $func
 -- passed over before its words are computed (the event it reads never changes). This catches the rest:
 -- turns written into turn_rows by anything else, such as a materializer of a release before 0024.
 BEGIN
-    INSERT INTO public.turn_search (position, episode_id, words)
-    SELECT e.position, substr(e.stream, length('episode-') + 1), public.turnstile_turn_text(e.data)
-    FROM new_rows t JOIN public.events e ON e.position = t.position
-    WHERE NOT EXISTS (SELECT FROM public.turn_search s WHERE s.position = t.position)
-    ON CONFLICT (position) DO NOTHING;
+    BEGIN
+        INSERT INTO public.turn_search (position, episode_id, words)
+        SELECT e.position, substr(e.stream, length('episode-') + 1), public.turnstile_turn_text(e.data)
+        FROM new_rows t JOIN public.events e ON e.position = t.position
+        WHERE NOT EXISTS (SELECT FROM public.turn_search s WHERE s.position = t.position)
+        ON CONFLICT (position) DO NOTHING;
+    EXCEPTION WHEN program_limit_exceeded THEN
+        -- a turn with more different words than a tsvector holds: that one by its start
+        INSERT INTO public.turn_search (position, episode_id, words)
+        SELECT e.position, substr(e.stream, length('episode-') + 1), public.turnstile_turn_words(e.data)
+        FROM new_rows t JOIN public.events e ON e.position = t.position
+        WHERE NOT EXISTS (SELECT FROM public.turn_search s WHERE s.position = t.position)
+        ON CONFLICT (position) DO NOTHING;
+    END;
     RETURN NULL;
 END
 $function$
