@@ -15,6 +15,7 @@ import pytest
 from alembic import command
 
 from consumers.materializer import rematerialize
+from pipeline.errors import ConfigError
 from pipeline.log import EventStore
 from pipeline.log.db import alembic_config
 from pipeline.materialize.config import MaterializerConfig
@@ -332,6 +333,17 @@ async def test_migrating_indexes_the_turns_folded_already_and_downgrading_restor
     assert hits((await browsing.client.get("/search?q=51")).text) == [
         str(turn.turn_id) for turn in reversed(browsing.recorded.branching_turns[1:3])
     ]
+
+
+async def test_the_live_materializer_names_a_database_not_migrated_for_it(database_url: str) -> None:
+    command.downgrade(alembic_config(database_url), "0023")
+    materializer = Materializer(database_url, MaterializerConfig())
+    with pytest.raises(ConfigError, match=r"no turnstile_index_turns \(migration 0024.*turnstile migrate"):
+        await materializer.open()
+    await materializer.close()
+    command.upgrade(alembic_config(database_url), "head")
+    await materializer.open()  # migrated: it goes on
+    await materializer.close()
 
 
 async def test_two_episodes_side_by_side_aligned_by_turn(browsing: Browsing) -> None:
