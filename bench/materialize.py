@@ -580,7 +580,8 @@ async def rebuild(
     search_cost: bool = False,
 ) -> tuple[Measurement, Produced]:
     """``turnstile rematerialize --name NAME`` in this process; only ``catch_up()`` is timed. With
-    ``search_cost``, then what its turns would add to the live materializer's search trigger."""
+    ``search_cost``, then what its turns would add to the live materializer's search index (0023's way and
+    0024's)."""
     materializer = TallyingMaterializer(url, MaterializerConfig(name=name, step_events=step))
     materializer.fold_worker = FOLD_WORKER[fold_worker]
     await materializer.open(create=True)
