@@ -29,11 +29,12 @@ What it measures, in one run on one PostgreSQL server:
    (It runs as a subclass that only counts the rows of each step's writes, for the lines under the table:
    rows COPYed, and rows UPDATEd one statement each because they were inserted in an earlier step.)
 
-4. What the search trigger costs the live materializer (migration 0023), which a rebuild does not pay (a
-   rebuild's ``turn_rows`` in ``rm_<name>`` has no trigger): after the first rebuild, its turns are
-   written into ``public.turn_rows`` (the trigger reads each turn's event and writes its words into
-   ``turn_search``) and into a copy of ``turn_rows`` without the trigger, one step's turns a statement,
-   alternating, each rolled back; the extra time is also given as a share of the rebuild's time.
+4. What the search index costs the live materializer, which a rebuild does not pay (a rebuild writes no
+   ``turn_search``): after the first rebuild, its turns written as 0023 indexed them (into a copy of
+   ``turn_rows`` with 0023's trigger, which writes each turn's words when its episode finishes), as 0024
+   does (``turnstile_index_turns`` as the tail passes each turn, then ``public.turn_rows``, whose trigger
+   passes over turns indexed already) and into a copy of ``turn_rows`` without a trigger, one step's turns
+   a statement, alternating, each rolled back; the extra time is also given as a share of the rebuild's.
 
 Reading the table: "x SELECT" is turns/s ÷ the baseline's turns/s at the same step size: 1.00 would mean
 folding and writing cost nothing over reading the log; the target is at least 0.50. "peak RSS" is this
@@ -91,6 +92,7 @@ from psycopg import sql
 from rich.console import Console
 from rich.table import Table
 
+from migrations.objects import sql as sql_object
 from pipeline.log import encode_event
 from pipeline.log.store import APPEND_LOCK, COPY_COLUMNS, COPY_TYPES, JsonText, JsonTextBinaryDumper
 from pipeline.materialize.config import MaterializerConfig
@@ -578,7 +580,8 @@ async def rebuild(
     search_cost: bool = False,
 ) -> tuple[Measurement, Produced]:
     """``turnstile rematerialize --name NAME`` in this process; only ``catch_up()`` is timed. With
-    ``search_cost``, then what its turns would add to the live materializer's search trigger."""
+    ``search_cost``, then what its turns would add to the live materializer's search index (0023's way and
+    0024's)."""
     materializer = TallyingMaterializer(url, MaterializerConfig(name=name, step_events=step))
     materializer.fold_worker = FOLD_WORKER[fold_worker]
     await materializer.open(create=True)
@@ -613,7 +616,7 @@ async def rebuild(
     )  # fmt: skip
     schema = MaterializerConfig(name=name).schema
     if search_cost:
-        await measure_search_trigger(url, schema, step, seconds, server_pid)
+        await measure_search_index(url, schema, step, seconds, server_pid)
     produced = await count_and_drop(url, schema, name, materializer.tally)
     note(
         f"rebuild, step {step:,}: {events:,} events in {seconds:.1f} s: {measurement.event_rate:,.0f} "
@@ -623,50 +626,90 @@ async def rebuild(
     return measurement, produced
 
 
-async def measure_search_trigger(
+async def measure_search_index(
     url: str, schema: str, step: int, rebuild_seconds: float, server_pid: int | None
 ) -> None:
-    """The rebuild's turns (``schema``) into ``public.turn_rows``, whose trigger writes their words into
-    ``turn_search``, beside the same into a copy of ``turn_rows`` without the trigger: ``step`` turns a
-    statement (a step's turns are fewer: ``step`` counts events), alternating, each rolled back."""
+    """What the live materializer's search index costs it a turn, 0023's way against 0024's, on the rebuild's
+    turns (``schema``), ``step`` turns a statement (a step's turns are fewer: ``step`` counts events), the
+    three kinds alternating, each rolled back:
+
+    - plain: the turns into a copy of ``turn_rows`` without a trigger (what writing them costs anyway);
+    - 0023: into a copy with 0023's trigger (``turnstile_turn_search`` v1, renamed), which writes every
+      turn's words into ``turn_search`` when its episode finishes;
+    - 0024: ``turnstile_index_turns`` of the same turns (the tail, while their episodes run), then the turns
+      into ``public.turn_rows``, whose trigger (v2) finds them indexed and passes over them; each statement
+      timed on its own."""
     turns = sql.SQL("SELECT * FROM {}.turn_rows WHERE position > %s ORDER BY position LIMIT %s").format(
         sql.Identifier(schema)
     )
-    into = {
-        "trigger": sql.SQL("INSERT INTO public.turn_rows ") + turns,
-        "plain": sql.SQL("INSERT INTO bench_turn_rows_plain ") + turns,
+    old_trigger = sql_object("turnstile_turn_search", 1).replace(
+        "turnstile_turn_search()", "bench_turn_search_v1()"
+    )
+    kinds = {
+        "plain": [sql.SQL("INSERT INTO bench_turn_rows_plain ") + turns],
+        "0023": [sql.SQL("INSERT INTO bench_turn_rows_v1 ") + turns],
+        "0024": [
+            sql.SQL("SELECT turnstile_index_turns(%s::bigint[])"),  # as the materializer calls it
+            sql.SQL("INSERT INTO public.turn_rows ") + turns,
+        ],
     }
-    seconds = {"trigger": 0.0, "plain": 0.0}
-    pg_cpu = {"trigger": 0.0, "plain": 0.0}
+    seconds = {kind: [0.0] * len(statements) for kind, statements in kinds.items()}
+    pg_cpu = {kind: [0.0] * len(statements) for kind, statements in kinds.items()}
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as connection:
-        await connection.execute("CREATE TABLE bench_turn_rows_plain (LIKE public.turn_rows INCLUDING ALL)")
+        await connection.execute(old_trigger)
+        for table, trigger in (("plain", None), ("v1", "bench_turn_search_v1")):
+            await connection.execute(
+                f"CREATE TABLE bench_turn_rows_{table} (LIKE public.turn_rows INCLUDING ALL)"
+            )
+            if trigger:
+                await connection.execute(
+                    f"CREATE TRIGGER bench_search AFTER INSERT ON bench_turn_rows_{table} REFERENCING NEW "
+                    f"TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION {trigger}()"
+                )
         positions = [row[0] for row in await (await connection.execute(
             sql.SQL("SELECT position FROM {}.turn_rows ORDER BY position").format(sql.Identifier(schema))
         )).fetchall()]  # fmt: skip
         for start in range(0, len(positions), step):
             after = positions[start - 1] if start else 0
-            for kind, statement in into.items():
-                started, cpu = time.perf_counter(), server_cpu(server_pid)
+            for kind, statements in kinds.items():
                 async with connection.transaction(force_rollback=True):
-                    await connection.execute(statement, (after, step))
-                seconds[kind] += time.perf_counter() - started
-                cpu_after = server_cpu(server_pid)
-                pg_cpu[kind] += 0.0 if cpu is None or cpu_after is None else cpu_after - cpu
-        await connection.execute("DROP TABLE bench_turn_rows_plain")
-    added = seconds["trigger"] - seconds["plain"]
-    per_turn = {kind: f"{cpu / len(positions) * 1e6:,.0f}" for kind, cpu in pg_cpu.items()}
+                    for number, statement in enumerate(statements):
+                        tail = number == 0 and kind == "0024"
+                        params = (positions[start : start + step],) if tail else (after, step)
+                        started, cpu = time.perf_counter(), server_cpu(server_pid)
+                        await connection.execute(statement, params)
+                        seconds[kind][number] += time.perf_counter() - started
+                        cpu_after = server_cpu(server_pid)
+                        pg_cpu[kind][number] += 0.0 if cpu is None or cpu_after is None else cpu_after - cpu
+        await connection.execute("DROP TABLE bench_turn_rows_plain, bench_turn_rows_v1")
+        await connection.execute("DROP FUNCTION bench_turn_search_v1()")
+    total = {kind: sum(values) for kind, values in seconds.items()}
+    per_turn = {kind: sum(cpu) / len(positions) * 1e6 for kind, cpu in pg_cpu.items()}
+    for kind in ("0023", "0024"):
+        added = total[kind] - total["plain"]
+        note(
+            f"search index {kind}: {len(positions):,} turns written in {total[kind]:.2f} s, "
+            f"{total['plain']:.2f} s without it: {added:.2f} s more, {added / rebuild_seconds:.1%} of the "
+            f"rebuild's {rebuild_seconds:.1f} s; PostgreSQL CPU {per_turn[kind]:,.0f} us a turn, "
+            f"{per_turn['plain']:,.0f} without (embedded server only)"
+        )
+    tail, finish = (cpu / len(positions) * 1e6 for cpu in pg_cpu["0024"])
     note(
-        f"search trigger: {len(positions):,} turns written in {seconds['trigger']:.2f} s with it, "
-        f"{seconds['plain']:.2f} s without: {added:.2f} s more, {added / rebuild_seconds:.1%} of the "
-        f"rebuild's {rebuild_seconds:.1f} s; PostgreSQL CPU {per_turn['trigger']} us a turn with it, "
-        f"{per_turn['plain']} without (embedded server only)"
+        f"search index 0024, by statement: turnstile_index_turns {seconds['0024'][0]:.2f} s "
+        f"({tail:,.0f} us of PostgreSQL a turn), then turn_rows with the trigger passing over them "
+        f"{seconds['0024'][1]:.2f} s ({finish:,.0f} us a turn)"
     )
     summary(
-        "materialize", "turn writes with the search trigger", f"{seconds['trigger']:.2f} s",
-        f"without it {seconds['plain']:.2f} s", seconds["trigger"] / seconds["plain"], None,
+        "materialize", "turn writes with the search index (0024)", f"{total['0024']:.2f} s",
+        f"0023's trigger {total['0023']:.2f} s", total["0024"] / total["0023"], None,
     )  # fmt: skip
     summary(
-        "materialize", "rebuild time plus the search trigger's", f"{rebuild_seconds + added:.1f} s",
+        "materialize", "turn writes with the search trigger (0023)", f"{total['0023']:.2f} s",
+        f"without it {total['plain']:.2f} s", total["0023"] / total["plain"], None,
+    )  # fmt: skip
+    added = total["0024"] - total["plain"]
+    summary(
+        "materialize", "rebuild time plus the search index's", f"{rebuild_seconds + added:.1f} s",
         f"the rebuild {rebuild_seconds:.1f} s", (rebuild_seconds + added) / rebuild_seconds, None,
     )  # fmt: skip
 

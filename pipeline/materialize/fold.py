@@ -72,6 +72,9 @@ class Fold:
         self.newest: dict[str, int] = {}
         self.writes = Writes()
         self.skipped = 0
+        self.searches = config.schema == "public"
+        """Collect the turns of open episodes for search (``Writes.searched``): the live read models only,
+        whose ``turn_search`` the browser reads; a rebuild's schema has none."""
 
     # -- events --
 
@@ -138,6 +141,8 @@ class Fold:
             events = self.open.get(row.stream)
             if events is not None:
                 events.append(row)
+                if self.searches and row.type == "TurnCompleted":
+                    self.writes.searched.append(row.position)
         elif row.type == "EpisodeFinished":
             return self._finished(row)
         elif row.type == "PolicyVersionPublished":

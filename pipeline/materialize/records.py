@@ -126,6 +126,9 @@ class Writes:
     hashlib lets go of the GIL while it hashes a payload, so the fold goes on meanwhile)."""
     outbox: list[tuple[Any, ...]] = field(default_factory=list)
     skipped: list[tuple[Any, ...]] = field(default_factory=list)
+    searched: list[int] = field(default_factory=list)
+    """Positions of the turns of open episodes this step folded, for the search index (the live
+    materializer's only: ``Fold.searches``); an episode's turns reach ``turn_rows`` only when it finishes."""
 
 
 def read_query(where: str, params: dict[str, Any], limit: int | None) -> tuple[str, dict[str, Any]]:

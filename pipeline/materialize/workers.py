@@ -48,7 +48,7 @@ class FoldedPage:
     outcomes: list[tuple[int, str, str, Outcome]]
     """The events that gave the group half something: index in ``positions``, stream, type, outcome."""
     writes: Writes
-    """The episode half's writes: episodes, finished, turns, skipped."""
+    """The episode half's writes: episodes, finished, turns, searched, skipped."""
     skipped: int
     """Events skipped in this page."""
 

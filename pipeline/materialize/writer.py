@@ -149,8 +149,23 @@ class Materializer:
                     f"a rebuild named {self.config.name!r} exists already (schema {self.config.schema}); "
                     "choose another --name, or drop it with --replace"
                 )
+        if self.fold.searches:
+            await self._check_search_index(connection)
         await load_state(self._require(), self.fold, self.config.schema)
         self._writer = await asyncio.to_thread(psycopg.Connection.connect, self.database_url, autocommit=True)
+
+    @staticmethod
+    async def _check_search_index(connection: psycopg.AsyncConnection[Any]) -> None:
+        """The live materializer indexes turns for search through migration 0024's function: a database not
+        migrated that far is named now, not by the first step that folds a turn."""
+        row = await (
+            await connection.execute("SELECT to_regprocedure('turnstile_index_turns(bigint[])') IS NOT NULL")
+        ).fetchone()
+        if row is None or not row[0]:
+            raise ConfigError(
+                "this database is not migrated for this materializer: it has no turnstile_index_turns "
+                "(migration 0024, search over running episodes); run `turnstile migrate` first"
+            )
 
     async def _create_schema(self, connection: psycopg.AsyncConnection[Any], create: bool) -> None:
         if not create:
@@ -489,6 +504,7 @@ class Materializer:
             writes.episodes.update(theirs.episodes)
             writes.finished += theirs.finished
             writes.turns += theirs.turns
+            writes.searched += theirs.searched
         writes.skipped = [row for page in pages for row in page.writes.skipped] + writes.skipped
         return writes
 

@@ -52,6 +52,9 @@ def write(connection: psycopg.Connection[Any], schema: str, writes: Writes) -> N
     """A step's writes into the read models of ``schema``, on ``connection`` (in its transaction)."""
     if writes.episodes:
         copy_rows(connection, schema, "episodes", EPISODE_COPY, writes.episodes.values())
+    if writes.searched:
+        # Before turn_rows: its trigger then finds this step's finished turns indexed and passes them over.
+        connection.execute("SELECT turnstile_index_turns(%s::bigint[])", (writes.searched,))
     if writes.turns:
         copy_rows(connection, schema, "turn_rows", TURN_COPY, writes.turns)
     if writes.samples:

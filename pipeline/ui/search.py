@@ -1,9 +1,8 @@
 """Free-text search over what turns say (``/search?q=...``): the messages a turn adds and its reply, through
 the read model ``turn_search`` (migration 0023: each turn's ``turnstile_turn_text(data)``, GIN-indexed,
-written by the materializer as it folds the turn, so appends to the log never pay for it), newest first, a
-page at a time by log position (keyset: never an OFFSET over every match). A turn is found once the
-materializer has folded it: seconds behind the log, once its episode has finished (the fold writes an
-episode's turns then).
+written by the live materializer, so appends to the log never pay for it), newest first, a page at a time by
+log position (keyset: never an OFFSET over every match). A turn is found once the materializer's tail has
+passed it (migration 0024): seconds behind the log, while its episode still runs.
 
 The query is PostgreSQL's web search syntax (``websearch_to_tsquery``: words, "a phrase", ``or``,
 ``-word``) with the ``simple`` configuration: whole words, no stemming. A rare word is found through the

@@ -157,6 +157,8 @@ async def test_gateway_records_each_policy_in_its_own_log_and_each_log_is_batche
         await materialize_until_batched(settings.require_database_url(policy))
         batched = rows(log, "SELECT b.policy, o.subject FROM batches b JOIN batch_outbox o USING (batch_id)")
         assert batched == [(policy, f"batches.{policy}")]
+        # the browser's search index of each log holds that log's turn, indexed by its own materializer
+        assert rows(log, "SELECT episode_id FROM turn_search") == [(ids[policy],)]
 
 
 async def test_a_runner_records_only_in_its_policys_log(

@@ -51,7 +51,7 @@ from tests.conftest import login_url
 from tests.e2e.test_deploy import new_policy
 from tests.integration.test_cli import TURNSTILE, clean_env
 from tests.support.backends import RuleBackend, echo_rule
-from tests.support.factories import finished, new_stream, opened, reward, started_in
+from tests.support.factories import finished, new_stream, opened, reward, started_in, turn
 from tests.support.roles import Connected, RoleNats
 from tests.support.serving import serving
 from tests.support.waiting import wait_until
@@ -558,6 +558,35 @@ async def test_only_the_writer_appends_through_append_events_which_checks_what_t
         rows = await cursor.fetchall()
     assert [(position, version) for position, _, version in rows] == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 1)]
     assert rows[-1][1] == shadowed
+
+
+async def test_only_the_materializer_indexes_turns_for_search_and_only_with_the_logs_words(
+    store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    """Migration 0024: the live materializer indexes a running episode's turns through
+    ``turnstile_index_turns(positions)`` (SECURITY DEFINER), granted to its role alone; through it, it picks
+    which turns are indexed and when, never what they say: the words come from the log, any event but a
+    ``TurnCompleted`` is passed over, and ``turn_search`` itself stays closed to every login."""
+    stream, events = opened(turn("Where is Zanzibar?"))
+    start, said = (await store.append(stream, events, 0)).positions
+    index = f"SELECT turnstile_index_turns(ARRAY[{start}, {said}]::bigint[])"
+    for role in ("turnstile_writer", "turnstile_reader", "turnstile_trainer", "turnstile_inference"):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="permission denied for function"):
+            run_as(database_url, logins[role], index)
+        refused(f"{role} calling turnstile_index_turns")
+    materializer = logins["turnstile_materializer"]
+    forged_words = (
+        f"INSERT INTO turn_search (position, episode_id, words) VALUES ({said}, 'x', to_tsvector('forged'))"
+    )
+    for role in logins:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            run_as(database_url, logins[role], forged_words)
+        refused(f"{role} writing turn_search itself")
+    run_as(database_url, materializer, index, index)  # twice: the second adds nothing
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        rows = connection.execute("SELECT position, episode_id, words::text FROM turn_search").fetchall()
+    assert [(position, episode) for position, episode, _ in rows] == [(said, stream.removeprefix("episode-"))]
+    assert "'zanzibar'" in rows[0][2]
 
 
 # -- policy versions: engines obey only the log -------------------------------------------------------------

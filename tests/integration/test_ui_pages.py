@@ -5,6 +5,7 @@ hovering."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from typing import Any
@@ -14,14 +15,17 @@ import pytest
 from alembic import command
 
 from consumers.materializer import rematerialize
+from pipeline.errors import ConfigError
 from pipeline.log import EventStore
 from pipeline.log.db import alembic_config
 from pipeline.materialize.config import MaterializerConfig
+from pipeline.materialize.rebuild import READ_MODEL_TABLES
 from pipeline.materialize.writer import Materializer
 from pipeline.settings import libpq_url
 from pipeline.ui.search import SEARCH
 from schemas import ChatMessage, EpisodeFinished, EpisodeStarted
 from tests.conftest import login_url
+from tests.integration.test_rebuild_equivalence import varied_log, write_log
 from tests.support.ui_episodes import AGENT, Browsing, make_turn
 
 APPEND_LOCK = 32780231638217836  # pipeline/log/store.py: the guard lets only its holder append
@@ -132,27 +136,85 @@ async def _fold(database_url: str) -> None:
         await materializer.close()
 
 
-async def test_search_sees_a_turn_once_the_materializer_login_has_folded_its_finished_episode(
+async def test_search_finds_a_running_episodes_turns_once_the_materializer_login_has_passed_them(
     browsing: Browsing, store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
 ) -> None:
-    """Appends do not index words (migration 0023): the trigger on ``turn_rows`` does, in the fold's
-    transaction, for the materializer's own login, which may not write ``turn_search`` itself. The fold
-    writes an episode's turns when the episode finishes, so a running episode's turns are not found yet."""
+    """Appends do not index words (migration 0023): the live materializer does, in its own transaction, as
+    it tails the log (migration 0024), for its own login, which may not write ``turn_search`` itself. A
+    running episode's turns are found before it finishes, and once each after it has (its turns reaching
+    ``turn_rows`` add no second row)."""
     materializer = libpq_url(login_url(database_url, logins["turnstile_materializer"]))
     episode_id = f"late-{uuid.uuid4().hex[:20]}"
-    turn = make_turn([ChatMessage(role="user", content="Where is Zanzibar?")], text="Off Tanzania.", seed=61)
+    question = [ChatMessage(role="user", content="Where is Zanzibar?")]
+    first = make_turn(question, text="Off Tanzania.", seed=61)
+    follow_up = [*question, ChatMessage(role="assistant", content="Off Tanzania."),
+                 ChatMessage(role="user", content="And Zanzibar's capital?")]  # fmt: skip
+    second = make_turn(follow_up, text="Stone Town.", parent=first, seed=62)
     started = EpisodeStarted(episode_id=episode_id, task_id="geo-1", agent=AGENT, policy="main")
-    await store.append(f"episode-{episode_id}", [started, turn], expected_version=0)
+    await store.append(f"episode-{episode_id}", [started, first, second], expected_version=0)
+
+    async def found(words: str) -> list[tuple[str, str]]:
+        turns = (await browsing.client.get(f"/api/search?q={words}")).json()["turns"]
+        return [(hit["episode_id"], hit["turn_id"]) for hit in turns]
+
+    assert await found("zanzibar") == []  # appended, not folded yet
     await _fold(materializer)
-    assert 'id="no-hits"' in (await browsing.client.get("/search?q=zanzibar")).text  # still running
-    await store.append(f"episode-{episode_id}", [EpisodeFinished(termination="done")], expected_version=2)
+    assert await found("zanzibar") == [(episode_id, str(second.turn_id)), (episode_id, str(first.turn_id))]
+    assert await found('"stone town"') == [(episode_id, str(second.turn_id))]
+    page = await browsing.client.get("/search?q=zanzibar")
+    assert hits(page.text) == [str(second.turn_id), str(first.turn_id)]
+    await store.append(f"episode-{episode_id}", [EpisodeFinished(termination="done")], expected_version=3)
     await _fold(materializer)
-    found = (await browsing.client.get("/api/search?q=zanzibar")).json()["turns"]
-    assert [(hit["episode_id"], hit["turn_id"]) for hit in found] == [(episode_id, str(turn.turn_id))]
+    assert await found("zanzibar") == [(episode_id, str(second.turn_id)), (episode_id, str(first.turn_id))]
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        rows = connection.execute(
+            "SELECT count(*), count(DISTINCT t.position) FROM turn_search s "
+            "JOIN turn_rows t ON t.position = s.position JOIN episodes e ON e.started_position = t.episode "
+            "WHERE e.episode_id = %s",
+            (episode_id,),
+        ).fetchone()
+    assert rows == (2, 2)  # both turns folded into turn_rows, each indexed once
     for role in ("turnstile_materializer", "turnstile_reader"):
         login = libpq_url(login_url(database_url, logins[role]))
         with psycopg.connect(login) as connection, pytest.raises(psycopg.errors.InsufficientPrivilege):
             connection.execute("DELETE FROM turn_search")
+
+
+async def test_a_turn_with_more_words_than_a_tsvector_holds_is_found_by_its_start_and_stops_nothing(
+    browsing: Browsing, store: EventStore, database_url: str, logins: dict[str, tuple[str, str]]
+) -> None:
+    """A tool result of 40,000 different hashes is more different words than a tsvector holds (1 MB):
+    ``turnstile_turn_text`` fails on it. The materializer's step goes on, and the turn is found by the words
+    of its first 250,000 characters, whether the tail indexes it or the trigger on ``turn_rows`` does."""
+    materializer = libpq_url(login_url(database_url, logins["turnstile_materializer"]))
+    hashes = " ".join(hashlib.md5(str(i).encode()).hexdigest() for i in range(40_000))
+    said = f"Zanzibar inventory: {hashes} endofdump"
+    turn = make_turn([ChatMessage(role="user", content=said)], text="Noted.", seed=71)
+    episode_id = f"dump-{uuid.uuid4().hex[:20]}"
+    started = EpisodeStarted(episode_id=episode_id, task_id="dump-1", agent=AGENT, policy="main")
+    await store.append(f"episode-{episode_id}", [started, turn], expected_version=0)
+    with (
+        psycopg.connect(libpq_url(database_url)) as connection,
+        pytest.raises(psycopg.errors.ProgramLimitExceeded, match="too long for tsvector"),
+    ):
+        connection.execute(
+            "SELECT turnstile_turn_text(data) FROM events WHERE type = 'TurnCompleted' AND stream = %s",
+            (f"episode-{episode_id}",),
+        )
+
+    async def found(words: str) -> list[str]:
+        turns = (await browsing.client.get(f"/api/search?q={words}")).json()["turns"]
+        return [hit["turn_id"] for hit in turns]
+
+    await _fold(materializer)  # the tail: turnstile_index_turns
+    assert await found("zanzibar inventory") == [str(turn.turn_id)]
+    assert await found(hashlib.md5(b"100").hexdigest()) == [str(turn.turn_id)]
+    assert await found("endofdump") == []  # past the first 250,000 characters
+    with psycopg.connect(libpq_url(database_url)) as connection:  # as if a materializer before 0024 ran
+        connection.execute("DELETE FROM turn_search WHERE episode_id = %s", (episode_id,))
+    await store.append(f"episode-{episode_id}", [EpisodeFinished(termination="done")], expected_version=2)
+    await _fold(materializer)  # the trigger on turn_rows
+    assert await found("zanzibar inventory") == [str(turn.turn_id)]
 
 
 def _indexed_words(database_url: str) -> list[tuple[Any, ...]]:
@@ -169,13 +231,17 @@ async def test_a_rebuild_and_its_replace_leave_search_as_it_was(
     neither fail on it nor touch the words the live read models indexed."""
     indexed = _indexed_words(database_url)
     assert len(indexed) > 10
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        live_turns = connection.execute("SELECT count(*) FROM turn_rows").fetchone()
+    assert live_turns is not None
+    assert live_turns[0] == len(indexed) - 1  # and the running episode's turn, which is in no turn_rows yet
     for replace in (False, True):
         rebuilt = await rematerialize(database_url, MaterializerConfig(name="searched"), replace=replace)
         await rebuilt.close()
     with psycopg.connect(libpq_url(database_url)) as connection:
         rebuilt_turns = connection.execute("SELECT count(*) FROM rm_searched.turn_rows").fetchone()
         assert rebuilt_turns is not None
-        assert rebuilt_turns[0] == len(indexed)
+        assert rebuilt_turns == live_turns
         elsewhere = connection.execute(
             "SELECT count(*) FROM pg_trigger g JOIN pg_class c ON c.oid = g.tgrelid "
             "JOIN pg_namespace n ON n.oid = c.relnamespace "
@@ -186,6 +252,59 @@ async def test_a_rebuild_and_its_replace_leave_search_as_it_was(
     assert hits((await browsing.client.get("/search?q=calculator")).text) == [
         str(browsing.recorded.branching_turns[0].turn_id)
     ]
+
+
+async def test_the_live_search_index_refolded_from_the_log_is_what_the_tail_wrote(database_url: str) -> None:
+    """The read models' invariant, for ``turn_search``: the live materializer tailing a varied log a few
+    events a step (episodes running across steps, finished, never finished, skipped) indexes what a refold of
+    the whole log in one catch-up gives, in one process or with the fold's worker processes. What it holds:
+    the turns in ``turn_rows``, and those of episodes running at the end or whose fold was skipped."""
+    log = varied_log()
+    write_log(database_url, log)
+    tailed = await _fold_main(database_url, step_events=7)
+    assert tailed.position == len(log)
+    indexed = _indexed_words(database_url)
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        in_turn_rows = {p for (p,) in connection.execute("SELECT position FROM turn_rows").fetchall()}
+        unfinished = {p for (p,) in connection.execute(
+            "SELECT e.position FROM events e JOIN episodes ep ON ep.stream = e.stream "
+            "WHERE e.type = 'TurnCompleted' AND (ep.status = 'running' OR ep.error LIKE 'not materialized%%')"
+        ).fetchall()}  # fmt: skip
+    assert unfinished
+    assert in_turn_rows.isdisjoint(unfinished)
+    assert {position for position, _, _ in indexed} == in_turn_rows | unfinished
+    for worker in (False, True):
+        _forget_live_read_models(database_url)
+        assert _indexed_words(database_url) == []
+        refolded = await _fold_main(database_url, fold_worker=worker)
+        assert refolded.position == len(log)
+        assert _indexed_words(database_url) == indexed, f"fold worker {worker}"
+
+
+async def _fold_main(database_url: str, **options: Any) -> Materializer:
+    """The live materializer ``main`` caught up (``options``: of its config, and ``fold_worker``)."""
+    materializer = Materializer(database_url, MaterializerConfig(batch_samples=8, **{
+        key: value for key, value in options.items() if key != "fold_worker"
+    }))  # fmt: skip
+    materializer.fold_worker = options.get("fold_worker")
+    await materializer.open()
+    try:
+        await materializer.catch_up()
+    finally:
+        await materializer.close()
+    return materializer
+
+
+def _forget_live_read_models(database_url: str) -> None:
+    """The live read models, search index and checkpoint emptied (as their owner): ``main`` folds anew."""
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        rollups = [name for (name,) in connection.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'public' AND tablename LIKE '%%rollups'"
+        ).fetchall()]  # fmt: skip
+        tables = [*READ_MODEL_TABLES, "turn_search", *rollups]
+        connection.execute(f"TRUNCATE {', '.join(tables)}")
+        connection.execute("DELETE FROM checkpoints WHERE name = 'materializer:main'")
+        connection.execute("DELETE FROM materializers WHERE name = 'main'")
 
 
 def _index_names(database_url: str) -> set[str]:
@@ -199,6 +318,8 @@ async def test_migrating_indexes_the_turns_folded_already_and_downgrading_restor
 ) -> None:
     indexed = _indexed_words(database_url)
     config = alembic_config(database_url)
+    command.downgrade(config, "0023")  # 0023's index holds the turns of turn_rows only
+    assert _indexed_words(database_url) == [row for row in indexed if row[1] != browsing.recorded.running]
     command.downgrade(config, "0022")
     names = _index_names(database_url)
     assert "events_turn_text" in names
@@ -207,10 +328,22 @@ async def test_migrating_indexes_the_turns_folded_already_and_downgrading_restor
     names = _index_names(database_url)
     assert "events_turn_text" not in names
     assert "turn_search_words" in names
-    assert _indexed_words(database_url) == indexed  # filled from turn_rows, as the trigger filled it
+    # 0023 filled it from turn_rows, as the trigger did; 0024 with the running episode's turn
+    assert _indexed_words(database_url) == indexed
     assert hits((await browsing.client.get("/search?q=51")).text) == [
         str(turn.turn_id) for turn in reversed(browsing.recorded.branching_turns[1:3])
     ]
+
+
+async def test_the_live_materializer_names_a_database_not_migrated_for_it(database_url: str) -> None:
+    command.downgrade(alembic_config(database_url), "0023")
+    materializer = Materializer(database_url, MaterializerConfig())
+    with pytest.raises(ConfigError, match=r"no turnstile_index_turns \(migration 0024.*turnstile migrate"):
+        await materializer.open()
+    await materializer.close()
+    command.upgrade(alembic_config(database_url), "head")
+    await materializer.open()  # migrated: it goes on
+    await materializer.close()
 
 
 async def test_two_episodes_side_by_side_aligned_by_turn(browsing: Browsing) -> None:
