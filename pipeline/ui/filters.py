@@ -12,7 +12,7 @@ from urllib.parse import urlencode
 import sqlalchemy as sa
 
 from pipeline.errors import ConfigError, TurnstileError
-from pipeline.log import batches_table, episodes_table, turns_table
+from pipeline.log import batches_table, episodes_table
 from pipeline.log import trained_batches_table as trained_table
 from pipeline.replay import parse_since
 
@@ -190,8 +190,24 @@ def parse_query(params: Mapping[str, Sequence[str]]) -> EpisodeQuery:
     )
 
 
+# The narrow table under the view ``turns`` (migration 0013): its ``episode`` is the episode's
+# ``started_position``. The flags' partial indexes (migration 0012) are on it; going through the view would
+# join every episode to find each turn's episode id.
+TURN_ROWS: Final = sa.table(
+    "turn_rows",
+    sa.column("episode", sa.BigInteger),
+    sa.column("prefix_break", sa.Boolean),
+    sa.column("render_drift", sa.Boolean),
+)
+# The "errors" filter as migration 0024's partial index ``episodes_errors`` spells it: a literal, not a
+# bound parameter, so that the planner can match the index's predicate in every plan.
+FAILED: Final = sa.or_(
+    episodes_table.c.termination == sa.literal_column("'error'"), episodes_table.c.error.is_not(None)
+)
+
+
 def conditions(query: EpisodeQuery, now: dt.datetime | None = None) -> list[sa.ColumnElement[bool]]:
-    e, t = episodes_table, turns_table
+    e, t = episodes_table, TURN_ROWS
     where: list[sa.ColumnElement[bool]] = []
     for column, value in (
         (e.c.policy, query.policy),
@@ -220,11 +236,11 @@ def conditions(query: EpisodeQuery, now: dt.datetime | None = None) -> list[sa.C
         where.append(e.c.tags.contains(tags))
     # Partial indexes (migration 0012) hold only the turns that broke or drifted: a semi-join over them.
     if query.prefix_break:
-        where.append(e.c.episode_id.in_(sa.select(t.c.episode_id).where(t.c.prefix_break)))
+        where.append(e.c.started_position.in_(sa.select(t.c.episode).where(t.c.prefix_break)))
     if query.render_drift:
-        where.append(e.c.episode_id.in_(sa.select(t.c.episode_id).where(t.c.render_drift)))
+        where.append(e.c.started_position.in_(sa.select(t.c.episode).where(t.c.render_drift)))
     if query.errors:
-        where.append(sa.or_(e.c.termination == "error", e.c.error.is_not(None)))
+        where.append(FAILED)
     return where
 
 
