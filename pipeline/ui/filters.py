@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields
+from functools import cached_property
 from typing import Any, Final
-from urllib.parse import urlencode
+from urllib.parse import quote_plus
 
 import sqlalchemy as sa
 
@@ -63,24 +64,39 @@ class EpisodeQuery:
     per: int = 50
 
     def link(self, **changes: Any) -> str:
-        """This query (with ``changes``) as a URL query string, defaults left out: a deep link."""
-        changed = replace(self, **changes)
-        pairs: list[tuple[str, str]] = []
-        for f in fields(changed):
-            value = getattr(changed, f.name)
-            if value == f.default or (f.name == "tag" and not value):
-                continue
-            if isinstance(value, tuple):
-                pairs.extend((f.name, item) for item in value)
-            elif isinstance(value, bool):
-                pairs.append((f.name, "1"))
-            else:
-                pairs.append((f.name, str(value)))
-        return "?" + urlencode(pairs) if pairs else "?"
+        """This query (with ``changes``) as a URL query string, defaults left out: a deep link. The list
+        makes a few of these per row (sort, task, tags): the query's own parameters are encoded once."""
+        unknown = changes.keys() - _FIELD_DEFAULTS.keys()
+        if unknown:
+            raise TypeError(f"EpisodeQuery has no field {sorted(unknown)[0]!r}")
+        parts: list[str] = []
+        for name in _FIELD_DEFAULTS:
+            parts += _encoded(name, changes[name]) if name in changes else self._encoded[name]
+        return "?" + "&".join(parts) if parts else "?"
+
+    @cached_property
+    def _encoded(self) -> dict[str, list[str]]:
+        return {name: _encoded(name, getattr(self, name)) for name in _FIELD_DEFAULTS}
 
     @property
     def filtered(self) -> bool:
         return self.link(sort="started", order="desc", page=1, per=50) != "?"
+
+
+_FIELD_DEFAULTS: Final = {
+    f.name: () if f.default_factory is not MISSING else f.default for f in fields(EpisodeQuery)
+}
+
+
+def _encoded(name: str, value: Any) -> list[str]:
+    """``name=value`` pairs as ``urlencode`` writes them; none for the default (or no tags)."""
+    if value == _FIELD_DEFAULTS[name] or (isinstance(value, tuple) and not value):
+        return []
+    if isinstance(value, tuple):
+        return [f"{name}={quote_plus(item)}" for item in value]
+    if isinstance(value, bool):
+        return [f"{name}=1"]
+    return [f"{name}={quote_plus(str(value))}"]
 
 
 def _one(params: Mapping[str, Sequence[str]], name: str) -> str | None:
