@@ -10,7 +10,8 @@ scratch database dropped at the end):
    with 2% errors, policy versions rising over time, 0.5% of turns with a prefix break and 1% with render
    drift). ``--with-events`` of those episodes (2,000 by default) are also recorded in the log through
    ``EventStore.append`` (EpisodeStarted, four TurnCompleted extending each other's tokens, a reward, the
-   end): the episode page reads the log, and these are the episodes it is timed on. Then ``VACUUM ANALYZE``.
+   end): the episode page reads the log, and these are the episodes it is timed on. Then ``VACUUM ANALYZE``
+   (and ``ANALYZE`` of the rollups the trigger filled, as autovacuum would on a live server).
 2. ``turnstile ui`` in a process of its own (``--allow-superuser``: the bench logs in as the server's owner),
    and sequential GETs from this process with httpx: each list view ``--repeat`` times, the episode page
    on ``--repeat`` different episodes. The first request of each view is a warm-up, not counted.
