@@ -182,7 +182,7 @@ async def run_figures(connection: AsyncConnection, policy: str) -> dict[str, Any
     if not stats:
         return {"stats": None}
     by_version = await rows(BY_VERSION)
-    spread = (await rows(SPREAD))[0]
+    spread = dict((await rows(SPREAD))[0])
     histogram: list[list[int]] = spread.pop("histogram")
     staleness = await rows(STALENESS)
     trained = [row for row in await rows(TAKEN) if row["outcome"] == "trained"]
