@@ -215,7 +215,7 @@ TURN_ROWS: Final = sa.table(
     sa.column("prefix_break", sa.Boolean),
     sa.column("render_drift", sa.Boolean),
 )
-# The "errors" filter as migration 0024's partial index ``episodes_errors`` spells it: a literal, not a
+# The "errors" filter as migration 0025's partial index ``episodes_errors`` spells it: a literal, not a
 # bound parameter, so that the planner can match the index's predicate in every plan.
 FAILED: Final = sa.or_(
     episodes_table.c.termination == sa.literal_column("'error'"), episodes_table.c.error.is_not(None)

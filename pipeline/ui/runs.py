@@ -84,7 +84,7 @@ THROUGHPUT: Final = """
     HAVING sum(episodes) > 0
     ORDER BY bar
 """
-# The last RECENT_GROUPS finished groups of more than one episode (``spread_ready``, by migration 0024's
+# The last RECENT_GROUPS finished groups of more than one episode (``spread_ready``, by migration 0025's
 # partial index over those groups only): the view group_rewards' spread (population standard deviation),
 # zero when the group's rewards are all the same. All of them while a run has fewer; a bounded read however
 # long it runs.
