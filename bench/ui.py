@@ -10,7 +10,8 @@ scratch database dropped at the end):
    with 2% errors, policy versions rising over time, 0.5% of turns with a prefix break and 1% with render
    drift). ``--with-events`` of those episodes (2,000 by default) are also recorded in the log through
    ``EventStore.append`` (EpisodeStarted, four TurnCompleted extending each other's tokens, a reward, the
-   end): the episode page reads the log, and these are the episodes it is timed on. Then ``VACUUM ANALYZE``.
+   end): the episode page reads the log, and these are the episodes it is timed on. Then ``VACUUM ANALYZE``
+   (and ``ANALYZE`` of the rollups the trigger filled, as autovacuum would on a live server).
 2. ``turnstile ui`` in a process of its own (``--allow-superuser``: the bench logs in as the server's owner),
    and sequential GETs from this process with httpx: each list view ``--repeat`` times, the episode page
    on ``--repeat`` different episodes. The first request of each view is a warm-up, not counted.
@@ -34,6 +35,14 @@ The target (issues 20 and 35) is a p95 under 300 ms for every page at a million 
     python bench/ui.py                         # 1,000,000 turns
     python bench/ui.py --turns 16000 200000    # one log after the other, each in its own database
     python bench/ui.py --quick                 # 100,000 turns
+
+To time the pages again without building the log again, keep it in a database of its own name: the first
+run builds it there and leaves it; a later run with the same name finds its episodes and only measures
+(``TURNSTILE_DATABASE_URL`` names the server; without it the embedded server of ``--tmp-dir`` lives only
+for the run, so name a server that outlives it)::
+
+    TURNSTILE_DATABASE_URL=postgresql://postgres@127.0.0.1:5432/postgres \
+        python bench/ui.py --database turnstile_ui_1m
 """
 
 from __future__ import annotations
@@ -57,10 +66,12 @@ import httpx
 import psycopg
 import sqlalchemy as sa
 from psycopg.types.json import Jsonb
+from sqlalchemy.engine import make_url
 
 from pipeline.log import EventStore
+from pipeline.log.db import migrate
 from pipeline.materialize.columns import TURN_COLUMNS
-from pipeline.settings import sqlalchemy_url
+from pipeline.settings import libpq_url, sqlalchemy_url
 from pipeline.ui.filters import page_query, parse_query
 from schemas import (
     ChatMessage,
@@ -285,6 +296,9 @@ def write_read_models(url: str, episodes: int, recorded: dict[int, list[TurnComp
         connection.execute("VACUUM (ANALYZE) episodes")
         connection.execute("VACUUM (ANALYZE) turn_rows")
         connection.execute("VACUUM (ANALYZE) events")
+        # The rollups the trigger filled: statistics as autovacuum would gather them on a live server (on a
+        # server with autovacuum off, the run page's plans would be made for empty tables).
+        connection.execute("ANALYZE run_rollups, throughput_rollups, group_rollups")
 
 
 # --- measuring -----------------------------------------------------------------------------------------
@@ -351,7 +365,7 @@ def rollup_cost(url: str, repeat: int) -> list[tuple[str, list[float], list[floa
     """Writes into ``episodes`` (the rollup trigger fires) beside the same writes into a copy of the table
     without it (its indexes, no trigger), each rolled back: what the rollups add to the materializer."""
     with psycopg.connect(url) as connection:
-        connection.execute("CREATE TABLE bench_episodes_plain (LIKE episodes INCLUDING ALL)")
+        connection.execute("CREATE TEMPORARY TABLE bench_episodes_plain (LIKE episodes INCLUDING ALL)")
         connection.commit()
         names = [row[0] for row in connection.execute("SELECT * FROM episodes LIMIT 0").description or []]
         rows = connection.execute("SELECT * FROM episodes ORDER BY episode_id LIMIT 2000").fetchall()
@@ -434,12 +448,56 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--seed", type=int, default=20)
     parser.add_argument("--tmp-dir", type=Path)
+    parser.add_argument(
+        "--database",
+        metavar="NAME",
+        help="keep the log in this database (built on first use, measured again without rebuilding it)",
+    )
     args = parser.parse_args()
+    sizes = [100_000] if args.quick else args.turns
+    if args.database and len(sizes) > 1:
+        parser.error("--database keeps one log: give one size with --turns")
     note(machine())
     with postgres_server(args.tmp_dir) as (server, _):
-        for turns in [100_000] if args.quick else args.turns:
+        if args.database:
+            bench_one_log(kept_database(server, args.database), sizes[0], args)
+            return
+        for turns in sizes:
             with scratch_database(server) as url:
                 bench_one_log(url, turns, args)
+
+
+def kept_database(server_url: str, name: str) -> str:
+    """The URL of database ``name`` on the server, created if missing and migrated to the head either way
+    (a log kept from before a migration is brought up to date); never dropped."""
+    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", name):
+        raise SystemExit(f"--database {name!r}: use lower-case letters, digits and underscores")
+    admin_url = libpq_url(server_url)
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        if not admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
+            admin.execute(f'CREATE DATABASE "{name}"')
+            note(f"database {name} created; the log is built there and kept")
+    url = libpq_url(make_url(admin_url).set(database=name).render_as_string(hide_password=False))
+    migrate(url)
+    return url
+
+
+def kept_log(url: str, episodes: int) -> list[int] | None:
+    """The episodes recorded in the log of a kept database (the ones the episode page is timed on, whatever
+    ``--seed`` and ``--with-events`` say now), or None for an empty database, to be built. A database with
+    another number of episodes (another size, or a build cut short) is refused rather than measured."""
+    with psycopg.connect(url) as connection:
+        row = connection.execute("SELECT count(*) FROM episodes").fetchone()
+        found = row[0] if row else 0
+        streams = connection.execute("SELECT DISTINCT stream FROM events WHERE version = 1").fetchall()
+    if not found:
+        return None
+    if found != episodes:
+        raise SystemExit(
+            f"the database holds {found:,} episodes, not the {episodes:,} of --turns {episodes * 4:,}: "
+            f"give --turns {found * TURNS_PER_EPISODE:,}, another --database, or drop this one"
+        )
+    return sorted(int(stream.removeprefix("episode-ep")[:7]) for (stream,) in streams)
 
 
 def bench_one_log(url: str, turns: int, args: argparse.Namespace) -> None:
@@ -448,9 +506,13 @@ def bench_one_log(url: str, turns: int, args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     sampled = sorted(rng.sample(range(episodes), min(args.with_events, episodes)))
     started = time.perf_counter()
-    recorded = asyncio.run(record_events(url, sampled))
-    note(f"log: {len(sampled):,} episodes ({len(sampled) * 7:,} events) appended through EventStore")
-    write_read_models(url, episodes, recorded, args.seed)
+    if (kept := kept_log(url, episodes)) is not None:
+        sampled = kept
+        note(f"log of {episodes:,} episodes found in the database: measured without rebuilding it")
+    else:
+        recorded = asyncio.run(record_events(url, sampled))
+        note(f"log: {len(sampled):,} episodes ({len(sampled) * 7:,} events) appended through EventStore")
+        write_read_models(url, episodes, recorded, args.seed)
     with psycopg.connect(url) as connection:
         counts = connection.execute(
             "SELECT (SELECT count(*) FROM episodes), (SELECT count(*) FROM turns), "
@@ -459,7 +521,7 @@ def bench_one_log(url: str, turns: int, args: argparse.Namespace) -> None:
         ).fetchone()
     assert counts is not None
     note(
-        f"built in {time.perf_counter() - started:.0f} s: {counts[0]:,} episodes, {counts[1]:,} turns "
+        f"log ready in {time.perf_counter() - started:.0f} s: {counts[0]:,} episodes, {counts[1]:,} turns "
         f"({counts[3]} with indexes), {counts[2]:,} events"
     )
     results = asyncio.run(measure(url, sampled, args.repeat)) + rollup_cost(url, args.repeat)

@@ -13,6 +13,7 @@ Here: the episodes, one episode (and a turn's whole prompt), the batches, the er
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import logging
@@ -30,6 +31,7 @@ import sqlalchemy.exc
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.errors import ConfigError, TurnstileError
@@ -259,10 +261,11 @@ def episodes_router(browser: Browser, page: Page, error_page: Page) -> APIRouter
         query = parse_query(params)
         engine, _ = await browser.open()
         now = dt.datetime.now(dt.UTC)
-        async with engine.connect() as connection:
-            rows = (await connection.execute(page_query(query, now))).mappings().all()
-            policies = list((await connection.scalars(sa.text(POLICIES_QUERY))).all())
-            total = await _count(connection, query, now)
+        # Three reads on three connections at once: the page waits for the slowest (often the count, up to
+        # its timeout), not for their sum.
+        rows, policies, total = await asyncio.gather(
+            _page_rows(engine, query, now), _policies(engine), _count(engine, query, now)
+        )
         return page(
             request,
             "episodes.html",
@@ -493,14 +496,25 @@ def batches_router(browser: Browser, page: Page, error_page: Page) -> APIRouter:
     return router
 
 
-async def _count(connection: Any, query: EpisodeQuery, now: dt.datetime) -> int | None:
+async def _page_rows(engine: AsyncEngine, query: EpisodeQuery, now: dt.datetime) -> list[Any]:
+    async with engine.connect() as connection:
+        return list((await connection.execute(page_query(query, now))).mappings().all())
+
+
+async def _policies(engine: AsyncEngine) -> list[str]:
+    async with engine.connect() as connection:
+        return list((await connection.scalars(sa.text(POLICIES_QUERY))).all())
+
+
+async def _count(engine: AsyncEngine, query: EpisodeQuery, now: dt.datetime) -> int | None:
     """How many episodes match (up to COUNT_CAP + 1), or None when counting takes longer than
     COUNT_TIMEOUT_MS: a rare filter over a million episodes reads them all, and the page must not wait."""
-    try:
-        # SET LOCAL: this transaction only (the page's queries ran before it; it ends with the connection).
-        await connection.execute(sa.text(f"SET LOCAL statement_timeout = {COUNT_TIMEOUT_MS}"))
-        return int(await connection.scalar(count_query(query, now)) or 0)
-    except sqlalchemy.exc.DBAPIError as error:
-        if isinstance(error.orig, psycopg.errors.QueryCanceled):
-            return None
-        raise
+    async with engine.connect() as connection:
+        try:
+            # SET LOCAL: this transaction only (it ends with the connection).
+            await connection.execute(sa.text(f"SET LOCAL statement_timeout = {COUNT_TIMEOUT_MS}"))
+            return int(await connection.scalar(count_query(query, now)) or 0)
+        except sqlalchemy.exc.DBAPIError as error:
+            if isinstance(error.orig, psycopg.errors.QueryCanceled):
+                return None
+            raise

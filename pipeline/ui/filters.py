@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields
+from functools import cached_property
 from typing import Any, Final
-from urllib.parse import urlencode
+from urllib.parse import quote_plus
 
 import sqlalchemy as sa
 
 from pipeline.errors import ConfigError, TurnstileError
-from pipeline.log import batches_table, episodes_table, turns_table
+from pipeline.log import batches_table, episodes_table
 from pipeline.log import trained_batches_table as trained_table
 from pipeline.replay import parse_since
 
@@ -63,24 +64,39 @@ class EpisodeQuery:
     per: int = 50
 
     def link(self, **changes: Any) -> str:
-        """This query (with ``changes``) as a URL query string, defaults left out: a deep link."""
-        changed = replace(self, **changes)
-        pairs: list[tuple[str, str]] = []
-        for f in fields(changed):
-            value = getattr(changed, f.name)
-            if value == f.default or (f.name == "tag" and not value):
-                continue
-            if isinstance(value, tuple):
-                pairs.extend((f.name, item) for item in value)
-            elif isinstance(value, bool):
-                pairs.append((f.name, "1"))
-            else:
-                pairs.append((f.name, str(value)))
-        return "?" + urlencode(pairs) if pairs else "?"
+        """This query (with ``changes``) as a URL query string, defaults left out: a deep link. The list
+        makes a few of these per row (sort, task, tags): the query's own parameters are encoded once."""
+        unknown = changes.keys() - _FIELD_DEFAULTS.keys()
+        if unknown:
+            raise TypeError(f"EpisodeQuery has no field {sorted(unknown)[0]!r}")
+        parts: list[str] = []
+        for name in _FIELD_DEFAULTS:
+            parts += _encoded(name, changes[name]) if name in changes else self._encoded[name]
+        return "?" + "&".join(parts) if parts else "?"
+
+    @cached_property
+    def _encoded(self) -> dict[str, list[str]]:
+        return {name: _encoded(name, getattr(self, name)) for name in _FIELD_DEFAULTS}
 
     @property
     def filtered(self) -> bool:
         return self.link(sort="started", order="desc", page=1, per=50) != "?"
+
+
+_FIELD_DEFAULTS: Final = {
+    f.name: () if f.default_factory is not MISSING else f.default for f in fields(EpisodeQuery)
+}
+
+
+def _encoded(name: str, value: Any) -> list[str]:
+    """``name=value`` pairs as ``urlencode`` writes them; none for the default (or no tags)."""
+    if value == _FIELD_DEFAULTS[name] or (isinstance(value, tuple) and not value):
+        return []
+    if isinstance(value, tuple):
+        return [f"{name}={quote_plus(item)}" for item in value]
+    if isinstance(value, bool):
+        return [f"{name}=1"]
+    return [f"{name}={quote_plus(str(value))}"]
 
 
 def _one(params: Mapping[str, Sequence[str]], name: str) -> str | None:
@@ -190,8 +206,24 @@ def parse_query(params: Mapping[str, Sequence[str]]) -> EpisodeQuery:
     )
 
 
+# The narrow table under the view ``turns`` (migration 0013): its ``episode`` is the episode's
+# ``started_position``. The flags' partial indexes (migration 0012) are on it; going through the view would
+# join every episode to find each turn's episode id.
+TURN_ROWS: Final = sa.table(
+    "turn_rows",
+    sa.column("episode", sa.BigInteger),
+    sa.column("prefix_break", sa.Boolean),
+    sa.column("render_drift", sa.Boolean),
+)
+# The "errors" filter as migration 0025's partial index ``episodes_errors`` spells it: a literal, not a
+# bound parameter, so that the planner can match the index's predicate in every plan.
+FAILED: Final = sa.or_(
+    episodes_table.c.termination == sa.literal_column("'error'"), episodes_table.c.error.is_not(None)
+)
+
+
 def conditions(query: EpisodeQuery, now: dt.datetime | None = None) -> list[sa.ColumnElement[bool]]:
-    e, t = episodes_table, turns_table
+    e, t = episodes_table, TURN_ROWS
     where: list[sa.ColumnElement[bool]] = []
     for column, value in (
         (e.c.policy, query.policy),
@@ -220,11 +252,11 @@ def conditions(query: EpisodeQuery, now: dt.datetime | None = None) -> list[sa.C
         where.append(e.c.tags.contains(tags))
     # Partial indexes (migration 0012) hold only the turns that broke or drifted: a semi-join over them.
     if query.prefix_break:
-        where.append(e.c.episode_id.in_(sa.select(t.c.episode_id).where(t.c.prefix_break)))
+        where.append(e.c.started_position.in_(sa.select(t.c.episode).where(t.c.prefix_break)))
     if query.render_drift:
-        where.append(e.c.episode_id.in_(sa.select(t.c.episode_id).where(t.c.render_drift)))
+        where.append(e.c.started_position.in_(sa.select(t.c.episode).where(t.c.render_drift)))
     if query.errors:
-        where.append(sa.or_(e.c.termination == "error", e.c.error.is_not(None)))
+        where.append(FAILED)
     return where
 
 

@@ -84,9 +84,10 @@ THROUGHPUT: Final = """
     HAVING sum(episodes) > 0
     ORDER BY bar
 """
-# The last RECENT_GROUPS finished groups of more than one episode (by the index on the policy and their last
-# finish): the view group_rewards' spread (population standard deviation), zero when the group's rewards are
-# all the same. All of them while a run has fewer; a bounded read however long it runs.
+# The last RECENT_GROUPS finished groups of more than one episode (``spread_ready``, by migration 0025's
+# partial index over those groups only): the view group_rewards' spread (population standard deviation),
+# zero when the group's rewards are all the same. All of them while a run has fewer; a bounded read however
+# long it runs.
 GROUPS: Final = f"""
     SELECT CASE WHEN reward_min = reward_max THEN 0.0
                 WHEN rewarded > 0
@@ -94,20 +95,21 @@ GROUPS: Final = f"""
            END AS stddev_reward,
            coalesce(reward_max = reward_min, false) AS zero_spread
     FROM group_rollups
-    WHERE policy = :policy AND finished = episodes AND episodes > 1
+    WHERE policy = :policy AND spread_ready
     ORDER BY last_finished_at DESC NULLS LAST
     LIMIT {RECENT_GROUPS}
 """
+# Their figures and the histogram of their spreads (ten buckets from 0 to the largest) in one statement,
+# the groups read once: [[bucket, groups], ...] in ``histogram``.
 SPREAD: Final = f"""
-    SELECT count(*) AS groups, count(*) FILTER (WHERE zero_spread) AS zero_spread,
-           avg(stddev_reward) AS mean_stddev, max(stddev_reward) AS max_stddev
-    FROM ({GROUPS}) g
-"""
-HISTOGRAM: Final = f"""
-    SELECT width_bucket(stddev_reward, 0, :top, 10) AS bucket, count(*) AS groups
-    FROM ({GROUPS}) g
-    WHERE stddev_reward IS NOT NULL
-    GROUP BY bucket ORDER BY bucket
+    WITH g AS MATERIALIZED ({GROUPS}),
+    s AS (SELECT count(*) AS groups, count(*) FILTER (WHERE zero_spread) AS zero_spread,
+                 avg(stddev_reward) AS mean_stddev, max(stddev_reward) AS max_stddev FROM g)
+    SELECT s.*,
+           (SELECT coalesce(json_agg(json_build_array(bucket, groups) ORDER BY bucket), '[]')
+            FROM (SELECT width_bucket(stddev_reward, 0, s.max_stddev + 1e-9, 10) AS bucket, count(*) AS groups
+                  FROM g WHERE stddev_reward IS NOT NULL GROUP BY bucket) h) AS histogram
+    FROM s
 """
 STALENESS: Final = f"""
     SELECT * FROM (SELECT * FROM batch_staleness WHERE policy = :policy ORDER BY created_at DESC
@@ -180,8 +182,8 @@ async def run_figures(connection: AsyncConnection, policy: str) -> dict[str, Any
     if not stats:
         return {"stats": None}
     by_version = await rows(BY_VERSION)
-    spread = (await rows(SPREAD))[0]
-    histogram = await rows(HISTOGRAM, top=float(spread["max_stddev"] or 0.0) + 1e-9)
+    spread = dict((await rows(SPREAD))[0])
+    histogram: list[list[int]] = spread.pop("histogram")
     staleness = await rows(STALENESS)
     trained = [row for row in await rows(TAKEN) if row["outcome"] == "trained"]
     return {
@@ -211,7 +213,7 @@ async def run_figures(connection: AsyncConnection, policy: str) -> dict[str, Any
         "spread": spread,
         "recent_groups": RECENT_GROUPS,
         "spread_chart": svg.bar_chart(
-            [(min(int(row["bucket"]), 10) - 1, float(row["groups"])) for row in histogram],
+            [(min(int(bucket), 10) - 1, float(groups)) for bucket, groups in histogram],
             slots=10,
             x_low=0.0,
             x_high=float(spread["max_stddev"] or 0.0),

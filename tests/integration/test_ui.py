@@ -193,6 +193,16 @@ def test_a_filter_is_a_deep_link_that_parses_back() -> None:
     link = query.link()
     assert link == "?policy=main&tag=a%3Db&tag=c%3Dd&errors=1&page=3"
     assert query.link(page=1) == "?policy=main&tag=a%3Db&tag=c%3Dd&errors=1"
+    # Each change replaces the query's own value (encoded once per query), in the fields' order.
+    assert (
+        query.link(tag=("k=v w",), task="t/1 & 2", page=1)
+        == "?policy=main&task=t%2F1+%26+2&tag=k%3Dv+w&errors=1"
+    )
+    assert query.link(policy=None, tag=(), errors=False, sort="reward", page=1) == "?sort=reward"
+    assert parse_query({}).link() == "?"
+    assert query.link() == link  # the first encoding is not changed by the links made from it
+    with pytest.raises(TypeError, match="no field 'pages'"):
+        query.link(pages=2)
     with pytest.raises(BadRequest, match="per: 500 is out of range"):
         parse_query({"per": ["500"]})
 
