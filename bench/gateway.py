@@ -81,7 +81,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import openai
@@ -211,6 +211,11 @@ class GatewayEpisode(Episode):
         (await self.admin.post(f"/admin/sessions/{self.session_id}/end", json={})).raise_for_status()
 
 
+IDLE_RECONNECT_S: Final = 1.0
+"""A ``LeanHttp`` connection idle this long is opened again (uvicorn closes one idle for 5 s): the
+interleaved rounds leave each path's connections idle while the others run."""
+
+
 class LeanHttp:
     """A minimal HTTP/1.1 client on one keep-alive connection: ``post(path, body, key)`` sends the JSON body
     and returns the parsed JSON reply. No pooling, redirects, retries or streaming: the least a client can
@@ -220,8 +225,11 @@ class LeanHttp:
         self.host, _, port = url.removeprefix("http://").partition(":")
         self.port = int(port)
         self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.used_at = 0.0
 
     async def post(self, path: str, body: dict[str, Any], key: str) -> Any:
+        if time.monotonic() - self.used_at > IDLE_RECONNECT_S:  # the server may have closed it by now
+            await self.close()
         if self.streams is None:
             self.streams = await asyncio.open_connection(self.host, self.port)
         reader, writer = self.streams
@@ -235,14 +243,17 @@ class LeanHttp:
         status = int(head.split(" ", 2)[1])
         length = int(head.partition("content-length:")[2].partition("\r\n")[0])
         reply = json.loads(await reader.readexactly(length))
+        self.used_at = time.monotonic()
         if not 200 <= status < 300:
             raise RuntimeError(f"POST {path}: {status} {reply}")
         return reply
 
     async def close(self) -> None:
+        """Close the connection (the next ``post`` opens one again)."""
         if self.streams is not None:
             self.streams[1].close()
             await self.streams[1].wait_closed()
+            self.streams = None
 
 
 class LeanGatewayEpisode(Episode):
@@ -760,11 +771,12 @@ async def measure(
                 gateways.append(("gateway-shared", None, "shared"))
             if args.before:
                 gateways.append(("gateway@before", without(args.before, args.before_without), "single"))
-            for label, tree, mode in gateways:
-                async with child("gateway", database_url, found.nats_url, ADMIN_KEY, mode, tree=tree) as (
-                    gateway_pid,
-                    url,
-                ):
+            async with contextlib.AsyncExitStack() as servers:
+                lean: list[tuple[str, str, Processes]] = []  # measured in interleaved rounds
+                for label, tree, mode in gateways:
+                    gateway_pid, url = await servers.enter_async_context(
+                        child("gateway", database_url, found.nats_url, ADMIN_KEY, mode, tree=tree)
+                    )
                     where = f" from {tree}" if tree else ""
                     note(
                         f"{label} on {url}{where} (uvicorn, its own process), "
@@ -778,10 +790,15 @@ async def measure(
                             long_results.append(
                                 await measure_long(label, dialect, url, admin, gateway_pid, args)
                             )
-            if "floor" in args.paths:
-                async with child("floor", database_url, found.nats_url) as (floor_pid, url):
+                    if "gateway-lean" in args.paths:
+                        lean.append((lean_label(label), url, gateway_processes))
+                if "floor" in args.paths:
+                    floor_pid, url = await servers.enter_async_context(
+                        child("floor", database_url, found.nats_url)
+                    )
                     note(f"floor on {url} (uvicorn, its own process)")
-                    results += await measure_lean("floor", url, args, {**processes, "gateway": floor_pid})
+                    lean.append(("floor", url, {**processes, "gateway": floor_pid}))
+                results += await measure_interleaved(lean, args)
         finally:
             await llm.close()
             await store.close()
@@ -804,20 +821,57 @@ async def measure_gateway(
     ):
         if "gateway" in args.paths:
             results += await measure_path(label, lambda _: GatewayEpisode(admin, client), args, processes)
-        if "gateway-lean" in args.paths:
-            results += await measure_lean(lean_label(label), url, args, processes)
     return results
 
 
-async def measure_lean(path: str, url: str, args: argparse.Namespace, processes: Processes) -> list[Result]:
-    """``path`` at ``url`` driven by ``LeanHttp``, one keep-alive connection per worker."""
-    lean = [LeanHttp(url) for _ in range(max(args.levels))]
+def lean_episodes(clients: Sequence[LeanHttp]) -> MakeEpisode:
+    """Episodes posted by ``LeanHttp``: worker ``index`` on ``clients[index]``."""
+    return lambda index: LeanGatewayEpisode(clients[index])
+
+
+async def measure_interleaved(
+    paths: Sequence[tuple[str, str, Processes]], args: argparse.Namespace
+) -> list[Result]:
+    """The lean paths (``gateway-lean``, ``gateway-lean@before``, ``floor``: each ``(label, url, processes)``,
+    their servers all up) driven by ``LeanHttp``, one keep-alive connection per worker, in ``--rounds``
+    rounds: in each, every path runs its share of ``--turns`` at each level in turn. A machine whose speed
+    drifts (other tenants, a build next door) then weighs on every path alike, and the ratios between them
+    hold where back-to-back runs of a few seconds each swung by tens of per cent."""
+    clients = {label: [LeanHttp(url) for _ in range(max(args.levels))] for label, url, _ in paths}
+    results = []
     try:
-        make = lambda index: LeanGatewayEpisode(lean[index])  # noqa: E731
-        return await measure_path(path, make, args, processes)
+        makes = {label: lean_episodes(lean) for label, lean in clients.items()}
+        for level in args.levels:
+            for label, _, _ in paths:
+                await run_turns(makes[label], level, max(args.warmup, level), args.turns_per_episode)
+            latencies: dict[str, list[float]] = {label: [] for label, _, _ in paths}
+            seconds = dict.fromkeys(latencies, 0.0)
+            cpu: dict[str, dict[str, float]] = {label: {} for label in latencies}
+            share = max(1, args.turns // args.rounds)
+            for _ in range(args.rounds):
+                for label, _, processes in paths:
+                    meter = CpuMeter(processes)
+                    meter.start()
+                    done, took = await run_turns(makes[label], level, share, args.turns_per_episode)
+                    for name, value in meter.per(1).items():  # CPU microseconds over the round
+                        cpu[label][name] = cpu[label].get(name, 0.0) + value
+                    latencies[label] += done
+                    seconds[label] += took
+            for label in latencies:
+                count = len(latencies[label])
+                per_turn = {name: value / count for name, value in cpu[label].items()}
+                result = Result(label, level, latencies[label], seconds[label], per_turn)
+                note(
+                    f"{label} x{level} ({args.rounds} rounds): p50 {result.percentile(50):.2f} ms, "
+                    f"p99 {result.percentile(99):.2f} ms, {result.rate:,.0f} turns/s; "
+                    f"CPU us/turn: {result.cpu_text()}"
+                )
+                results.append(result)
     finally:
-        for http in lean:
-            await http.close()
+        for lean in clients.values():
+            for http in lean:
+                await http.close()
+    return results
 
 
 def lean_label(label: str) -> str:
@@ -996,6 +1050,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--turns", type=int, default=600, help="timed turns per path and level (default 600)")
     add("--warmup", type=int, default=100, help="untimed turns first (default 100)")
     add("--turns-per-episode", type=int, default=5, help="turns of each episode (default 5)")
+    add(
+        "--rounds",
+        type=int,
+        default=5,
+        help="the lean paths and the floor take turns this many times, each its share of --turns (default 5)",
+    )
     add("--paths", type=parse_list, default=list(PATHS), help=f"default {','.join(PATHS)}")
     add("--long-turns", type=int, default=30, help="turns of the long conversation (default 30)")
     add("--long-tokens", type=int, default=30_000, help="its prompt at the last turn (default 30,000)")
@@ -1025,10 +1085,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if (
         not args.levels
         or min(args.levels) < 1
-        or min(args.turns, args.turns_per_episode) < 1
+        or min(args.turns, args.turns_per_episode, args.rounds) < 1
         or args.warmup < 0
     ):
-        parser.error("--levels, --turns and --turns-per-episode must be at least 1, --warmup 0 or more")
+        parser.error(
+            "--levels, --turns, --turns-per-episode and --rounds must be at least 1, --warmup 0 or more"
+        )
     if unknown := set(args.long_dialects) - set(LONG_DIALECTS):
         parser.error(
             f"--long-dialects are some of {','.join(LONG_DIALECTS)}, not {','.join(sorted(unknown))}"
