@@ -21,6 +21,11 @@ what differs is how the agent's call reaches the session:
   Python gateway built on these libraries on this machine: what the gateway spends above it is its own
   logic, the rest is the three waits, their wake-ups and the libraries' I/O.
 
+The lean paths and the floor run with their servers up together, in ``--rounds`` rounds (default 5): in
+each, every one of them runs its share of the turns at the level in turn, and the CPU is summed over the
+rounds, so that a drift of the machine's speed weighs on each alike (the other paths run one after the
+other).
+
 At each concurrency level (``--levels``, default 1 and 16) that many workers run episodes back to back,
 each episode ``--turns-per-episode`` turns that extend the conversation (reply + a new user message, so
 turns continue token-exactly), until ``--turns`` timed turns are done; ``--warmup`` turns go first. A
