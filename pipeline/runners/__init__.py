@@ -22,6 +22,7 @@ from pipeline.runners.runner import (
 from pipeline.runners.taskqueue import (
     HARNESS_TASKS_STREAM,
     TASKS_STREAM,
+    RunningTasks,
     TaskWorker,
     ensure_tasks_stream,
     harness_durable,
@@ -39,6 +40,7 @@ __all__ = [
     "RunStats",
     "Runner",
     "RunnerConfig",
+    "RunningTasks",
     "TaskLineError",
     "TaskSpec",
     "TaskWorker",

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Final
 
 import stamina
@@ -55,11 +55,16 @@ def task_stream(*, harness: bool = False) -> str:
 
 
 def runner_durable(policy: str) -> str:
-    return "runners-" + re.sub(r"[^A-Za-z0-9_-]", "_", policy)
+    return _durable("runners", policy)
 
 
 def harness_durable(policy: str) -> str:
-    return "harness-" + re.sub(r"[^A-Za-z0-9_-]", "_", policy)
+    return _durable("harness", policy)
+
+
+def _durable(kind: str, policy: str) -> str:
+    """The durable consumer every worker of ``kind`` for ``policy`` shares (a name NATS takes)."""
+    return f"{kind}-" + re.sub(r"[^A-Za-z0-9_-]", "_", policy)
 
 
 async def ensure_tasks_stream(
@@ -123,6 +128,51 @@ async def submit_tasks(
     return sent
 
 
+class RunningTasks:
+    """The tasks a worker is running, by submission id, each with its latest delivery.
+
+    While a task runs, its latest delivery is told ``in_progress`` every third of ``ack_wait``. If no such
+    note reaches the server for ``ack_wait`` (an outage of NATS or of the worker's connection), the task is
+    delivered again; when it comes back to the worker still running it, it ``join``s that run, which keeps
+    it alive and acks it, the latest, instead of running the task again."""
+
+    def __init__(self, ack_wait: float) -> None:
+        self.ack_wait = ack_wait
+        self.joined = 0
+        """Deliveries that joined a run of their task already here."""
+        self._latest: dict[str, Msg] = {}
+
+    def join(self, key: str, message: Msg) -> bool:
+        """Whether task ``key`` runs here already; if so, ``message`` becomes its latest delivery."""
+        if key not in self._latest:
+            return False
+        self._latest[key] = message
+        self.joined += 1
+        log.info("task %s delivered again while running here: the run goes on", key)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def kept_alive(self, key: str, message: Msg) -> AsyncIterator[None]:
+        """Task ``key`` (delivered as ``message``) running here while the block runs, kept alive."""
+        self._latest[key] = message
+        keepalive = asyncio.create_task(self._keep_alive(key))
+        try:
+            yield
+        finally:
+            keepalive.cancel()
+            del self._latest[key]
+
+    def latest(self, key: str) -> Msg:
+        """Task ``key``'s latest delivery: the one to ack."""
+        return self._latest[key]
+
+    async def _keep_alive(self, key: str) -> None:
+        while True:
+            await asyncio.sleep(self.ack_wait / 3)
+            with contextlib.suppress(Exception):  # a lost one only risks an early redelivery
+                await self._latest[key].in_progress()
+
+
 class TaskWorker:
     """Takes tasks for ``runner.config.policy`` off the queue and runs them, ``concurrency`` episodes at
     most. ``await worker.run(stop)`` until ``stop`` is set; tasks in progress are then left unacked
@@ -144,12 +194,9 @@ class TaskWorker:
         self.fetch_timeout = fetch_timeout
         self.tasks_done = 0
         self.tasks_refused = 0
-        self.redeliveries_joined = 0
-        """Tasks delivered again while this worker still ran them, and left to that run (see ``_work``)."""
+        self.running = RunningTasks(ack_wait)
         self._episodes_in_flight = 0
         self._working: set[asyncio.Task[None]] = set()
-        self._latest: dict[str, Msg] = {}
-        """The tasks this worker runs, by submission id: each one's latest delivery (the one acked)."""
 
     @property
     def policy(self) -> str:
@@ -218,36 +265,19 @@ class TaskWorker:
             await message.term()
             return
         key = str(submitted.submission_id)
-        if key in self._latest:
-            # Delivered again while this worker still runs it: its notes of progress did not reach the
-            # server for ack_wait (an outage of NATS or of this connection). The run goes on; it keeps this
-            # delivery alive and acks it, the latest, when the group is done. Running it again here would
-            # close the open attempts aborted and repeat their work.
-            self._latest[key] = message
-            self.redeliveries_joined += 1
-            log.info("task %s delivered again while running here: the run goes on", key)
+        if self.running.join(key, message):
             return
-        self._latest[key] = message
         size = submitted.group_size
         self._episodes_in_flight += size
-        keepalive = asyncio.create_task(self._keep_alive(key))
         try:
-            spec = TaskSpec(task=submitted.task, task_id=submitted.task_id)
-            await self.runner.run_group(spec, key, size, resume=message.metadata.num_delivered > 1)
-            keepalive.cancel()
-            await self._ack(self._latest[key])
+            async with self.running.kept_alive(key, message):
+                spec = TaskSpec(task=submitted.task, task_id=submitted.task_id)
+                await self.runner.run_group(spec, key, size, resume=message.metadata.num_delivered > 1)
+                latest = self.running.latest(key)
+            await self._ack(latest)
             self.tasks_done += 1
         finally:
-            keepalive.cancel()
             self._episodes_in_flight -= size
-            del self._latest[key]
-
-    async def _keep_alive(self, key: str) -> None:
-        """Tell the server, every third of ack_wait, that the task's latest delivery is still being run."""
-        while True:
-            await asyncio.sleep(self.ack_wait / 3)
-            with contextlib.suppress(Exception):  # a lost one only risks an early redelivery
-                await self._latest[key].in_progress()
 
     async def _ack(self, message: Msg) -> None:
         # ack_sync: the server confirms, so a task is not reported done while its ack is lost. If the

@@ -31,7 +31,7 @@ from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.tables import runners
 from pipeline.runners.runner import Runner, RunnerConfig, RunStats, TaskSpec, run_tasks
-from pipeline.runners.taskqueue import TASKS_STREAM, TaskWorker, runner_durable, submit_tasks
+from pipeline.runners.taskqueue import TASKS_STREAM, RunningTasks, TaskWorker, runner_durable, submit_tasks
 from pipeline.settings import libpq_url
 from schemas import LLMRequest, SamplingParams, TurnCompleted
 from tests.conftest import Servers
@@ -377,8 +377,8 @@ class GatedAgent:
         return 1.0
 
 
-class SilentWorker(TaskWorker):
-    """A worker whose notes of progress never reach the server, as in an outage longer than ack_wait."""
+class SilentTasks(RunningTasks):
+    """Running tasks whose notes of progress never reach the server, as in an outage longer than ack_wait."""
 
     async def _keep_alive(self, key: str) -> None:
         await asyncio.Event().wait()
@@ -396,12 +396,11 @@ async def test_a_task_delivered_again_to_the_runner_still_running_it_is_not_run_
         async with serving(
             InferenceConfig(servers.nats_url, policy, backend="scripted"), RuleBackend(echo_rule)
         ):
-            worker = SilentWorker(
-                Runner(agent, store=store, llm=llm, config=config), connection, ack_wait=1.0
-            )
+            worker = TaskWorker(Runner(agent, store=store, llm=llm, config=config), connection, ack_wait=1.0)
+            worker.running = SilentTasks(worker.ack_wait)
             await submit_tasks(connection, policy, [TaskSpec(task={"id": 1}, task_id="t1")], group_size=2)
             working = asyncio.create_task(worker.run(stop))
-            await wait_until(lambda: worker.redeliveries_joined >= 2, 60, "the task delivered again, twice")
+            await wait_until(lambda: worker.running.joined >= 2, 60, "the task delivered again, twice")
             agent.release.set()
             await wait_until(lambda: worker.tasks_done == 1, 60, "the task done and acked")
 
