@@ -30,7 +30,16 @@ from pipeline.harness import (
     queued_task,
     run_harness,
 )
-from pipeline.runners import ensure_tasks_stream, harness_durable, live_progress, task_stream, task_subject
+from pipeline.runners import (
+    PASSING_FETCH_ERRORS,
+    RunningTasks,
+    ack_retrying,
+    ensure_tasks_stream,
+    harness_durable,
+    live_progress,
+    task_stream,
+    task_subject,
+)
 from pipeline.settings import jetstream
 from schemas import IGNORE, TOLERANT, TaskSubmitted
 
@@ -88,11 +97,13 @@ async def harness_tasks(
 
 class HarnessQueue:
     """``turnstile serve harness``: groups from ``harness.tasks.<policy>`` (``turnstile submit --harness``),
-    ``concurrency`` episodes at a time on this machine, any number of machines. A task is acked once its
+    ``concurrency`` groups at a time on this machine, any number of machines. A task is acked once its
     group's episodes all ended; while it runs the server is told so (``in_progress``) every third of
-    ``ack_wait``; a harness that dies stops doing that, and the task goes to another harness after
-    ``ack_wait``, which runs the whole group again as a new group (the dead one's episodes are ended
-    ``aborted`` by the next start of its owner)."""
+    ``ack_wait`` (``RunningTasks``). A harness that dies stops doing that, and the task goes to another
+    harness after ``ack_wait``, which runs the whole group again as a new group (the dead one's episodes are
+    ended ``aborted`` by the next start of its owner). A task delivered again to the harness still running
+    it (its notes lost in an outage of NATS longer than ``ack_wait``) joins that run: one group, and the
+    latest delivery is the one acked."""
 
     def __init__(self, harness: Harness, connection: NatsConnection, *, ack_wait: float = 60.0) -> None:
         self.harness = harness
@@ -100,6 +111,7 @@ class HarnessQueue:
         self.ack_wait = ack_wait
         self.tasks_done = 0
         self.tasks_refused = 0
+        self.running = RunningTasks(ack_wait)
         self._working: set[asyncio.Task[None]] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -113,6 +125,10 @@ class HarnessQueue:
                 try:
                     messages = await subscription.fetch(1, timeout=1.0)
                 except (NatsTimeoutError, TimeoutError):
+                    continue
+                except PASSING_FETCH_ERRORS as error:
+                    log.warning("harness task queue: %s; trying again", error or type(error).__name__)
+                    await asyncio.sleep(0.5)
                     continue
                 for message in messages:
                     work = asyncio.create_task(self._work(message))
@@ -134,19 +150,14 @@ class HarnessQueue:
             log.error("refused a task on %s: %s; it is dropped", message.subject, error)
             await message.term()
             return
-        keepalive = asyncio.create_task(self._keep_alive(message))
-        try:
+        key = str(submitted.submission_id)
+        if self.running.join(key, message):
+            return
+        async with self.running.kept_alive(key, message):
             await self.harness.run_group(task, submitted.group_size)
-        finally:
-            keepalive.cancel()
-        await message.ack_sync(timeout=10.0)
+            latest = self.running.latest(key)
+        await ack_retrying(latest)
         self.tasks_done += 1
-
-    async def _keep_alive(self, message: Msg) -> None:
-        while True:
-            await asyncio.sleep(self.ack_wait / 3)
-            with contextlib.suppress(Exception):  # a lost one only risks an early redelivery
-                await message.in_progress()
 
 
 async def serve_harness(

@@ -18,6 +18,8 @@ from pipeline.dev.charts import curve_points, mean_ci
 from pipeline.settings import libpq_url
 
 POLICY: Final = "demo"
+LOG_TAIL_LINES: Final = 40
+"""Lines of a service's log quoted when it exited unexpectedly (``ServiceProcesses.check``)."""
 HARNESS_POLICY: Final = "harness-demo"
 """The policy of ``turnstile demo --harness``: its own line of versions beside the demo's."""
 
@@ -81,11 +83,23 @@ class ServiceProcesses:
             time.sleep(0.2)  # a log file has no event to wait on: polled
 
     def check(self) -> None:
+        """A ``RuntimeError`` naming the first service that exited, with the last lines it logged (a CI run
+        keeps the message, not the log file)."""
         for name, process in self.processes.items():
             if process.poll() is not None:
                 raise RuntimeError(
-                    f"the {name} process exited ({process.returncode}); see {self.logs}/{name}.log"
+                    f"the {name} process exited ({process.returncode}); see {self.logs}/{name}.log, "
+                    f"which ends:\n{self.log_tail(name)}"
                 )
+
+    def log_tail(self, name: str, lines: int = LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines service ``name`` logged since it started ("" before any)."""
+        path = self.logs / f"{name}.log"
+        if not path.is_file():
+            return ""
+        with path.open("rb") as log:
+            log.seek(self._log_starts.get(name, 0))
+            return "\n".join(log.read().decode(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
         for process in self.processes.values():

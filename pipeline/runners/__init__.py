@@ -21,9 +21,11 @@ from pipeline.runners.runner import (
 )
 from pipeline.runners.taskqueue import (
     HARNESS_TASKS_STREAM,
+    PASSING_FETCH_ERRORS,
     TASKS_STREAM,
     RunningTasks,
     TaskWorker,
+    ack_retrying,
     ensure_tasks_stream,
     harness_durable,
     old_harness_tasks,
@@ -34,6 +36,7 @@ from pipeline.runners.taskqueue import (
 
 __all__ = [
     "HARNESS_TASKS_STREAM",
+    "PASSING_FETCH_ERRORS",
     "TASKS_STREAM",
     "ProxyAgent",
     "ProxyAgentAdapter",
@@ -44,6 +47,7 @@ __all__ = [
     "TaskLineError",
     "TaskSpec",
     "TaskWorker",
+    "ack_retrying",
     "ensure_tasks_stream",
     "failed_for_infrastructure",
     "failure_report",

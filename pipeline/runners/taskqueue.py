@@ -38,6 +38,9 @@ HARNESS_TASKS_STREAM: Final = "HARNESS_TASKS"
 OLD_HARNESS_SUBJECTS: Final = "tasks.harness.>"
 """Where harness tasks were queued before ``HARNESS_TASKS``: on ``TASKS``, where no harness takes them now."""
 ACK_ATTEMPTS: Final = 5
+PASSING_FETCH_ERRORS: Final = (ConnectionClosedError, NoServersError, NotFoundError, ServiceUnavailableError)
+"""What a pull from a task queue may meet that passes: a server gone, or (on a cluster) the stream's or
+consumer's leader moving. The worker waits half a second and pulls again."""
 
 
 def task_subject(policy: str, *, harness: bool = False) -> str:
@@ -233,13 +236,7 @@ class TaskWorker:
                     )
                 except (NatsTimeoutError, TimeoutError):
                     continue
-                except (
-                    ConnectionClosedError,
-                    NoServersError,
-                    NotFoundError,
-                    ServiceUnavailableError,
-                ) as error:
-                    # a server gone, or (on a cluster) the stream's or consumer's leader moving: it passes
+                except PASSING_FETCH_ERRORS as error:
                     log.warning("task queue: %s; trying again", error or type(error).__name__)
                     await asyncio.sleep(0.5)
                     continue
@@ -274,19 +271,21 @@ class TaskWorker:
                 spec = TaskSpec(task=submitted.task, task_id=submitted.task_id)
                 await self.runner.run_group(spec, key, size, resume=message.metadata.num_delivered > 1)
                 latest = self.running.latest(key)
-            await self._ack(latest)
+            await ack_retrying(latest)
             self.tasks_done += 1
         finally:
             self._episodes_in_flight -= size
 
-    async def _ack(self, message: Msg) -> None:
-        # ack_sync: the server confirms, so a task is not reported done while its ack is lost. If the
-        # ack is lost anyway (the server restarting), the task comes back and resumes as all finished.
-        try:
-            async for attempt in stamina.retry_context(
-                on=Exception, attempts=ACK_ATTEMPTS, timeout=None, wait_initial=0.2, wait_max=4.0
-            ):
-                with attempt:
-                    await message.ack_sync(timeout=5.0)
-        except Exception as error:
-            log.warning("task ack failed %d times (%s); the task will come back", ACK_ATTEMPTS, error)
+
+async def ack_retrying(message: Msg) -> None:
+    """Ack a task's delivery, confirmed by the server (``ack_sync``: a task is not reported done while its
+    ack is lost), trying ``ACK_ATTEMPTS`` times. If the ack is lost anyway (the server restarting), the task
+    comes back: a runner resumes it as all finished, a harness runs it again as a new group."""
+    try:
+        async for attempt in stamina.retry_context(
+            on=Exception, attempts=ACK_ATTEMPTS, timeout=None, wait_initial=0.2, wait_max=4.0
+        ):
+            with attempt:
+                await message.ack_sync(timeout=5.0)
+    except Exception as error:
+        log.warning("task ack failed %d times (%s); the task will come back", ACK_ATTEMPTS, error)

@@ -17,6 +17,8 @@ the commit, or a duplicate from the relay) is acked and skipped. While a batch w
 subscription tells JetStream it is still being worked on. A message that is not a readable training batch
 of this policy is quarantined: logged with its stream sequence, counted (``quarantined``) and terminated,
 so JetStream never delivers it again (and publishes a MSG_TERMINATED advisory); the trainer goes on.
+PostgreSQL going away (a restart, fast or kill -9) ends nothing: every read and write here waits for it and
+tries again (``through_outages``), however long it is away, since the trainer has no other work to do.
 
 ``trained_batches`` is queried here, through the store's engine and the trainer's login, not through the store
 port: it is the trainer's own record of what it trained (its checkpoint in the offline stack), not the event
@@ -30,17 +32,19 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import sqlalchemy as sa
+import stamina
 from nats.aio.client import Client as NatsConnection
 from nats.errors import ConnectionClosedError, NoServersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import ServiceUnavailableError
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from pipeline.batches import (
     BATCHES_STREAM,
@@ -51,8 +55,8 @@ from pipeline.batches import (
     fetch_batch_payload,
     is_safetensors,
 )
-from pipeline.errors import DuplicateEventConflict, TurnstileError
-from pipeline.log import EventStore, Store
+from pipeline.errors import DuplicateEventConflict, StoreUnavailable, TurnstileError
+from pipeline.log import EventStore, Store, is_connection_error
 from pipeline.log import trained_batches_table as trained_batches
 from pipeline.settings import jetstream
 from pipeline.training.tensors import BatchTensors, payload_tensors, to_tensors
@@ -62,6 +66,31 @@ from schemas import PolicyVersionPublished
 log = logging.getLogger(__name__)
 
 VERSION_NAMESPACE: Final = uuid.UUID("0b7f1f6e-93a1-4f0c-8d1e-6d2f3c4b5a69")
+OUTAGE_WAIT_MAX: Final = 5.0
+"""Seconds, at most, between the trainer's attempts while PostgreSQL is away."""
+
+T = TypeVar("T")
+
+
+def _outage(error: BaseException) -> bool:
+    return isinstance(error, StoreUnavailable) or is_connection_error(error)
+
+
+async def through_outages(what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """``call()``, attempted again (jittered backoff up to ``OUTAGE_WAIT_MAX`` s, without end) for as long as
+    PostgreSQL is unreachable; any other error is raised. Each call must be safe to repeat: a write whose
+    commit was lost with its connection may have landed."""
+    async for attempt in stamina.retry_context(
+        on=_outage, attempts=None, timeout=None, wait_initial=0.1, wait_max=OUTAGE_WAIT_MAX
+    ):
+        with attempt:
+            if attempt.num == 2:
+                log.warning("trainer: PostgreSQL unreachable while %s; waiting for it", what)
+            result = await call()
+            if attempt.num > 1:
+                log.info("trainer: PostgreSQL back after %d attempts at %s", attempt.num, what)
+            return result
+    raise AssertionError("unreachable: the retry loop returns or raises")
 
 
 @dataclass
@@ -172,7 +201,8 @@ class BatchSubscription:
                     continue
                 if await self._recorded(batch.batch_id):
                     self.duplicates += 1
-                    await message.ack_sync(timeout=10.0)
+                    with contextlib.suppress(Exception):  # unacked, it comes again and is skipped again
+                        await message.ack_sync(timeout=10.0)
                     continue
                 delivered = DeliveredBatch(batch, message, payload)
                 self._waiting[batch.batch_id] = delivered
@@ -196,8 +226,12 @@ class BatchSubscription:
             .select_from(trained_batches)
             .where(trained_batches.c.trainer == self.durable, trained_batches.c.batch_id == batch_id)
         )
-        async with self.store.engine.connect() as connection:
-            return bool(await connection.scalar(query))
+
+        async def count() -> bool:
+            async with self.store.engine.connect() as connection:
+                return bool(await connection.scalar(query))
+
+        return await through_outages(f"looking up batch {batch_id}", count)
 
     async def commit(
         self,
@@ -221,8 +255,14 @@ class BatchSubscription:
             }
             for i, d in enumerate(delivered)
         ]
-        async with self.store.engine.begin() as connection:
-            await connection.execute(sa.insert(trained_batches), rows)
+        # a commit whose answer was lost with its connection may have landed: the retry finds the rows there
+        insert = pg_insert(trained_batches).on_conflict_do_nothing(index_elements=["trainer", "batch_id"])
+
+        async def record() -> None:
+            async with self.store.engine.begin() as connection:
+                await connection.execute(insert, rows)
+
+        await through_outages(f"recording {len(rows)} batches into version {version}", record)
         for d in delivered:
             self._waiting.pop(d.batch_id, None)
             with contextlib.suppress(Exception):  # recorded: a redelivery would be skipped anyway
@@ -233,8 +273,7 @@ class BatchSubscription:
         query = sa.select(sa.func.coalesce(sa.func.max(trained_batches.c.policy_version), 0)).where(
             trained_batches.c.trainer == self.durable
         )
-        async with self.store.engine.connect() as connection:
-            return int(await connection.scalar(query) or 0)
+        return int(await self._scalar("reading the newest version trained", query) or 0)
 
     async def trained_count(self) -> int:
         """Batches this trainer has trained (not counting skipped ones)."""
@@ -243,8 +282,7 @@ class BatchSubscription:
             .select_from(trained_batches)
             .where(trained_batches.c.trainer == self.durable, trained_batches.c.outcome == "trained")
         )
-        async with self.store.engine.connect() as connection:
-            return int(await connection.scalar(query) or 0)
+        return int(await self._scalar("counting the batches trained", query) or 0)
 
     async def trained_into(self, version: int) -> list[str]:
         """The ids of the batches trained into ``version``."""
@@ -253,8 +291,19 @@ class BatchSubscription:
             trained_batches.c.policy_version == version,
             trained_batches.c.outcome == "trained",
         )
-        async with self.store.engine.connect() as connection:
-            return sorted((await connection.scalars(query)).all())
+
+        async def batch_ids() -> list[str]:
+            async with self.store.engine.connect() as connection:
+                return sorted((await connection.scalars(query)).all())
+
+        return await through_outages(f"reading the batches of version {version}", batch_ids)
+
+    async def _scalar(self, what: str, query: sa.Select[Any]) -> Any:
+        async def scalar() -> Any:
+            async with self.store.engine.connect() as connection:
+                return await connection.scalar(query)
+
+        return await through_outages(what, scalar)
 
     async def _keep_alive(self) -> None:
         while True:
@@ -290,9 +339,13 @@ async def publish_policy_version(
         batches_consumed=sorted(batches_consumed),
     )
     try:
-        await store.append(f"policy-{policy}", [event])
+        await through_outages(
+            f"recording policy version {version}", lambda: store.append(f"policy-{policy}", [event])
+        )
     except DuplicateEventConflict:
-        event = await _recorded_version(store, event, checkpoint)
+        event = await through_outages(
+            f"reading policy version {version}", lambda: _recorded_version(store, event, checkpoint)
+        )
     # The stream keeps the newest version for consumers that subscribe after this publish (made here, before
     # the publish it has to capture; kept as it is when it exists).
     await ensure_versions_stream(connection)

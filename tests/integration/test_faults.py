@@ -13,18 +13,21 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import nats
 import psycopg
 import pytest
 
 from consumers.inference import InferenceConfig
 from consumers.materializer import rematerialize, serve_materializer
 from consumers.runtime import database_outage
+from pipeline.batches import BatchSample, TrainingBatch, batch_subject, encode_batch, ensure_batches_stream
 from pipeline.dev.embedded import EmbeddedNats, EmbeddedPostgres
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.db import migrate
 from pipeline.materialize import MaterializerConfig
 from pipeline.runners.runner import Runner, RunnerConfig, TaskSpec, run_tasks
+from pipeline.training import BatchSubscription, publish_policy_version
 from schemas import EpisodeFinished, RewardAssigned, TurnCompleted
 from tests.conftest import Servers
 from tests.integration.test_materializer import read_models, rows, started, turn
@@ -187,6 +190,71 @@ async def test_the_materializer_rides_out_postgresql_restarts(
     messages = [record.getMessage() for record in caplog.records]
     assert sum("PostgreSQL unreachable" in m and "starting again" in m for m in messages) == 2, messages
     assert sum("PostgreSQL is back" in m for m in messages) == 2, messages
+
+
+async def test_the_trainers_bookkeeping_waits_out_a_postgresql_restart(
+    servers: Servers, server_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In CI the trainer exited 1 when PostgreSQL restarted while it looked up a batch it was given: its reads
+    and writes of ``trained_batches`` had no retry, and the version's append gave up after ``retry_for``.
+    Now each waits for the server, however long it is away (here longer than the store's ``retry_for``), and
+    the books end as one uninterrupted run would have left them."""
+    caplog.set_level(logging.INFO, logger="pipeline.training")
+    policy = f"p{uuid.uuid4().hex[:10]}"
+    postgres = EmbeddedPostgres(server_dir / "pg")
+    postgres.start()
+    connection = await nats.connect(servers.nats_url)
+    try:
+        migrate(postgres.url)
+        store = await EventStore.connect(postgres.url, retry_for=0.5)
+        await ensure_batches_stream(connection)
+        for batch_id in ("b1", "b2"):
+            sample = BatchSample("s", "e", "g", ("t",), 0, 1.0, 0.5, False, (5, 6), (0, 1), (0.0, -0.5))
+            batch = encode_batch(TrainingBatch(batch_id, policy, "h", 0, (sample,)))
+            await connection.jetstream().publish(batch_subject(policy), batch)
+        batches = await BatchSubscription.open(
+            connection, store, policy=policy, durable="t", fetch_timeout=0.5
+        )
+        try:
+            delivered = aiter(batches)
+            first = await asyncio.wait_for(anext(delivered), 60)
+            await asyncio.to_thread(postgres.stop)
+            # while it is down: the next batch's lookup, the first one's commit, the version's append
+            second = asyncio.create_task(anext(delivered))
+            commit = asyncio.create_task(batches.commit([first], 1, losses=[0.5]))
+            published = asyncio.create_task(
+                publish_policy_version(store, connection, policy, 1, str(server_dir), batches_consumed=["b1"])
+            )
+            waits = (
+                "looking up batch b2",
+                "recording 1 batches into version 1",
+                "recording policy version 1",
+            )
+            deadline = time.monotonic() + 60
+            while not all(any(f"while {w}" in r.getMessage() for r in caplog.records) for w in waits):
+                assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+                assert not any(t.done() for t in (second, commit, published))  # none gave up or went through
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(postgres.start)
+            assert (await asyncio.wait_for(second, 60)).batch_id == "b2"
+            await asyncio.wait_for(commit, 60)
+            assert (await asyncio.wait_for(published, 60)).version == 1
+            assert (await batches.trained_version(), await batches.trained_into(1)) == (1, ["b1"])
+            await batches.commit(
+                [first], 1, losses=[0.5]
+            )  # the commit again (its answer lost): one row stays
+        finally:
+            await batches.close()
+            await store.close()
+        assert rows(postgres.url, "SELECT batch_id, policy_version, loss FROM trained_batches") == [
+            ("b1", 1, 0.5)
+        ]
+        versions = rows(postgres.url, "SELECT count(*) FROM events WHERE stream = %s", f"policy-{policy}")
+        assert versions == [(1,)]
+    finally:
+        await connection.drain()
+        postgres.stop()
+    assert any("PostgreSQL back after" in r.getMessage() for r in caplog.records)
 
 
 def test_an_outage_is_told_from_other_errors_and_a_full_disk_is_named() -> None:

@@ -19,6 +19,7 @@ from rich.console import Console
 
 from consumers.harness import serve_harness
 from pipeline.harness import HarnessStats, HarnessTask, backend, load_tasks, run_harness
+from pipeline.harness.backends.process import sandboxes_root
 from pipeline.log import EventStore
 from pipeline.runners import TaskSpec, submit_tasks, task_stream, task_subject
 from pipeline.settings import jetstream
@@ -36,6 +37,7 @@ from tests.support.harness import (
     owned_sandboxes,
 )
 from tests.support.processes import running
+from tests.support.taskqueue import SilentTasks
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.harness, pytest.mark.parametrize("sandbox", SANDBOXES)]
@@ -210,15 +212,81 @@ async def test_ctrl_c_or_sigterm_ends_open_sessions_cancelled_and_stops_every_sa
 def sleeping(tmp_path: Path) -> int:
     """How many ``sleep 600`` run with a working directory under ``tmp_path`` (the agents' commands), or in
     a sandbox's own ``/workspace`` (bwrap: /proc shows the path as the sandbox sees it)."""
-    count = 0
+    return len(sleepers(tmp_path))
+
+
+def sleepers(root: Path) -> list[int]:
+    """The pids of the ``sleep 600`` that ``sleeping`` counts."""
+    found = []
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and (entry / "cmdline").read_bytes() == b"sleep\x00600\x00":
                 cwd = os.readlink(entry / "cwd")
-                count += cwd.startswith(str(tmp_path)) or cwd == "/workspace"
+                if cwd.startswith(str(root)) or cwd == "/workspace":
+                    found.append(int(entry.name))
         except OSError:
             continue
-    return count
+    return found
+
+
+async def test_a_task_delivered_again_to_the_harness_still_running_it_joins_that_run(
+    sandbox: str,
+    servers: Servers,
+    database_url: str,
+    store: EventStore,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A harness whose notes of progress are lost (an outage of NATS longer than ``ack_wait``) is given its
+    task again while it still runs it: each such delivery joins that run (one group of episodes, not a second
+    one), and once the group ends the latest delivery is acked, so the task leaves the queue."""
+    monkeypatch.setattr("consumers.harness.RunningTasks", SilentTasks)
+    SilentTasks.instances.clear()
+    waiting = {"instruction": "Wait a long time.", "verifier": "true"}  # the agents run `sleep 600`
+    async with agent_gateway(servers.nats_url, database_url, tiny_model_dir, SCRIPT) as gateway:
+        connection = await nats.connect(servers.nats_url)
+        try:
+            await submit_tasks(
+                connection, gateway.policy, [TaskSpec(waiting, "wait")], group_size=2, harness=True
+            )
+            stats, stop = HarnessStats(), asyncio.Event()
+            serving = asyncio.create_task(
+                serve_harness(
+                    harness_config(gateway, tmp_path), sandbox, servers.nats_url, Console(stderr=True),
+                    stop=stop, stats=stats, ack_wait=2.0,
+                )
+            )  # fmt: skip
+
+            def joined_twice() -> bool:
+                return serving.done() or bool(SilentTasks.instances and SilentTasks.instances[0].joined >= 2)
+
+            await wait_until(joined_twice, 180, "the task delivered again, twice, while it runs")
+            await wait_until(lambda: len(sleepers(sandboxes_root())) == 2 or serving.done(), 120, "2 agents")
+            assert not serving.done(), serving.result()
+            assert len(await open_sessions(gateway)) == 2  # one group: no delivery started another
+            for pid in sleepers(sandboxes_root()):
+                os.kill(pid, signal.SIGTERM)  # the agents' commands end: their episodes finish, verified
+            await wait_until(lambda: len(stats.attempts) == 2 or serving.done(), 120, "the group's end")
+            subject = task_subject(gateway.policy, harness=True)
+
+            async def acked() -> bool:
+                stream = task_stream(harness=True)
+                left = await jetstream(connection).stream_info(stream, subjects_filter=subject)
+                return not left.state.subjects
+
+            await wait_until(acked, 60, "the latest delivery acked: the task gone from the work queue")
+            stop.set()
+            queue = await serving
+            assert queue is not None
+            assert (queue.tasks_done, queue.tasks_refused) == (1, 0)
+            assert queue.running.joined >= 2
+        finally:
+            stop.set()
+            await connection.drain()
+    assert len(stats.attempts) == 2
+    assert len({a.group_id for a in stats.attempts}) == 1
+    assert {(a.outcome, a.reward) for a in stats.attempts} == {("passed", 1.0)}
 
 
 async def test_serve_harness_runs_a_group_from_the_task_queue_and_acks_it(

@@ -342,9 +342,8 @@ def test_every_service_stays_up_through_postgresql_and_nats_restarts(
                HF_HUB_OFFLINE="1", TURNSTILE_ADMIN_KEY=ADMIN, TURNSTILE_TEST_AGENT_SLEEP="1.0")  # fmt: skip
     policy = f"p{uuid.uuid4().hex[:8]}"
     deployment = Deployment(env, server_dir / "logs", tiny_model_dir, server_dir / "checkpoints", policy)
-    # No runner dies here, so its tasks need not come back soon; an outage makes no progress for seconds, and
-    # a task delivered again to its own runner closes the attempts it still runs `aborted` (not fixed yet).
-    deployment.ack_wait = 60.0
+    # The runner's short ack wait stays: an outage makes no progress for seconds, so its tasks are delivered
+    # again to it while it still runs them, and each redelivery joins the attempt it runs (RunningTasks).
     url, ports = postgres.url, deployment.metrics_ports
 
     def restart_postgresql(down: Callable[[], None]) -> Callable[[], None]:

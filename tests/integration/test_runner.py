@@ -31,7 +31,7 @@ from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
 from pipeline.log.tables import runners
 from pipeline.runners.runner import Runner, RunnerConfig, RunStats, TaskSpec, run_tasks
-from pipeline.runners.taskqueue import TASKS_STREAM, RunningTasks, TaskWorker, runner_durable, submit_tasks
+from pipeline.runners.taskqueue import TASKS_STREAM, TaskWorker, runner_durable, submit_tasks
 from pipeline.settings import libpq_url
 from schemas import LLMRequest, SamplingParams, TurnCompleted
 from tests.conftest import Servers
@@ -39,6 +39,7 @@ from tests.support.agents import ThreeTurnAgent
 from tests.support.backends import Rule, RuleBackend, calculator_rule, echo_rule
 from tests.support.processes import running
 from tests.support.serving import serving
+from tests.support.taskqueue import SilentTasks
 from tests.support.waiting import wait_until
 
 TURNSTILE = [sys.executable, "-m", "consumers.cli"]
@@ -375,13 +376,6 @@ class GatedAgent:
         await llm.chat([{"role": "user", "content": "hello"}])
         await self.release.wait()
         return 1.0
-
-
-class SilentTasks(RunningTasks):
-    """Running tasks whose notes of progress never reach the server, as in an outage longer than ack_wait."""
-
-    async def _keep_alive(self, key: str) -> None:
-        await asyncio.Event().wait()
 
 
 async def test_a_task_delivered_again_to_the_runner_still_running_it_is_not_run_twice(
