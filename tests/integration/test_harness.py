@@ -15,6 +15,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.aio.client import Client as NatsConnection
 from rich.console import Console
 
 from consumers.harness import serve_harness
@@ -268,14 +269,7 @@ async def test_a_task_delivered_again_to_the_harness_still_running_it_joins_that
             for pid in sleepers(sandboxes_root()):
                 os.kill(pid, signal.SIGTERM)  # the agents' commands end: their episodes finish, verified
             await wait_until(lambda: len(stats.attempts) == 2 or serving.done(), 120, "the group's end")
-            subject = task_subject(gateway.policy, harness=True)
-
-            async def acked() -> bool:
-                stream = task_stream(harness=True)
-                left = await jetstream(connection).stream_info(stream, subjects_filter=subject)
-                return not left.state.subjects
-
-            await wait_until(acked, 60, "the latest delivery acked: the task gone from the work queue")
+            await wait_until(lambda: queue_empty(connection, gateway.policy), 60, "the latest delivery acked")
             stop.set()
             queue = await serving
             assert queue is not None
@@ -287,6 +281,13 @@ async def test_a_task_delivered_again_to_the_harness_still_running_it_joins_that
     assert len(stats.attempts) == 2
     assert len({a.group_id for a in stats.attempts}) == 1
     assert {(a.outcome, a.reward) for a in stats.attempts} == {("passed", 1.0)}
+
+
+async def queue_empty(connection: NatsConnection, policy: str) -> bool:
+    """Whether ``harness.tasks.<policy>`` holds no task (each one acked)."""
+    subject = task_subject(policy, harness=True)
+    left = await jetstream(connection).stream_info(task_stream(harness=True), subjects_filter=subject)
+    return not left.state.subjects
 
 
 async def test_serve_harness_runs_a_group_from_the_task_queue_and_acks_it(
@@ -311,9 +312,7 @@ async def test_serve_harness_runs_a_group_from_the_task_queue_and_acks_it(
             queue = await serving
             assert queue is not None
             assert (queue.tasks_done, queue.tasks_refused) == (1, 0)
-            subject = task_subject(gateway.policy, harness=True)
-            left = await jetstream(connection).stream_info(task_stream(harness=True), subjects_filter=subject)
-            assert not left.state.subjects, "acked: gone from the work queue"
+            assert await queue_empty(connection, gateway.policy), "acked: gone from the work queue"
         finally:
             await connection.drain()
     assert {(a.outcome, a.reward, a.group_size) for a in stats.attempts} == {("passed", 1.0, 2)}
