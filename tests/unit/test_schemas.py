@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
+from array import array
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pipeline.log.tokens import pack_tokens, unpack_tokens
@@ -177,3 +182,38 @@ def test_timings_and_temperature_refuse_infinity_which_json_would_store_as_null(
     with pytest.raises(ValidationError):
         SamplingParams(temperature=float("inf"))
     assert Timings(first_token_ms=1.5).first_token_ms == 1.5
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40),
+    logprobs=st.lists(st.floats(width=32), max_size=40),
+)
+def test_a_packed_array_is_accepted_or_refused_exactly_as_the_same_values_as_a_list(
+    ids: list[int], logprobs: list[float]
+) -> None:
+    """Packed arrays skip the per-value validation when a check over the whole array in C passes; whatever
+    the values (negative ids, NaN, infinities, positive logprobs), the packed form must be read exactly as
+    the list form: the same values, or refused with the same errors."""
+
+    def reply(prompt: object, completion: object) -> dict[str, object]:
+        return {
+            "type": "LLMResponse", "request_id": str(uuid.uuid4()), "text": "x", "finish_reason": "stop",
+            "prompt_token_ids": prompt, "completion_token_ids": [1] * len(logprobs),
+            "completion_logprobs": completion, "policy_version": 0, "consumer_id": "c",
+        }  # fmt: skip
+
+    def packed(code: str, values: list[Any]) -> str:
+        return base64.b64encode(array(code, values).tobytes()).decode()
+
+    def read(message: dict[str, object]) -> tuple[str, object]:
+        try:
+            parsed = parse_wire(message)
+        except ValidationError as error:
+            return "refused", [(e["loc"], e["type"]) for e in error.errors()]
+        assert isinstance(parsed, LLMResponse)
+        return "read", (parsed.prompt_token_ids, [repr(v) for v in parsed.completion_logprobs])
+
+    as_list = read(reply(ids, array("f", logprobs).tolist()))
+    as_packed = read(reply(packed("i", ids), packed("f", logprobs)))
+    assert as_packed == as_list
