@@ -119,7 +119,9 @@ class EpisodeSession:
         self._contexts: list[TurnContext] = []
         self._version = 0
         self._lock = asyncio.Lock()
-        self._appends: set[asyncio.Task[AppendResult | None]] = set()
+        self._interrupted: frozenset[uuid.UUID] = frozenset()
+        """The event ids of an append whose caller was cancelled in flight: it may land yet, or have landed
+        (``_append``)."""
         self._started_at = time.monotonic()
         self._calls = 0
         self._sampling_defaults = self.started.sampling.model_dump()
@@ -209,6 +211,8 @@ class EpisodeSession:
             self.events.append(event)
             if isinstance(event, TurnDelivered):
                 self._awaiting.difference_update(event.turn_ids)
+                recorded_now = set(event.turn_ids)  # noted here and recorded by an interrupted append
+                self._delivered = [turn_id for turn_id in self._delivered if turn_id not in recorded_now]
             elif isinstance(event, TurnCompleted):
                 context = recorded_context(event, by_id.get(event.parent_turn_id or uuid.UUID(int=0)))
                 by_id[event.turn_id] = context
@@ -419,11 +423,10 @@ class EpisodeSession:
         rewards: Sequence[RewardAssigned] = (),
     ) -> None:
         """Close the stream, after ``rewards`` (``reward_event``s) in the same append: an episode's closing
-        rewards and its end are recorded together (and an append less each episode). Appends still in flight
-        (a turn whose agent was cancelled) land first; if one of them closed the stream already (a finish
-        that was cancelled while appending), that one stands."""
-        if self._appends:
-            await asyncio.gather(*self._appends, return_exceptions=True)
+        rewards and its end are recorded together (and an append less each episode). An append whose caller
+        was cancelled in flight (a turn whose agent was cancelled) is either recorded before the end, which
+        then follows it, or refused because the end came first; if it closed the stream already (a finish
+        that was cancelled while appending), that one stands (``_append``)."""
         if self.finished:
             return
         # From the recorded events as they are, not the fold, which makes every turn whole (copies of each
@@ -625,16 +628,19 @@ class EpisodeSession:
             await self._append([])
 
     async def _append(self, events: list[Event]) -> AppendResult | None:
-        # Shielded: if the agent is cancelled while its turn is being appended, the append still completes
-        # (and `finish` waits for it), so the stream's expected version stays right.
-        task = asyncio.create_task(self._append_in_order(events))
-        self._appends.add(task)
-        task.add_done_callback(self._appends.discard)
-        return await asyncio.shield(task)
+        """Append ``events`` (after the deliveries noted since the last append) at the session's version,
+        one append at a time.
 
-    async def _append_in_order(self, events: list[Event]) -> AppendResult | None:
+        A caller cancelled while its append is in flight leaves the session unsure whether it landed: the
+        store may still record it. The session's next append is then written at the version it knew; if the
+        interrupted one landed first, that one is refused (``WrongExpectedVersion``), the session catches up
+        with the log and writes it again after it; if this one lands first, the interrupted one is refused.
+        Either way the stream stays whole, without a task per append to carry one through a cancel (a
+        shielded task cost ~10% of the runner's CPU a turn in bench/episodes.py)."""
         async with self._lock:
             while True:
+                if self.finished and events:  # the stream was closed, by an interrupted finish found since
+                    return None
                 written = (
                     [TurnDelivered(turn_ids=list(self._delivered)), *events] if self._delivered else events
                 )
@@ -643,6 +649,9 @@ class EpisodeSession:
                 metadata = {RUNNER_METADATA: self.runner_id} if self.runner_id and not self._version else None
                 try:
                     result = await self.store.append(self.stream, written, self._version, metadata=metadata)
+                except asyncio.CancelledError:
+                    self._interrupted = frozenset(event.event_id for event in written)
+                    raise
                 except WrongExpectedVersion:
                     if not await self._only_deliveries_since(annotations_only=not events):
                         raise
@@ -654,14 +663,22 @@ class EpisodeSession:
                 return result
 
     async def _only_deliveries_since(self, *, annotations_only: bool) -> bool:
-        """After a lost append: caught up with the stream, whether appending again at its new version is
-        right. Another gateway replica serving the session (``from_log``) may have recorded deliveries
-        (``TurnDelivered``), which change no conversation: after them a turn is appended as it was. A
-        delivery of this session's own (``annotations_only``) may go after anything but the end. Anything
-        else (a turn, a reward, the end) moved the session on, and the write is refused."""
-        if not self.shared:
+        """After a refused append: caught up with the stream, whether appending again at its new version is
+        right. What moved may be this session's own append that was interrupted (``_interrupted``) and landed
+        after all: taken in, and the write goes after it. Another gateway replica serving the session
+        (``from_log``) may have recorded deliveries (``TurnDelivered``), which change no conversation: after
+        them a turn is appended as it was. A delivery of this session's own (``annotations_only``) may go
+        after anything but the end. Anything else (a turn, a reward, the end) moved the session on, and the
+        write is refused."""
+        interrupted, self._interrupted = self._interrupted, frozenset()
+        if not self.shared and not interrupted:
             return False
         moved = await self.store.read_stream(self.stream, after_version=self._version)
+        if interrupted and moved and {record.event_id for record in moved} <= interrupted:
+            self._apply(moved)
+            return True
+        if not self.shared:
+            return False
         self._apply(moved)
         if annotations_only:
             return not self.finished

@@ -142,6 +142,115 @@ async def test_an_agent_cancelled_mid_turn_ends_cancelled_with_its_turn_recorded
     assert episode.finished.termination == "cancelled"
 
 
+class WriterStore(InMemoryStore):
+    """The in-memory store with a writer of its own, as ``EventStore`` has: each append waits at ``gate``
+    (while ``hold`` is set) and is written by a task of its own, which a cancelled caller does not stop;
+    ``landed_first`` writes it before the wait instead (the caller is cancelled before it hears back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold, self.landed_first = False, False
+        self.gate, self.waiting = asyncio.Event(), asyncio.Event()
+        self.writes: list[asyncio.Task[Any]] = []
+        self.refused: list[BaseException] = []
+
+    async def append(self, stream: str, events: Any, expected_version: int | None = None, **kw: Any) -> Any:
+        if not self.hold:
+            return await super().append(stream, events, expected_version, **kw)
+        self.hold = False
+
+        async def write() -> Any:
+            if self.landed_first:
+                recorded = await InMemoryStore.append(self, stream, events, expected_version, **kw)
+                self.waiting.set()
+                await self.gate.wait()
+                return recorded
+            self.waiting.set()
+            await self.gate.wait()
+            try:
+                return await InMemoryStore.append(self, stream, events, expected_version, **kw)
+            except WrongExpectedVersion as refused:
+                self.refused.append(refused)
+                raise
+
+        self.writes.append(asyncio.create_task(write()))
+        return await asyncio.shield(self.writes[-1])
+
+
+async def interrupted_turn(store: WriterStore) -> EpisodeSession:
+    """A session whose second turn's append is in flight (held at the store's gate) when its caller is
+    cancelled."""
+    session = EpisodeSession(store, PrefixEcho(), policy="main")
+    await session.start()
+    first = await session.chat([{"role": "user", "content": "a"}])
+    store.hold = True
+    second = asyncio.create_task(
+        session.chat([{"role": "user", "content": "a"}, first.message, {"role": "user", "content": "b"}])
+    )
+    await store.waiting.wait()
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    return session
+
+
+async def test_a_turn_recorded_after_its_caller_was_cancelled_is_taken_in_before_the_end() -> None:
+    """The store wrote the turn, but the agent was cancelled before hearing so: the session's end is first
+    refused at the version it knew, then written after the turn, which the session took in from the log."""
+    store = WriterStore()
+    store.landed_first = True
+    session = await interrupted_turn(store)
+    store.gate.set()
+    await session.finish("cancelled")
+    events = await recorded(store, session)
+    assert [type(e).__name__ for e in events] == [
+        "EpisodeStarted",
+        "TurnCompleted",
+        "TurnCompleted",
+        "EpisodeFinished",
+    ]
+    assert [r.version for r in await store.read_stream(session.stream)] == [1, 2, 3, 4]
+    assert session.finished
+    assert session.events[-1] == events[-1]
+    await session.finish("cancelled")  # finished: nothing more
+    assert len(await store.read_stream(session.stream)) == 4
+
+
+async def test_a_turn_still_in_flight_when_the_end_is_written_is_refused_and_the_stream_stays_whole() -> None:
+    """The agent was cancelled while its turn waited to be written; the end was written first, at the
+    version the session knew: the late turn is refused by its expected version; nothing follows the end."""
+    store = WriterStore()
+    session = await interrupted_turn(store)
+    await session.finish("cancelled")
+    store.gate.set()
+    with pytest.raises(WrongExpectedVersion):
+        await store.writes[-1]
+    events = await recorded(store, session)
+    assert [type(e).__name__ for e in events] == ["EpisodeStarted", "TurnCompleted", "EpisodeFinished"]
+    assert len(store.refused) == 1
+
+
+async def test_an_end_recorded_after_its_caller_was_cancelled_stands_and_is_not_written_twice() -> None:
+    store = WriterStore()
+    session = EpisodeSession(store, PrefixEcho(), policy="main")
+    await session.start()
+    await session.chat([{"role": "user", "content": "a"}])
+    store.hold, store.landed_first = True, True
+    finishing = asyncio.create_task(session.finish("cancelled"))
+    await store.waiting.wait()
+    finishing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await finishing
+    store.gate.set()
+    await session.finish("error", error="the runner stopped")  # refused, caught up: the first end stands
+    events = await recorded(store, session)
+    assert [type(e).__name__ for e in events] == ["EpisodeStarted", "TurnCompleted", "EpisodeFinished"]
+    finished = events[-1]
+    assert isinstance(finished, EpisodeFinished)
+    assert finished.termination == "cancelled"
+    assert session.finished
+
+
 @pytest.mark.parametrize("rewards", [[], [0.25, -1.0]])
 async def test_an_episodes_outcome_from_its_recorded_events_equals_the_folds(rewards: list[float]) -> None:
     """run_episode ends with ``EpisodeOutcome.of_events``, which makes no turn whole: it must say what the
