@@ -27,6 +27,16 @@ _set = object.__setattr__  # how pydantic sets a frozen model's internals
 class Contract(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    def __eq__(self, other: object) -> bool:
+        # pydantic's own __eq__ (Python) also weighs private attributes, extras and generic origins, none
+        # of which a contract model has: equal fields of the same model are equal models. It runs for each
+        # model-valued field that a JSON dump leaving out defaults compares with its default.
+        if type(other) is type(self):
+            return self.__dict__ == other.__dict__
+        return super().__eq__(other)
+
+    __hash__ = BaseModel.__hash__  # a class that defines __eq__ loses the inherited __hash__ otherwise
+
     @classmethod
     def trusted(cls, **fields: Any) -> Self:
         """A model of values that are valid already (parts of models validated before), every field given:

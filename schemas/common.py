@@ -200,3 +200,19 @@ class Timings(Contract):
         description="time the request ran before a new policy version cut it short and it was run again on "
         "that version (its tokens of the old version dropped; also counted in queued_ms); 0: it ran once",
     )
+
+
+def default_sampling() -> SamplingParams:
+    """The default sampling, one frozen instance for every model that defaults to it (a field's
+    ``default_factory``): leaving defaults out of a turn's JSON calls each factory, and building a model
+    there cost more than the rest of the comparison."""
+    return _DEFAULT_SAMPLING
+
+
+def default_timings() -> Timings:
+    """The default timings (all 0), one frozen instance, as ``default_sampling``."""
+    return _DEFAULT_TIMINGS
+
+
+_DEFAULT_SAMPLING: Final = SamplingParams()
+_DEFAULT_TIMINGS: Final = Timings()

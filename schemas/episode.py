@@ -18,6 +18,8 @@ from schemas.common import (
     ToolCall,
     ToolChoice,
     ToolSpec,
+    default_sampling,
+    default_timings,
 )
 from schemas.ids import new_uuid
 
@@ -37,7 +39,7 @@ class EpisodeStarted(Contract):
     )
     agent: str
     policy: str = Field(min_length=1)
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling: SamplingParams = Field(default_factory=default_sampling)
     tags: dict[str, str] = Field(default_factory=dict)
     retry_of: str | None = Field(
         default=None, description="episode id of the failed attempt this one retries"
@@ -47,7 +49,7 @@ class EpisodeStarted(Contract):
 class TurnRequest(Contract):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolSpec] = Field(default_factory=list)
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling: SamplingParams = Field(default_factory=default_sampling)
     tool_choice: ToolChoice | None = Field(default=None, description="None: auto")
 
 
@@ -112,7 +114,7 @@ class TurnCompleted(Contract):
     completion_logprobs: Logprobs
     policy_version: int = Field(ge=0, lt=2**31)
     engine_id: str
-    timings: Timings = Field(default_factory=Timings)
+    timings: Timings = Field(default_factory=default_timings)
     prefix_break: bool = False
     render_drift: bool | None = Field(
         default=None,

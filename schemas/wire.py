@@ -19,6 +19,8 @@ from schemas.common import (
     ToolSpec,
     WireLogprobs,
     WireTokenIds,
+    default_sampling,
+    default_timings,
 )
 from schemas.ids import new_uuid
 
@@ -88,7 +90,7 @@ class LLMRequest(Contract):
     episode_id: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolSpec] = Field(default_factory=list)
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling: SamplingParams = Field(default_factory=default_sampling)
     prefix: TokenPrefix | None = None
     tool_choice: ToolChoice | None = Field(default=None, description="None: auto")
     top_logprobs: int | None = Field(
@@ -134,7 +136,7 @@ class LLMResponse(Contract):
         description="the consumer keeps this turn's prompt + completion ids, messages and tools under this "
         "key for a while: a request that continues the turn may name it (prefix.key) instead of sending them",
     )
-    timings: Timings = Field(default_factory=Timings)
+    timings: Timings = Field(default_factory=default_timings)
     prefix_break: bool = False
     render_drift: bool | None = Field(
         default=None,
