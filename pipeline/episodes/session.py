@@ -459,7 +459,11 @@ class EpisodeSession:
         if isinstance(sampling, SamplingParams):
             sampling = sampling.model_dump()
         try:
-            chosen = SamplingParams.model_validate({**self._sampling_defaults, **(sampling or {})})
+            chosen = (  # the episode's own, validated when it started, unless the call changes it
+                SamplingParams.model_validate({**self._sampling_defaults, **sampling})
+                if sampling
+                else self.started.sampling
+            )
             request = self._new_request(messages, tools or [], chosen, tool_choice, top_logprobs)
         except ValidationError as error:
             raise InvalidLLMCall(

@@ -142,10 +142,13 @@ def decode_event(type_: str, data: Mapping[str, Any], tokens: bytes | None) -> E
     return parse_event(fields, tolerant=True)
 
 
+_EVENT_CLASSES: Final = frozenset(EVENT_TYPES.values())
+
+
 def validate_event(index: int, event: Event | Mapping[str, Any]) -> Event:
     """An event model from a model or a dict, or InvalidEvent naming what was wrong."""
     if isinstance(event, BaseModel):
-        if type(event) not in EVENT_TYPES.values():
+        if type(event) not in _EVENT_CLASSES:
             known = ", ".join(EVENT_TYPES)
             raise InvalidEvent(
                 f"event {index} is a {type(event).__name__}, not an event; known types: {known}"
