@@ -77,6 +77,10 @@ def test_wandb_writes_an_offline_run_with_every_steps_figures(
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)  # the tracker defaults to offline by itself
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # wandb's service process must answer within 30 s and its run start within 90 by default: a loaded CI
+    # machine (the suite's other tests beside it) is given longer, so only a real failure fails here
+    monkeypatch.setenv("WANDB__SERVICE_WAIT", "300")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "300")
     tracker = open_tracker("wandb", run_name="trainer-b", directory=tmp_path, config={"lr": 0.003})
     for step, loss in [(1, 0.5), (2, 0.25)]:
         tracker(record(step, loss))
