@@ -221,9 +221,10 @@ async def test_a_checkpoint_of_another_shape_is_loaded_as_a_new_model_and_in_fli
     backend = TorchBackend(tiny_model_dir, max_batch=4)
     try:
         running = [
-            asyncio.create_task(backend.generate(ask(f"q{i}", max_tokens=48, seed=i))) for i in range(4)
+            asyncio.create_task(backend.generate(ask(f"q{i}", max_tokens=256, seed=i))) for i in range(4)
         ]
-        await wait_until(lambda: backend._swap.locked(), 60, "a batch to start")
+        # a step counted, not the swap lock held: a quiet machine ran a short batch between two looks
+        await wait_until(lambda: backend.steps > 0, 60, "a batch to start")
         await backend.load_version(1, str(tmp_path / "wider"))
         finished = await asyncio.gather(*running)
         after = await backend.generate(ask("hello", max_tokens=12, seed=1))
