@@ -642,8 +642,9 @@ class EpisodeSession:
         Either way the stream stays whole, without a task per append to carry one through a cancel (a
         shielded task cost ~10% of the runner's CPU a turn in bench/episodes.py)."""
         async with self._lock:
+            caught_up = False
             while True:
-                if self.finished and events:  # the stream was closed, by an interrupted finish found since
+                if caught_up and self.finished and events:  # closed by an interrupted finish, found since
                     return None
                 written = (
                     [TurnDelivered(turn_ids=list(self._delivered)), *events] if self._delivered else events
@@ -659,7 +660,9 @@ class EpisodeSession:
                 except WrongExpectedVersion:
                     if not await self._only_deliveries_since(annotations_only=not events):
                         raise
+                    caught_up = True
                     continue
+                self._interrupted = frozenset()  # landed before an interrupted append, which is refused
                 self._version = result.version
                 self.events.extend(written)
                 if isinstance(written[0], TurnDelivered):
