@@ -97,7 +97,7 @@ async def harness_tasks(
 
 class HarnessQueue:
     """``turnstile serve harness``: groups from ``harness.tasks.<policy>`` (``turnstile submit --harness``),
-    ``concurrency`` groups at a time on this machine, any number of machines. A task is acked once its
+    ``concurrency`` episodes at a time on this machine, any number of machines. A task is acked once its
     group's episodes all ended; while it runs the server is told so (``in_progress``) every third of
     ``ack_wait`` (``RunningTasks``). A harness that dies stops doing that, and the task goes to another
     harness after ``ack_wait``, which runs the whole group again as a new group (the dead one's episodes are
