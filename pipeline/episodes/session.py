@@ -639,8 +639,8 @@ class EpisodeSession:
         store may still record it. The session's next append is then written at the version it knew; if the
         interrupted one landed first, that one is refused (``WrongExpectedVersion``), the session catches up
         with the log and writes it again after it; if this one lands first, the interrupted one is refused.
-        Either way the stream stays whole, without a task per append to carry one through a cancel (a
-        shielded task cost ~10% of the runner's CPU a turn in bench/episodes.py)."""
+        Either way the stream stays whole, without a shielded task per append to carry one through a cancel
+        (its cost: docs/benchmarks-gateway.md, "Appends in the caller's task")."""
         async with self._lock:
             caught_up = False
             while True:
