@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from consumers.inference import InferenceConfig
@@ -20,13 +21,16 @@ from pipeline.examples.openai_agent import OpenAIAgent
 from pipeline.examples.single_turn import SingleTurnAgent
 from pipeline.inference.client import NatsLLMClient
 from pipeline.log import EventStore
+from pipeline.log.store import APPEND_LOCK
 from pipeline.runners import load_agent, load_reward_function
 from pipeline.runners.runner import Runner, RunnerConfig, TaskLineError, TaskSpec, read_tasks, run_tasks
+from pipeline.settings import libpq_url
 from schemas import EpisodeFinished, EpisodeStarted, Event, RewardAssigned, TurnCompleted
 from tests.conftest import Servers
 from tests.support.agents import FailingAgent, ThreeTurnAgent, length_reward
-from tests.support.backends import RuleBackend, calculator_rule, echo_rule
+from tests.support.backends import PrefixEcho, RuleBackend, calculator_rule, echo_rule
 from tests.support.serving import serving
+from tests.support.waiting import wait_until
 
 
 def new_policy() -> str:
@@ -350,3 +354,48 @@ async def test_cancelled_while_recording_rewards_the_episode_still_ends_cancelle
     finished = events[-1]
     assert isinstance(finished, EpisodeFinished)
     assert finished.termination == "cancelled"
+
+
+def appends_waiting_for_the_lock(database_url: str) -> int:
+    """How many transactions wait for the append lock (PostgreSQL's own view of its locks)."""
+    with psycopg.connect(libpq_url(database_url)) as connection:
+        row = connection.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND database = "
+            "(SELECT oid FROM pg_database WHERE datname = current_database())"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+async def test_a_turn_whose_agent_is_cancelled_while_its_append_waits_leaves_the_stream_whole(
+    store: EventStore, database_url: str
+) -> None:
+    """The real store, its append lock held by another connection: the agent is cancelled while its second
+    turn's append waits for PostgreSQL, and the episode is ended ``cancelled`` meanwhile. Once the lock is
+    free both appends go to the server, in either order: the turn then the end (the end refused at first,
+    written after the turn it catches up with) or the end alone (the late turn refused). The stream is whole
+    either way, and the session knows it as the log has it."""
+    session = EpisodeSession(store, PrefixEcho(), policy="main")
+    await session.start()
+    first = await session.chat([{"role": "user", "content": "a"}])
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (APPEND_LOCK,))
+        second = asyncio.create_task(
+            session.chat([{"role": "user", "content": "a"}, first.message, {"role": "user", "content": "b"}])
+        )
+        await wait_until(lambda: appends_waiting_for_the_lock(database_url) > 0, 60, "the turn's append")
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        finishing = asyncio.create_task(session.finish("cancelled"))
+        await asyncio.sleep(0)  # the end may reach the store before the lock is free or after it
+        holder.execute("SELECT pg_advisory_unlock(%s)", (APPEND_LOCK,))
+    await asyncio.wait_for(finishing, 60)
+    recorded = await store.read_stream(session.stream)
+    kinds = [record.type for record in recorded]
+    assert kinds in (
+        ["EpisodeStarted", "TurnCompleted", "TurnCompleted", "EpisodeFinished"],
+        ["EpisodeStarted", "TurnCompleted", "EpisodeFinished"],
+    ), kinds
+    assert [record.version for record in recorded] == list(range(1, len(recorded) + 1))
+    assert session.finished
+    assert [type(event).__name__ for event in session.events] == kinds  # the session's view is the log's
