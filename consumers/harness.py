@@ -33,7 +33,6 @@ from pipeline.harness import (
 from pipeline.runners import (
     PASSING_FETCH_ERRORS,
     RunningTasks,
-    ack_retrying,
     ensure_tasks_stream,
     harness_durable,
     live_progress,
@@ -153,10 +152,8 @@ class HarnessQueue:
         key = str(submitted.submission_id)
         if self.running.join(key, message):
             return
-        async with self.running.kept_alive(key, message):
+        async with self.running.kept_alive_then_acked(key, message):
             await self.harness.run_group(task, submitted.group_size)
-            latest = self.running.latest(key)
-        await ack_retrying(latest)
         self.tasks_done += 1
 
 

@@ -155,19 +155,18 @@ class RunningTasks:
         return True
 
     @contextlib.asynccontextmanager
-    async def kept_alive(self, key: str, message: Msg) -> AsyncIterator[None]:
-        """Task ``key`` (delivered as ``message``) running here while the block runs, kept alive."""
+    async def kept_alive_then_acked(self, key: str, message: Msg) -> AsyncIterator[None]:
+        """Task ``key`` (delivered as ``message``) running here while the block runs, kept alive; once the
+        block ends without an error, its latest delivery is acked (``ack_retrying``). A block that raises (a
+        stop, a crash) leaves it unacked, for the server to deliver again."""
         self._latest[key] = message
         keepalive = asyncio.create_task(self._keep_alive(key))
         try:
             yield
         finally:
             keepalive.cancel()
-            del self._latest[key]
-
-    def latest(self, key: str) -> Msg:
-        """Task ``key``'s latest delivery: the one to ack."""
-        return self._latest[key]
+            latest = self._latest.pop(key)
+        await ack_retrying(latest)
 
     async def _keep_alive(self, key: str) -> None:
         while True:
@@ -267,11 +266,9 @@ class TaskWorker:
         size = submitted.group_size
         self._episodes_in_flight += size
         try:
-            async with self.running.kept_alive(key, message):
+            async with self.running.kept_alive_then_acked(key, message):
                 spec = TaskSpec(task=submitted.task, task_id=submitted.task_id)
                 await self.runner.run_group(spec, key, size, resume=message.metadata.num_delivered > 1)
-                latest = self.running.latest(key)
-            await ack_retrying(latest)
             self.tasks_done += 1
         finally:
             self._episodes_in_flight -= size
