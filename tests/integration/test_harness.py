@@ -12,13 +12,14 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
 from nats.aio.client import Client as NatsConnection
 from rich.console import Console
 
-from consumers.harness import serve_harness
+from consumers.harness import HarnessQueue, serve_harness
 from pipeline.harness import HarnessStats, HarnessTask, backend, load_tasks, run_harness
 from pipeline.harness.backends.process import sandboxes_root
 from pipeline.log import EventStore
@@ -248,16 +249,10 @@ async def test_a_task_delivered_again_to_the_harness_still_running_it_joins_that
     async with agent_gateway(servers.nats_url, database_url, tiny_model_dir, SCRIPT) as gateway:
         connection = await nats.connect(servers.nats_url)
         try:
-            await submit_tasks(
-                connection, gateway.policy, [TaskSpec(waiting, "wait")], group_size=2, harness=True
+            spec = TaskSpec(waiting, "wait")
+            stats, stop, serving = await serve_one_task(
+                connection, gateway, sandbox, servers.nats_url, tmp_path, spec, ack_wait=2.0
             )
-            stats, stop = HarnessStats(), asyncio.Event()
-            serving = asyncio.create_task(
-                serve_harness(
-                    harness_config(gateway, tmp_path), sandbox, servers.nats_url, Console(stderr=True),
-                    stop=stop, stats=stats, ack_wait=2.0,
-                )
-            )  # fmt: skip
 
             def joined_twice() -> bool:
                 return serving.done() or bool(SilentTasks.instances and SilentTasks.instances[0].joined >= 2)
@@ -283,6 +278,28 @@ async def test_a_task_delivered_again_to_the_harness_still_running_it_joins_that
     assert {(a.outcome, a.reward) for a in stats.attempts} == {("passed", 1.0)}
 
 
+async def serve_one_task(
+    connection: NatsConnection,
+    gateway: AgentGateway,
+    sandbox: str,
+    nats_url: str,
+    tmp_path: Path,
+    spec: TaskSpec,
+    **options: Any,
+) -> tuple[HarnessStats, asyncio.Event, asyncio.Task[HarnessQueue | None]]:
+    """``spec`` on the harness queue as a group of 2, and ``turnstile serve harness`` taking it, in a task of
+    its own; its figures and the event that stops it."""
+    await submit_tasks(connection, gateway.policy, [spec], group_size=2, harness=True)
+    stats, stop = HarnessStats(), asyncio.Event()
+    serving = asyncio.create_task(
+        serve_harness(
+            harness_config(gateway, tmp_path), sandbox, nats_url, Console(stderr=True),
+            stop=stop, stats=stats, **options,
+        )
+    )  # fmt: skip
+    return stats, stop, serving
+
+
 async def queue_empty(connection: NatsConnection, policy: str) -> bool:
     """Whether ``harness.tasks.<policy>`` holds no task (each one acked)."""
     subject = task_subject(policy, harness=True)
@@ -297,13 +314,8 @@ async def test_serve_harness_runs_a_group_from_the_task_queue_and_acks_it(
     async with agent_gateway(servers.nats_url, database_url, tiny_model_dir, SCRIPT) as gateway:
         connection = await nats.connect(servers.nats_url)
         try:
-            await submit_tasks(
-                connection, gateway.policy, [TaskSpec(greeting, "write-greeting")], group_size=2, harness=True
-            )
-            stats, stop = HarnessStats(), asyncio.Event()
-            config = harness_config(gateway, tmp_path)
-            serving = asyncio.create_task(
-                serve_harness(config, sandbox, servers.nats_url, Console(stderr=True), stop=stop, stats=stats)
+            stats, stop, serving = await serve_one_task(
+                connection, gateway, sandbox, servers.nats_url, tmp_path, TaskSpec(greeting, "write-greeting")
             )
             await wait_until(
                 lambda: len(stats.attempts) == 2 or serving.done(), 300, "the group's 2 episodes"
