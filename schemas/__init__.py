@@ -18,6 +18,7 @@ from schemas.common import (
     ToolCall,
     ToolChoice,
     ToolSpec,
+    default_sampling,
 )
 from schemas.episode import (
     EpisodeEvent,
@@ -142,6 +143,7 @@ __all__ = [
     "TurnReply",
     "TurnRequest",
     "WireMessage",
+    "default_sampling",
     "event_adapter",
     "json_schemas",
     "new_uuid",

@@ -61,7 +61,15 @@ from pipeline.dialects.base import (
     string_field,
     validated,
 )
-from schemas import ChatMessage, FunctionCall, SamplingParams, ToolCall, ToolChoice, ToolSpec
+from schemas import (
+    ChatMessage,
+    FunctionCall,
+    SamplingParams,
+    ToolCall,
+    ToolChoice,
+    ToolSpec,
+    default_sampling,
+)
 
 ERROR_TYPES: Final[Mapping[int, str]] = {
     400: "invalid_request_error",
@@ -140,7 +148,7 @@ def parse_messages_request(
     return ChatCall(
         messages=messages,
         tools=tools,
-        sampling=_sampling(given, defaults or SamplingParams()),
+        sampling=_sampling(given, defaults or default_sampling()),
         n=1,
         logprobs=False,
         top_logprobs=0,

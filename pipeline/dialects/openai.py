@@ -46,7 +46,15 @@ from pipeline.dialects.base import (
     string_field,
     validated,
 )
-from schemas import ChatMessage, FinishReason, SamplingParams, TokenLogprob, ToolChoice, ToolSpec
+from schemas import (
+    ChatMessage,
+    FinishReason,
+    SamplingParams,
+    TokenLogprob,
+    ToolChoice,
+    ToolSpec,
+    default_sampling,
+)
 
 OPENAI_FINISH_REASONS: Final[Mapping[FinishReason, str]] = {
     "stop": "stop",
@@ -132,7 +140,7 @@ def parse_chat_request(
     return ChatCall(
         messages=_parse_messages(given.get("messages"), memo.part("messages") if memo is not None else None),
         tools=tools,
-        sampling=_sampling(given, defaults or SamplingParams()),
+        sampling=_sampling(given, defaults or default_sampling()),
         n=options.n,
         logprobs=options.logprobs,
         top_logprobs=options.top_logprobs,

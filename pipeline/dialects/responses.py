@@ -58,7 +58,15 @@ from pipeline.dialects.base import (
     string_field,
     validated,
 )
-from schemas import ChatMessage, FunctionCall, SamplingParams, ToolCall, ToolChoice, ToolSpec
+from schemas import (
+    ChatMessage,
+    FunctionCall,
+    SamplingParams,
+    ToolCall,
+    ToolChoice,
+    ToolSpec,
+    default_sampling,
+)
 
 _ROLES: Final[Mapping[str, str]] = {
     "user": "user",
@@ -144,7 +152,7 @@ def parse_responses_request(body: object, *, defaults: SamplingParams | None = N
     parallel = given.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise _invalid("parallel_tool_calls", "must be true or false", parallel)
-    sampling = _sampling(given, defaults or SamplingParams())
+    sampling = _sampling(given, defaults or default_sampling())
     echo = {
         "instructions": instructions,
         "tools": echoed_tools,

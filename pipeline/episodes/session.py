@@ -48,6 +48,7 @@ from schemas import (
     TurnEdit,
     TurnReply,
     TurnRequest,
+    default_sampling,
     new_uuid,
 )
 
@@ -108,7 +109,7 @@ class EpisodeSession:
             group_size=group_size,
             agent=agent,
             policy=policy,
-            sampling=sampling or SamplingParams(),
+            sampling=sampling or default_sampling(),
             tags=dict(tags or {}),
             retry_of=retry_of,
         )
@@ -136,7 +137,7 @@ class EpisodeSession:
         """Turns handed to a live client since the last append, recorded with the next (``TurnDelivered``)."""
         self.shared = False
         """The stream is written by other sessions too (gateway replicas, ``from_log``): a lost append whose
-        stream moved on by deliveries only is made again (``_only_deliveries_since``)."""
+        stream moved on by deliveries only is made again (``_may_append_again``)."""
 
     @classmethod
     def like(
@@ -658,7 +659,7 @@ class EpisodeSession:
                     self._interrupted = frozenset(event.event_id for event in written)
                     raise
                 except WrongExpectedVersion:
-                    if not await self._only_deliveries_since(annotations_only=not events):
+                    if not await self._may_append_again(annotations_only=not events):
                         raise
                     caught_up = True
                     continue
@@ -669,7 +670,7 @@ class EpisodeSession:
                     del self._delivered[: len(written[0].turn_ids)]
                 return result
 
-    async def _only_deliveries_since(self, *, annotations_only: bool) -> bool:
+    async def _may_append_again(self, *, annotations_only: bool) -> bool:
         """After a refused append: caught up with the stream, whether appending again at its new version is
         right. What moved may be this session's own append that was interrupted (``_interrupted``) and landed
         after all: taken in, and the write goes after it. Another gateway replica serving the session
@@ -681,12 +682,12 @@ class EpisodeSession:
         if not self.shared and not interrupted:
             return False
         moved = await self.store.read_stream(self.stream, after_version=self._version)
-        if interrupted and moved and {record.event_id for record in moved} <= interrupted:
-            self._apply(moved)
-            return True
-        if not self.shared:
+        ours = bool(moved) and {record.event_id for record in moved} <= interrupted
+        if not ours and not self.shared:
             return False
         self._apply(moved)
+        if ours:
+            return True
         if annotations_only:
             return not self.finished
         return bool(moved) and all(isinstance(record.event, TurnDelivered) for record in moved)
