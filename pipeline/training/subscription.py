@@ -226,12 +226,7 @@ class BatchSubscription:
             .select_from(trained_batches)
             .where(trained_batches.c.trainer == self.durable, trained_batches.c.batch_id == batch_id)
         )
-
-        async def count() -> bool:
-            async with self.store.engine.connect() as connection:
-                return bool(await connection.scalar(query))
-
-        return await through_outages(f"looking up batch {batch_id}", count)
+        return bool(await self._scalar(f"looking up batch {batch_id}", query))
 
     async def commit(
         self,
