@@ -361,8 +361,11 @@ def run(main: Coroutine[Any, Any, _Result]) -> _Result:
     return uvloop.run(main)
 
 
-GC_GEN0_THRESHOLD: Final = 7_000
-"""Allocations between young-generation collections (CPython's default is 700)."""
+GC_GEN0_THRESHOLD: Final = 50_000
+"""Allocations between young-generation collections (CPython's default is 700). A young collection walks
+every young object still alive, and in a runner nearly all are: its open episodes' coroutines, models and
+their field sets. Rarer collections each walk more, but far fewer objects in all; the price is a longer
+pause each (the figures: docs/benchmarks.md, "The collector")."""
 _gc_tuned = False
 
 
@@ -371,10 +374,10 @@ def tune_gc() -> None:
     the backend) and collect the young generation less often.
 
     Why: a runner with a thousand open episodes spent a third of its CPU in the collector, most of it in
-    full collections that walked ~180,000 objects made at import time and never freed (bench/episodes.py:
-    2.5 s of the run's GC CPU -> 0.9 s; runner CPU per turn -25 to -35%). Frozen objects are never
-    collected, so only what is there at start is frozen; a cycle that becomes garbage later is collected as
-    ever, a little later with the higher threshold."""
+    full collections that walked the objects made at import time, which are never freed, and then much of
+    the rest in young collections walking its open episodes (docs/benchmarks.md, "The collector"). Frozen
+    objects are never collected, so only what is there at start is frozen; a cycle that becomes garbage
+    later is collected as ever, a little later with the higher threshold."""
     global _gc_tuned
     if _gc_tuned:
         return

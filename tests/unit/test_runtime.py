@@ -7,6 +7,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -210,3 +212,29 @@ def test_the_cli_and_the_runtime_default_to_the_same_metrics_host() -> None:
     from consumers.runtime import METRICS_HOST
 
     assert CLI_DEFAULT == METRICS_HOST == "127.0.0.1"
+
+
+def test_a_service_collects_young_objects_less_often_and_still_collects_its_cycles() -> None:
+    # In a process of its own: tune_gc freezes what exists and changes this process's collector for good.
+    script = """
+import gc, json, weakref
+from consumers.runtime import GC_GEN0_THRESHOLD, tune_gc
+tune_gc()
+class Node:
+    pass
+cycle = Node(); cycle.self = cycle
+freed = []
+weakref.finalize(cycle, freed.append, True)
+del cycle
+kept = [[] for _ in range(GC_GEN0_THRESHOLD // 2)]
+before = bool(freed)
+kept += [[] for _ in range(GC_GEN0_THRESHOLD)]
+print(json.dumps({"threshold": gc.get_threshold()[0], "wanted": GC_GEN0_THRESHOLD,
+                  "frozen": gc.get_freeze_count(), "before": before, "after": bool(freed)}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    seen = json.loads(done.stdout)
+    assert seen["threshold"] == seen["wanted"]
+    assert seen["frozen"] > 1000  # the modules imported by then: never walked again
+    assert not seen["before"]  # fewer allocations than the threshold: no young collection yet
+    assert seen["after"]  # past it: the cycle made after tuning is collected without asking
