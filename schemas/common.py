@@ -202,6 +202,14 @@ class Timings(Contract):
     )
 
 
+def version_1_is_2(version: Any) -> Any:
+    """A ``schema_version`` "before" validator of models whose version 1 reads as version 2 as it is (a
+    turn or a wire message that carried everything). It checks the one field: a model-level "before"
+    validator would make pydantic build a whole message as Python objects and validate those, instead of
+    reading the JSON straight into the model."""
+    return 2 if version == 1 and type(version) is int else version
+
+
 def default_sampling() -> SamplingParams:
     """The default sampling, one frozen instance for every model that defaults to it (a field's
     ``default_factory``): leaving defaults out of a turn's JSON calls each factory, and building a model

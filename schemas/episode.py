@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from schemas.base import Contract
 from schemas.common import (
@@ -20,6 +20,7 @@ from schemas.common import (
     ToolSpec,
     default_sampling,
     default_timings,
+    version_1_is_2,
 )
 from schemas.ids import new_uuid
 
@@ -147,13 +148,8 @@ class TurnCompleted(Contract):
         "changed (the turn is then a root: see docs/lineages.md)",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _upcast_v1_v2(cls, data: Any) -> Any:
-        # Version 1 recorded every turn whole: it is version 2 with nothing taken from the parent.
-        if isinstance(data, dict) and data.get("schema_version") == 1:
-            return {**data, "schema_version": 2}
-        return data
+    # Version 1 recorded every turn whole: it is version 2 with nothing taken from the parent.
+    _upcast_v1_v2 = field_validator("schema_version", mode="before")(version_1_is_2)
 
     @property
     def is_delta(self) -> bool:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from schemas.base import Contract
 from schemas.common import (
@@ -21,6 +21,7 @@ from schemas.common import (
     WireTokenIds,
     default_sampling,
     default_timings,
+    version_1_is_2,
 )
 from schemas.ids import new_uuid
 
@@ -72,13 +73,6 @@ class TokenLogprob(Contract):
     logprob: float = Field(le=0.0, allow_inf_nan=False, description="-9999.0 for a token the model rules out")
 
 
-def _upcast_to_v2(data: Any) -> Any:
-    # Version 1 always carried everything: it is version 2 with nothing held by the consumer.
-    if isinstance(data, dict) and data.get("schema_version") == 1:
-        return {**data, "schema_version": 2}
-    return data
-
-
 class LLMRequest(Contract):
     """One LLM call. ``messages`` is the whole conversation, except with a held prefix
     (``prefix.token_ids`` None): then only the messages after its ``message_count``, and no tools."""
@@ -101,7 +95,7 @@ class LLMRequest(Contract):
         "likely tokens at its position",
     )
 
-    _upcast_v1_v2 = model_validator(mode="before")(_upcast_to_v2)
+    _upcast_v1_v2 = field_validator("schema_version", mode="before")(version_1_is_2)
 
     @model_validator(mode="after")
     def _held_prefix_sends_no_tools(self) -> LLMRequest:
@@ -151,7 +145,7 @@ class LLMResponse(Contract):
         default=None, description="per completion token, the request's top_logprobs most likely tokens"
     )
 
-    _upcast_v1_v2 = model_validator(mode="before")(_upcast_to_v2)
+    _upcast_v1_v2 = field_validator("schema_version", mode="before")(version_1_is_2)
 
 
 ErrorCode = Literal["invalid_request", "payload_too_large", "engine_error", "unavailable", "prefix_unknown"]
