@@ -91,7 +91,7 @@ def test_logprobs_are_float32_so_a_stored_turn_equals_the_original() -> None:
 
 
 def test_wire_messages_parse_by_type() -> None:
-    request = LLMRequest(policy="main", messages=[{"role": "user", "content": "hi"}])  # type: ignore[list-item]
+    request = LLMRequest(policy="main", messages=[{"role": "user", "content": "hi"}])
     response = LLMResponse(
         request_id=request.request_id,
         text="hello",
@@ -105,6 +105,29 @@ def test_wire_messages_parse_by_type() -> None:
     error = LLMError(request_id=uuid.uuid4(), code="invalid_request", message="bad", field="messages")
     for message in (request, response, error):
         assert parse_wire(message.model_dump_json()) == message
+
+
+def test_version_1_wire_messages_and_turns_read_as_version_2_and_nothing_else_does() -> None:
+    request = LLMRequest(policy="p", messages=[{"role": "user", "content": "hi"}])
+    response = LLMResponse(
+        request_id=request.request_id,
+        text="hello",
+        finish_reason="stop",
+        prompt_token_ids=[1, 2],
+        completion_token_ids=[3],
+        completion_logprobs=[-0.5],
+        policy_version=0,
+        consumer_id="c1",
+    )
+    for message in (request, response):
+        old = {**json.loads(message.model_dump_json()), "schema_version": 1}
+        assert parse_wire(json.dumps(old)) == message  # from JSON, as the wire brings it
+        assert parse_wire(old) == message  # and from Python
+        for version in (True, 3, "1"):
+            with pytest.raises(ValidationError, match="schema_version"):
+                parse_wire(json.dumps({**old, "schema_version": version}))
+    old_turn = {**json.loads(turn().model_dump_json()), "schema_version": 1}
+    assert parse_event(old_turn).schema_version == 2
 
 
 def test_exported_json_schemas_match_the_models(repo_root: Path) -> None:
