@@ -90,7 +90,7 @@ def test_logprobs_are_float32_so_a_stored_turn_equals_the_original() -> None:
     )
 
 
-def test_wire_messages_parse_by_type() -> None:
+def a_request_and_its_reply() -> tuple[LLMRequest, LLMResponse]:
     request = LLMRequest(policy="main", messages=[{"role": "user", "content": "hi"}])
     response = LLMResponse(
         request_id=request.request_id,
@@ -102,24 +102,18 @@ def test_wire_messages_parse_by_type() -> None:
         policy_version=0,
         consumer_id="c1",
     )
+    return request, response
+
+
+def test_wire_messages_parse_by_type() -> None:
+    request, response = a_request_and_its_reply()
     error = LLMError(request_id=uuid.uuid4(), code="invalid_request", message="bad", field="messages")
     for message in (request, response, error):
         assert parse_wire(message.model_dump_json()) == message
 
 
 def test_version_1_wire_messages_and_turns_read_as_version_2_and_nothing_else_does() -> None:
-    request = LLMRequest(policy="p", messages=[{"role": "user", "content": "hi"}])
-    response = LLMResponse(
-        request_id=request.request_id,
-        text="hello",
-        finish_reason="stop",
-        prompt_token_ids=[1, 2],
-        completion_token_ids=[3],
-        completion_logprobs=[-0.5],
-        policy_version=0,
-        consumer_id="c1",
-    )
-    for message in (request, response):
+    for message in a_request_and_its_reply():
         old = {**json.loads(message.model_dump_json()), "schema_version": 1}
         assert parse_wire(json.dumps(old)) == message  # from JSON, as the wire brings it
         assert parse_wire(old) == message  # and from Python
