@@ -5,10 +5,9 @@ agent written for the OpenAI SDK runs unchanged (``llm.openai()``)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import httpx
-import openai
 
 from pipeline.dialects.base import ChatHandler, RequestError
 from pipeline.dialects.openai import (
@@ -20,6 +19,9 @@ from pipeline.dialects.openai import (
 )
 from pipeline.errors import TurnstileError
 from schemas import SamplingParams
+
+if TYPE_CHECKING:  # imported by openai_client, when a client is made
+    import openai
 
 BASE_URL: Final = "http://turnstile.invalid/v1"
 _OPENAI: Final = OpenAIChat()
@@ -68,6 +70,8 @@ def openai_client(
 ) -> openai.AsyncOpenAI:
     """An ``AsyncOpenAI`` whose every call is served by ``handler`` in process (no retries, no timeout:
     the handler's own LLM client owns those)."""
+    import openai  # here: the SDK is a large import that a process without in-process clients never needs
+
     http_client = httpx.AsyncClient(
         transport=InProcessTransport(handler, model=model, defaults=defaults), timeout=None
     )

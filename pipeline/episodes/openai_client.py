@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
-
-from openai import AsyncOpenAI
+from typing import TYPE_CHECKING, Any
 
 from pipeline.dialects import ChatCall, ChatResult, ChoiceData, OpenAIRequestError, openai_client
 from pipeline.episodes.refusals import InvalidLLMCall
 from pipeline.episodes.reply import ChatReply
 from pipeline.inference import RequestRejected
 from schemas import ChatMessage, SamplingParams, ToolChoice, ToolSpec
+
+if TYPE_CHECKING:  # only for the annotation: openai_client imports the SDK when a client is made
+    from openai import AsyncOpenAI
 
 ChatTurn = Callable[
     [list[ChatMessage], list[ToolSpec], SamplingParams, ToolChoice | None, int | None], Awaitable[ChatReply]

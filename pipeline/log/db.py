@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from importlib import resources
+from typing import TYPE_CHECKING
 
 import psycopg
-from alembic import command
-from alembic.config import Config
 from psycopg import sql
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from pipeline.settings import libpq_url, sqlalchemy_url
+
+if TYPE_CHECKING:  # alembic is imported where it runs: a service that does not migrate never needs it
+    from alembic.config import Config
 
 # The group roles of migrations 0004 and 0006 (their privileges on the tables are granted there).
 WRITER_ROLE = "turnstile_writer"
@@ -30,6 +32,8 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
 
 
 def alembic_config(url: str) -> Config:
+    from alembic.config import Config
+
     here = resources.files("migrations")
     config = Config(str(here / "alembic.ini"))
     config.set_main_option("script_location", str(here))
@@ -40,6 +44,8 @@ def alembic_config(url: str) -> Config:
 
 def migrate(url: str) -> None:
     """Bring the database to the newest schema (alembic upgrade head); safe to run again, and concurrently."""
+    from alembic import command
+
     command.upgrade(alembic_config(url), "head")
 
 
