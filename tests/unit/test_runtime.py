@@ -238,3 +238,25 @@ print(json.dumps({"threshold": gc.get_threshold()[0], "wanted": GC_GEN0_THRESHOL
     assert seen["frozen"] > 1000  # the modules imported by then: never walked again
     assert not seen["before"]  # fewer allocations than the threshold: no young collection yet
     assert seen["after"]  # past it: the cycle made after tuning is collected without asking
+
+
+def test_a_service_imports_neither_the_openai_sdk_nor_alembic_until_it_uses_them() -> None:
+    # Each costs every process start a large share of its import time; only llm.openai() and a migration
+    # need them.
+    script = """
+import json, sys
+import consumers.runtime, pipeline.episodes, pipeline.gateway, pipeline.log, pipeline.runners
+before = sorted(name for name in ("openai", "alembic") if name in sys.modules)
+from pipeline.log.db import alembic_config
+alembic_config("postgresql://nobody@127.0.0.1/none")
+from pipeline.dialects import openai_client
+between = sorted(name for name in ("openai", "alembic") if name in sys.modules)
+client = openai_client(None, model="m")  # the handler is only called when the client is
+print(json.dumps({"before": before, "between": between, "client": type(client).__name__,
+                  "after": sorted(name for name in ("openai", "alembic") if name in sys.modules)}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    seen = json.loads(done.stdout)
+    assert seen["before"] == []
+    assert seen["between"] == ["alembic"]  # a migration's config imports it; importing openai_client does not
+    assert (seen["client"], seen["after"]) == ("AsyncOpenAI", ["alembic", "openai"])  # making a client does
