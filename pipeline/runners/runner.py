@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -312,11 +312,27 @@ async def run_tasks(
     """
     limit = max(1, runner.config.concurrency // runner.config.group_size) + 1
     pending: set[asyncio.Task[list[EpisodeOutcome]]] = set()
+    finished: deque[asyncio.Task[list[EpisodeOutcome]]] = deque()
+    any_finished = asyncio.Event()
     outcomes: list[EpisodeOutcome] = []
 
-    def collect(done: set[asyncio.Task[list[EpisodeOutcome]]]) -> None:
-        for task in done:
-            outcomes.extend(task.result())
+    # Each group says when it is done (a callback of its own), rather than an asyncio.wait over every group
+    # in flight each time one finishes: that put a callback on each of them and took it off again, a cost
+    # per finished group that grew with the concurrency.
+    def done(task: asyncio.Task[list[EpisodeOutcome]]) -> None:
+        pending.discard(task)
+        finished.append(task)
+        any_finished.set()
+
+    async def collect(until: int) -> None:
+        """Take in finished groups' outcomes until at most ``until`` groups are in flight."""
+        while True:
+            while finished:
+                outcomes.extend(finished.popleft().result())
+            if len(pending) <= until:
+                return
+            any_finished.clear()
+            await any_finished.wait()
 
     try:
         for item in tasks:
@@ -325,14 +341,13 @@ async def run_tasks(
                 if on_task_error is not None:
                     on_task_error(item)
                 continue
-            while len(pending) >= limit:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                collect(done)
+            await collect(until=limit - 1)
             if runner.pace is not None:
                 await runner.pace()
-            pending.add(asyncio.create_task(runner.run_group(item)))
-        if pending:
-            collect((await asyncio.wait(pending))[0])
+            task = asyncio.create_task(runner.run_group(item))
+            pending.add(task)
+            task.add_done_callback(done)
+        await collect(until=0)
     except asyncio.CancelledError:
         for task in pending:
             task.cancel()
