@@ -199,10 +199,17 @@ class TaskWorker:
         self.running = RunningTasks(ack_wait)
         self._episodes_in_flight = 0
         self._working: set[asyncio.Task[None]] = set()
+        self._freed = asyncio.Event()
+        """Set when a task finishes (or the queue is told to stop): a full queue waits on it, not on an
+        ``asyncio.wait`` over every task in flight, whose cost per finished task grew with the concurrency."""
 
     @property
     def policy(self) -> str:
         return self.runner.config.policy
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._working.discard(task)
+        self._freed.set()
 
     async def subscribe(self) -> Any:
         await ensure_tasks_stream(self.connection)
@@ -216,12 +223,13 @@ class TaskWorker:
         subscription = await self.subscribe()
         capacity = self.runner.config.concurrency
         stopping = asyncio.ensure_future(stop.wait())
+        stopping.add_done_callback(lambda _: self._freed.set())
         try:
             while not stop.is_set():
                 room = capacity - self._episodes_in_flight
                 if room < self.runner.config.group_size and self._working:
-                    # full: wait for a task to finish (or for the stop)
-                    await asyncio.wait(self._working | {stopping}, return_when=asyncio.FIRST_COMPLETED)
+                    self._freed.clear()  # full: wait for a task to finish (or for the stop)
+                    await self._freed.wait()
                     continue
                 if self.runner.pace is not None:  # the learner's backlog full: no new task yet
                     pacing = asyncio.ensure_future(self.runner.pace())
@@ -242,7 +250,7 @@ class TaskWorker:
                 for message in messages:
                     task = asyncio.create_task(self._work(message))
                     self._working.add(task)
-                    task.add_done_callback(self._working.discard)
+                    task.add_done_callback(self._finished)
         finally:
             stopping.cancel()
             for task in self._working:
