@@ -33,6 +33,7 @@ from pipeline.harness import (
 from pipeline.runners import (
     PASSING_FETCH_ERRORS,
     RunningTasks,
+    Working,
     ensure_tasks_stream,
     harness_durable,
     live_progress,
@@ -111,15 +112,17 @@ class HarnessQueue:
         self.tasks_done = 0
         self.tasks_refused = 0
         self.running = RunningTasks(ack_wait)
-        self._working: set[asyncio.Task[None]] = set()
+        self._working = Working()
 
     async def run(self, stop: asyncio.Event) -> None:
         policy = self.harness.config.policy or ""
         subscription = await harness_tasks(self.connection, policy, ack_wait=self.ack_wait)
+        stopping = asyncio.ensure_future(stop.wait())
+        stopping.add_done_callback(self._working.wake)
         try:
             while not stop.is_set():
                 if len(self._working) >= self.harness.config.concurrency:  # one group per slot at most
-                    await asyncio.wait(self._working, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                    await self._working.wait()  # until a group finishes (or the stop)
                     continue
                 try:
                     messages = await subscription.fetch(1, timeout=1.0)
@@ -130,13 +133,11 @@ class HarnessQueue:
                     await asyncio.sleep(0.5)
                     continue
                 for message in messages:
-                    work = asyncio.create_task(self._work(message))
-                    self._working.add(work)
-                    work.add_done_callback(self._working.discard)
+                    self._working.start(self._work(message))
         finally:
-            for work in self._working:
-                work.cancel()  # its episodes end cancelled; unacked, the task comes back to another harness
-            await asyncio.gather(*self._working, return_exceptions=True)
+            stopping.cancel()
+            # each running group's episodes end cancelled; unacked, its task comes back to another harness
+            await self._working.cancel()
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
 

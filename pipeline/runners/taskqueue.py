@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any, Final
 
 import stamina
@@ -175,6 +175,43 @@ class RunningTasks:
                 await self._latest[key].in_progress()
 
 
+class Working:
+    """The tasks a queue's worker runs at once. Each says itself when it finishes (``wait`` returns), so
+    a full worker waits for a slot at a cost that does not grow with the concurrency, as an ``asyncio.wait``
+    over every task in flight did (a callback put on each and taken off again per finished task)."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._freed = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def start(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._freed.set()
+
+    def wake(self, _: object = None) -> None:
+        """End a ``wait`` now (the worker was told to stop); a done callback of the stop's future."""
+        self._freed.set()
+
+    async def wait(self) -> None:
+        """Until a task finishes, or ``wake``."""
+        self._freed.clear()
+        await self._freed.wait()
+
+    async def cancel(self) -> None:
+        """Cancel every task still running and wait until each has ended."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
 class TaskWorker:
     """Takes tasks for ``runner.config.policy`` off the queue and runs them, ``concurrency`` episodes at
     most. ``await worker.run(stop)`` until ``stop`` is set; tasks in progress are then left unacked
@@ -198,18 +235,11 @@ class TaskWorker:
         self.tasks_refused = 0
         self.running = RunningTasks(ack_wait)
         self._episodes_in_flight = 0
-        self._working: set[asyncio.Task[None]] = set()
-        self._freed = asyncio.Event()
-        """Set when a task finishes (or the queue is told to stop): a full queue waits on it, not on an
-        ``asyncio.wait`` over every task in flight, whose cost per finished task grew with the concurrency."""
+        self._working = Working()
 
     @property
     def policy(self) -> str:
         return self.runner.config.policy
-
-    def _finished(self, task: asyncio.Task[None]) -> None:
-        self._working.discard(task)
-        self._freed.set()
 
     async def subscribe(self) -> Any:
         await ensure_tasks_stream(self.connection)
@@ -223,13 +253,12 @@ class TaskWorker:
         subscription = await self.subscribe()
         capacity = self.runner.config.concurrency
         stopping = asyncio.ensure_future(stop.wait())
-        stopping.add_done_callback(lambda _: self._freed.set())
+        stopping.add_done_callback(self._working.wake)
         try:
             while not stop.is_set():
                 room = capacity - self._episodes_in_flight
                 if room < self.runner.config.group_size and self._working:
-                    self._freed.clear()  # full: wait for a task to finish (or for the stop)
-                    await self._freed.wait()
+                    await self._working.wait()  # full: until a task finishes (or the stop)
                     continue
                 if self.runner.pace is not None:  # the learner's backlog full: no new task yet
                     pacing = asyncio.ensure_future(self.runner.pace())
@@ -248,14 +277,10 @@ class TaskWorker:
                     await asyncio.sleep(0.5)
                     continue
                 for message in messages:
-                    task = asyncio.create_task(self._work(message))
-                    self._working.add(task)
-                    task.add_done_callback(self._finished)
+                    self._working.start(self._work(message))
         finally:
             stopping.cancel()
-            for task in self._working:
-                task.cancel()
-            await asyncio.gather(*self._working, return_exceptions=True)
+            await self._working.cancel()
             with contextlib.suppress(Exception):  # else draining the connection waits on its pull requests
                 await subscription.unsubscribe()
 
