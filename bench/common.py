@@ -40,6 +40,7 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from pipeline.dev.embedded import EmbeddedNats, EmbeddedNatsCluster, EmbeddedPostgres, scratch_dir
+from pipeline.log import AppendResult, EventStore
 from pipeline.log.db import migrate
 from pipeline.settings import libpq_url
 
@@ -246,6 +247,33 @@ class CpuMeter:
             for name, start in self.before.items()
             if start is not None and after[name] is not None
         }
+
+
+class UnwrittenStore(EventStore):
+    """An event store whose appends cost nothing: no event is validated, encoded or written, and each append
+    answers at once with the positions and the version the stream would have. Reads are the real store's.
+
+    For ablations only (``--unwritten`` in bench/episodes.py and bench/gateway.py): a path run on it costs
+    what it would cost if recording were free, which is the least any store, however fast, could bring it
+    to. Nothing it "appends" can be read back."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._versions: dict[str, int] = {}
+        self._head = 0
+
+    async def append(
+        self,
+        stream: str,
+        events: Sequence[Any],
+        expected_version: int | None = None,
+        *,
+        metadata: Any = None,
+    ) -> AppendResult:
+        version = self._versions.get(stream, 0) + len(events)
+        self._versions[stream] = version
+        first, self._head = self._head + 1, self._head + len(events)
+        return AppendResult(stream, tuple(range(first, self._head + 1)), version)
 
 
 def cpu_text(cpu_us: dict[str, float]) -> str:

@@ -16,6 +16,9 @@ Throughput, after ``--warmup`` untimed episodes of each path:
   (three turns, each extending the conversation) through ``run_tasks``: ``EpisodeSession`` ->
   ``NatsLLMClient`` -> consumer -> ``TurnCompleted`` appended to PostgreSQL before the agent sees the
   reply; plus ``EpisodeStarted``, ``RewardAssigned`` and ``EpisodeFinished``: six events an episode.
+- ``unwritten`` (with ``--unwritten``, an ablation): the recorded path on a store whose appends cost
+  nothing (``common.UnwrittenStore``: nothing validated, encoded or written). Its CPU per turn is what the
+  runner would cost if recording were free: the least that any store could bring the runner to.
 
 "x bare" is recorded turns/s ÷ bare turns/s: what recording costs (1.00 would be free). "CPU us/turn"
 is the user + system CPU each process spent per timed turn (``bench``: this process; ``consumer``;
@@ -33,6 +36,7 @@ the client's per-episode state (its sticky-consumer entry) cost on top of a task
 
     python bench/episodes.py                   # defaults: 3000 episodes at concurrency 1000, 1000 open
     python bench/episodes.py --quick           # a smoke run: 200 episodes at concurrency 100, 100 open
+    python bench/episodes.py --unwritten       # also the recorded path with appends that cost nothing
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from common import (  # bench/common.py
     CpuMeter,
     Processes,
     Servers,
+    UnwrittenStore,
     consumer,
     cpu_text,
     machine,
@@ -306,6 +311,7 @@ class Report:
     store: StoreStats
     tasks: Memory
     episodes: Memory
+    unwritten: Throughput | None = None
 
 
 async def measure(args: argparse.Namespace, found: Servers, database_url: str) -> Report:
@@ -330,11 +336,19 @@ async def measure(args: argparse.Namespace, found: Servers, database_url: str) -
                 store.stats.appends - before.appends,
                 store.stats.events - before.events,
             )
+            unwritten = None
+            if args.unwritten:
+                free = UnwrittenStore(store.engine)
+                if warmup:
+                    await run_recorded(free, llm, warmup, args.concurrency)
+                unwritten = await timed(
+                    "unwritten", lambda: run_recorded(free, llm, args.episodes, args.concurrency), processes
+                )
             tasks, episodes = await measure_memory(store, llm, args.open, args.top)
         finally:
             await llm.close()
             await store.close()
-    return Report(bare, recorded, stats, tasks, episodes)
+    return Report(bare, recorded, stats, tasks, episodes, unwritten)
 
 
 def print_report(report: Report, args: argparse.Namespace) -> None:
@@ -346,7 +360,7 @@ def print_report(report: Report, args: argparse.Namespace) -> None:
     for column in ["path", "episodes", "turns", "seconds", "episodes/s", "turns/s", "x bare"]:
         table.add_column(column, justify="right")
     table.add_column("CPU us/turn", justify="left")
-    for result in (bare, recorded):
+    for result in (bare, recorded, *filter(None, [report.unwritten])):
         table.add_row(
             result.path,
             f"{result.episodes:,}",
@@ -408,6 +422,17 @@ def print_report(report: Report, args: argparse.Namespace) -> None:
         f"<= {TARGET_RUNNER_US:g} us/turn",
         runner_us <= TARGET_RUNNER_US,
     )
+    if report.unwritten is not None:
+        free_us = report.unwritten.cpu_us.get("bench", 0.0)
+        summary(
+            "episodes",
+            f"runner CPU us/turn at {args.concurrency:,} with appends that cost nothing (--unwritten)",
+            f"unwritten {free_us:,.0f} us/turn",
+            f"recorded {runner_us:,.0f} us/turn, bare NATS {bare_us:,.0f}",
+            free_us / runner_us if runner_us else float("nan"),
+            f"<= {TARGET_RUNNER_US:g} us/turn (for the recorded path: here, what no store can go below)",
+            free_us <= TARGET_RUNNER_US,
+        )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -421,6 +446,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--quick", action="store_true", help="a smoke run: 200 episodes, concurrency 100, 100 open")
     add("--tmp-dir", type=Path, default=None, help="parent of the embedded servers' temporary directory")
     add("--profile", type=Path, default=None, help="write cProfile stats (CPU time) of the recorded run here")
+    add(
+        "--unwritten",
+        action="store_true",
+        help="also run the recorded path on a store whose appends cost nothing (an ablation: the runner's "
+        "CPU if recording were free)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.concurrency, args.warmup, args.open = 200, 100, 100, 100

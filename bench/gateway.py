@@ -51,6 +51,11 @@ conversation for both; ``--before-without httptools`` leaves out what that check
 ``--shared`` adds ``gateway-shared`` rows: the same gateway as a replica that shares its sessions
 (``--shared-sessions``, a KV bucket of its own; one replica, so every call finds its session current).
 
+``--unwritten`` (an ablation) adds ``gateway-lean-unwritten`` rows: the same gateway on a store whose appends
+cost nothing (``common.UnwrittenStore``: nothing validated, encoded or written), in the interleaved rounds
+with the others. Its CPU per turn is what the gateway would cost if recording were free: against the floor,
+the least any store could bring the ratio to.
+
 ``--in-process`` measures only what the gateway adds: the long conversation through ``llm.chat`` and through
 the gateway app called straight through ASGI, in one process with an in-memory log and an instant client
 (no servers, no sockets: ``time.process_time`` per turn), for this checkout and ``--before``'s.
@@ -67,6 +72,7 @@ the run gets a migrated scratch database of its own, dropped at the end.
     python bench/gateway.py --levels 1 --turns 300
     python bench/gateway.py --before /tmp/main-tree --before-without httptools
     python bench/gateway.py --in-process --before /tmp/main-tree
+    python bench/gateway.py --paths gateway-lean,floor --long-episodes 0 --unwritten   # the ablation
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ from common import (
     CpuMeter,
     Processes,
     Servers,
+    UnwrittenStore,
     cpu_text,
     machine,
     note,
@@ -663,10 +670,11 @@ async def serve_consumer(nats_url: str, policy: str = POLICY) -> None:
 
 
 async def serve_gateway(database_url: str, nats_url: str, admin_key: str, mode: str = "single") -> None:
-    """The gateway; ``mode`` ``shared``: as a replica sharing its sessions (``--shared-sessions``)."""
+    """The gateway; ``mode`` ``shared``: as a replica sharing its sessions (``--shared-sessions``);
+    ``unwritten``: on a store whose appends cost nothing (``--unwritten``)."""
     from pipeline.gateway import HttpServer, create_gateway
 
-    store = await EventStore.connect(database_url)
+    store = await (UnwrittenStore if mode == "unwritten" else EventStore).connect(database_url)
     llm = await NatsLLMClient.connect(nats_url)
     options: dict[str, Any] = {}  # none for a --before checkout, which may not know them
     if mode == "shared":
@@ -776,6 +784,8 @@ async def measure(
                 gateways.append(("gateway-shared", None, "shared"))
             if args.before:
                 gateways.append(("gateway@before", without(args.before, args.before_without), "single"))
+            if args.unwritten and "gateway-lean" in args.paths:
+                gateways.append(("gateway-unwritten", None, "unwritten"))
             async with contextlib.AsyncExitStack() as servers:
                 lean: list[tuple[str, str, Processes]] = []  # measured in interleaved rounds
                 for label, tree, mode in gateways:
@@ -788,6 +798,9 @@ async def measure(
                         f"client openai {openai.__version__}"
                     )
                     gateway_processes = {**processes, "gateway": gateway_pid}
+                    if mode == "unwritten":  # the ablation: in the lean rounds only
+                        lean.append((lean_label(label), url, gateway_processes))
+                        continue
                     results += await measure_gateway(label, url, args, gateway_processes)
                     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
                     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as admin:
@@ -1023,11 +1036,15 @@ def print_summary(results: Sequence[Result], long_results: Sequence[LongResult])
                         cpu / base, None)  # fmt: skip
     for level in (1, 16):
         floor = by_key.get(("floor", level))
-        for path in ("gateway", "gateway-lean") if floor is not None else ():
+        for path in ("gateway", "gateway-lean", "gateway-lean-unwritten") if floor is not None else ():
             gateway = by_key.get((path, level))
             if gateway is None or "gateway" not in gateway.cpu_us or "gateway" not in floor.cpu_us:
                 continue
-            client = "OpenAI SDK" if path == "gateway" else "lean client"
+            client = {
+                "gateway": "OpenAI SDK",
+                "gateway-lean": "lean client",
+                "gateway-lean-unwritten": "lean client, appends that cost nothing",
+            }[path]
             cpu, base = gateway.cpu_us["gateway"], floor.cpu_us["gateway"]
             limit = FLOOR_TARGETS[level]
             summary("gateway", f"CPU us/turn x{level} ({client}) / the floor's", f"gateway {cpu:,.0f}",
@@ -1085,6 +1102,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="packages the --before checkout's install lacks (e.g. httptools): made unimportable for it",
     )
     add("--profile", default=None, help="cProfile each gateway process to PREFIX.<pid> (python -m pstats)")
+    add(
+        "--unwritten",
+        action="store_true",
+        help="also a gateway on a store whose appends cost nothing (gateway-lean-unwritten: an ablation)",
+    )
     add("--serve", nargs="+", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if (
