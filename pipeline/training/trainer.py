@@ -14,10 +14,10 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Final, TextIO
+from typing import Any, Final, TextIO
 
 from nats.aio.client import Client as NatsConnection
 
@@ -59,6 +59,12 @@ class StepRecord:
 
 StepHook = Callable[[StepRecord], None]
 _CHECKPOINT: Final = re.compile(r"v(\d{6,})")
+PUBLISH_ON_STOP_S: Final = 5.0
+"""How long a trainer told to stop while it publishes a version lets that publication finish first (its
+batches are recorded as trained into it already; left unfinished, only the trainer's next start would
+publish it, in ``resume``). Shorter than a supervisor's grace period (``docker compose stop``: 10 s), so
+that a PostgreSQL or NATS outage, or a checkpoint slow to write, ends the wait before the supervisor ends
+the process."""
 
 
 class JsonlStepLog:
@@ -159,8 +165,31 @@ async def train(
                     step = stats.trained + len(pending)
                     _tell(plan.on_step, _record(step, delivered, stats, loss, learner.diagnostics))
             if len(pending) >= plan.version_every:
-                await _publish(plan, store, connection, batches, learner, stats, pending, losses)
+                publishing = _publish(plan, store, connection, batches, learner, stats, pending, losses)
+                await _finished_before_stopping(publishing, f"version {stats.version + 1}")
                 pending, losses = [], []
+
+
+async def _finished_before_stopping(work: Coroutine[Any, Any, None], what: str) -> None:
+    """Await ``work``. If the trainer is stopped meanwhile (this task cancelled), ``work`` goes on for up to
+    ``PUBLISH_ON_STOP_S`` before the cancellation does: a stop between recording a version's batches and
+    publishing the version publishes it, and inference consumers load it now, not at the trainer's next
+    start. A second cancellation, or the time running out, cancels ``work`` as well."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if task.done():
+            raise
+        log.info("stopping: finishing %s first (at most %g s)", what, PUBLISH_ON_STOP_S)
+        try:
+            await asyncio.wait_for(task, PUBLISH_ON_STOP_S)
+        except TimeoutError:
+            log.warning("stopping: %s did not finish within %g s; the next start publishes it", what,
+                        PUBLISH_ON_STOP_S)  # fmt: skip
+        except Exception:
+            log.exception("stopping: %s failed; the next start publishes it", what)
+        raise
 
 
 async def _skipped(

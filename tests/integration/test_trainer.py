@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -190,6 +191,44 @@ async def test_trainer_trains_every_batch_publishes_versions_and_inference_loads
     assert run.data.params["micro_batch_tokens"] == "64"
     logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
     assert logged == pytest.approx({step["step"]: step["loss"] for step in steps})
+
+
+async def test_a_trainer_stopped_while_it_publishes_a_version_publishes_it_before_it_stops(
+    servers: Servers,
+    store: EventStore,
+    database_url: str,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The append lock held elsewhere keeps the trainer's first version from being recorded after its batch
+    is recorded as trained into it; the trainer is told to stop then. It finishes that publication before it
+    stops (its figures say version 1, the policy log has it), rather than leaving it to its next start."""
+    caplog.set_level(logging.INFO, logger="pipeline.training")
+    policy, _ = await batches_on_the_stream(
+        servers, store, database_url, groups=2, batch_samples=4, relay_first=1
+    )
+    durable = f"t{uuid.uuid4().hex[:8]}"
+    config = TrainerConfig(
+        database_url=database_url, nats_url=servers.nats_url, policy=policy, model=tiny_model_dir,
+        checkpoints=tmp_path / "checkpoints", durable=durable, version_every=1, merge_waiting=1,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    async with store.transaction():  # the append lock, until the stop is under way
+        training = asyncio.create_task(serve_trainer(config, stop=stop))
+        query = "SELECT count(*) FROM trained_batches WHERE trainer = %s AND policy_version = 1"
+        await wait_until(lambda: rows(database_url, query, durable)[0][0] == 1, 120, "the batch recorded")
+        assert await published_version(store, policy) is None  # its publication waits for the lock
+        stop.set()
+        await wait_until(  # the stop under way: the trainer has ended, or it waits for the publication
+            lambda: training.done() or "stopping: finishing version 1 first" in caplog.text, 60, "the stop"
+        )
+    stats = await training
+    assert stats.version == 1
+    newest = await published_version(store, policy)
+    assert newest is not None
+    assert newest.version == 1
+    assert len(newest.batches_consumed) == 1
 
 
 async def test_a_trainer_behind_takes_the_waiting_batches_into_one_step_each_once(
