@@ -51,6 +51,27 @@ def query(url: str, statement: str) -> list[tuple[Any, ...]]:
         return connection.execute(statement).fetchall()  # type: ignore[arg-type]
 
 
+def not_done(url: str, logs: Path) -> str:
+    """For a failed check of the episodes' endings: each episode that did not end ``done``, with its events
+    (type, metadata) and its ending's error, then the tail of each service's log."""
+    streams = query(
+        url,
+        "SELECT stream, data->>'termination', data->>'error' FROM events "
+        "WHERE type = 'EpisodeFinished' AND data->>'termination' <> 'done'",
+    )
+    lines = []
+    for stream, termination, error in streams:
+        events = query(
+            url,
+            f"SELECT position, type, metadata::text, recorded_at::text FROM events WHERE stream = '{stream}' "
+            "ORDER BY version",
+        )
+        lines.append(f"{stream} ended {termination}: {error}; its events: {events}")
+    for log in sorted(logs.glob("*.log")):
+        lines.append(f"--- {log.name} (last 30 lines)\n" + "\n".join(log.read_text().splitlines()[-30:]))
+    return "\n".join(lines)
+
+
 def wait_for(what: str, condition: Callable[[], bool], within: float) -> None:
     deadline = time.monotonic() + within
     while True:
@@ -403,7 +424,4 @@ def test_every_service_stays_up_through_postgresql_and_nats_restarts(
     endings = query(
         url, "SELECT data->>'termination', count(*) FROM events WHERE type = 'EpisodeFinished' GROUP BY 1"
     )
-    why = query(
-        url, "SELECT data->>'error' FROM events WHERE type = 'EpisodeFinished' AND data->>'error' IS NOT NULL"
-    )
-    assert dict(endings) == {"done": episodes + len(turns)}, why
+    assert dict(endings) == {"done": episodes + len(turns)}, not_done(url, server_dir / "logs")
