@@ -201,9 +201,10 @@ async def test_a_trainer_stopped_while_it_publishes_a_version_publishes_it_befor
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The append lock held elsewhere keeps the trainer's first version from being recorded after its batch
-    is recorded as trained into it; the trainer is told to stop then. It finishes that publication before it
-    stops (its figures say version 1, the policy log has it), rather than leaving it to its next start."""
+    """Another connection holds the append lock, so once the trainer has recorded its batch as trained into
+    version 1, the version itself waits to be recorded; the trainer is told to stop then. It finishes that
+    publication before it stops (its figures say version 1, the policy log has it), rather than leaving it to
+    its next start."""
     caplog.set_level(logging.INFO, logger="pipeline.training")
     policy, _ = await batches_on_the_stream(
         servers, store, database_url, groups=2, batch_samples=4, relay_first=1
