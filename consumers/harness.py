@@ -117,27 +117,25 @@ class HarnessQueue:
     async def run(self, stop: asyncio.Event) -> None:
         policy = self.harness.config.policy or ""
         subscription = await harness_tasks(self.connection, policy, ack_wait=self.ack_wait)
-        stopping = asyncio.ensure_future(stop.wait())
-        stopping.add_done_callback(self._working.wake)
         try:
-            while not stop.is_set():
-                if len(self._working) >= self.harness.config.concurrency:  # one group per slot at most
-                    await self._working.wait()  # until a group finishes (or the stop)
-                    continue
-                try:
-                    messages = await subscription.fetch(1, timeout=1.0)
-                except (NatsTimeoutError, TimeoutError):
-                    continue
-                except PASSING_FETCH_ERRORS as error:
-                    log.warning("harness task queue: %s; trying again", error or type(error).__name__)
-                    await asyncio.sleep(0.5)
-                    continue
-                for message in messages:
-                    self._working.start(self._work(message))
+            # at the stop, each running group's episodes end cancelled; unacked, its task comes back to
+            # another harness
+            async with self._working.until(stop):
+                while not stop.is_set():
+                    if len(self._working) >= self.harness.config.concurrency:  # one group per slot at most
+                        await self._working.wait()  # until a group finishes (or the stop)
+                        continue
+                    try:
+                        messages = await subscription.fetch(1, timeout=1.0)
+                    except (NatsTimeoutError, TimeoutError):
+                        continue
+                    except PASSING_FETCH_ERRORS as error:
+                        log.warning("harness task queue: %s; trying again", error or type(error).__name__)
+                        await asyncio.sleep(0.5)
+                        continue
+                    for message in messages:
+                        self._working.start(self._work(message))
         finally:
-            stopping.cancel()
-            # each running group's episodes end cancelled; unacked, its task comes back to another harness
-            await self._working.cancel()
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
 

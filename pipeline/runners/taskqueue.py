@@ -196,20 +196,25 @@ class Working:
         self._tasks.discard(task)
         self._freed.set()
 
-    def wake(self, _: object = None) -> None:
-        """End a ``wait`` now (the worker was told to stop); a done callback of the stop's future."""
-        self._freed.set()
-
     async def wait(self) -> None:
-        """Until a task finishes, or ``wake``."""
+        """Until a task finishes, or the stop of ``until``."""
         self._freed.clear()
         await self._freed.wait()
 
-    async def cancel(self) -> None:
-        """Cancel every task still running and wait until each has ended."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    @contextlib.asynccontextmanager
+    async def until(self, stop: asyncio.Event) -> AsyncIterator[asyncio.Future[Any]]:
+        """The worker's loop: while the block runs, ``stop`` being set also ends a ``wait`` (the future that
+        says so is yielded, for the worker's other waits); after it, every task still running is cancelled
+        and waited for."""
+        stopping = asyncio.ensure_future(stop.wait())
+        stopping.add_done_callback(lambda _: self._freed.set())
+        try:
+            yield stopping
+        finally:
+            stopping.cancel()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 class TaskWorker:
@@ -252,35 +257,32 @@ class TaskWorker:
     async def run(self, stop: asyncio.Event) -> None:
         subscription = await self.subscribe()
         capacity = self.runner.config.concurrency
-        stopping = asyncio.ensure_future(stop.wait())
-        stopping.add_done_callback(self._working.wake)
         try:
-            while not stop.is_set():
-                room = capacity - self._episodes_in_flight
-                if room < self.runner.config.group_size and self._working:
-                    await self._working.wait()  # full: until a task finishes (or the stop)
-                    continue
-                if self.runner.pace is not None:  # the learner's backlog full: no new task yet
-                    pacing = asyncio.ensure_future(self.runner.pace())
-                    await asyncio.wait({pacing, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                    if not pacing.done():
-                        pacing.cancel()
+            async with self._working.until(stop) as stopping:
+                while not stop.is_set():
+                    room = capacity - self._episodes_in_flight
+                    if room < self.runner.config.group_size and self._working:
+                        await self._working.wait()  # full: until a task finishes (or the stop)
                         continue
-                try:
-                    messages = await subscription.fetch(
-                        max(1, room // self.runner.config.group_size), timeout=self.fetch_timeout
-                    )
-                except (NatsTimeoutError, TimeoutError):
-                    continue
-                except PASSING_FETCH_ERRORS as error:
-                    log.warning("task queue: %s; trying again", error or type(error).__name__)
-                    await asyncio.sleep(0.5)
-                    continue
-                for message in messages:
-                    self._working.start(self._work(message))
+                    if self.runner.pace is not None:  # the learner's backlog full: no new task yet
+                        pacing = asyncio.ensure_future(self.runner.pace())
+                        await asyncio.wait({pacing, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                        if not pacing.done():
+                            pacing.cancel()
+                            continue
+                    try:
+                        messages = await subscription.fetch(
+                            max(1, room // self.runner.config.group_size), timeout=self.fetch_timeout
+                        )
+                    except (NatsTimeoutError, TimeoutError):
+                        continue
+                    except PASSING_FETCH_ERRORS as error:
+                        log.warning("task queue: %s; trying again", error or type(error).__name__)
+                        await asyncio.sleep(0.5)
+                        continue
+                    for message in messages:
+                        self._working.start(self._work(message))
         finally:
-            stopping.cancel()
-            await self._working.cancel()
             with contextlib.suppress(Exception):  # else draining the connection waits on its pull requests
                 await subscription.unsubscribe()
 
